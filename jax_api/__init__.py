@@ -1,0 +1,35 @@
+"""JAX frontend of cp_linear: jax.shard_map collectives, custom_vjp and Flax NNX modules.
+
+Public functions take *global* arrays sharded along T over a mesh axis; ``*_shard`` variants run
+inside a caller's own ``shard_map``. Names resolve lazily.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "JaxGDPBackend": "jax_api.gdp.chunk",
+    "gated_delta_product": "jax_api.gdp.ops",
+    "gdp_chunkwise_context_parallel": "jax_api.gdp.cp",
+    "gdp_chunkwise_context_parallel_shard": "jax_api.gdp.cp",
+    "blockdiag_attention": "jax_api.attention.blockdiag",
+    "blockdiag_attention_shard": "jax_api.attention.blockdiag",
+    "GatedDeltaProduct": "jax_api.layers",
+    "BlockDiagAttention": "jax_api.layers",
+    "load_torch_state_dict": "jax_api.layers",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'jax_api' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__
