@@ -61,7 +61,7 @@ def _worker(rank, world_size, port, tasks, results):
             results.put((rank, True, fn(rank, world_size, *args, **kwargs)))
         except BaseException as err:  # report every failure, keep serving
             results.put((rank, False, RankError(rank, type(err).__name__, str(err), traceback.format_exc())))
-    dist.destroy_process_group()
+    # No destroy_process_group: it waits for every peer, and process exit releases the sockets anyway.
 
 
 class GlooPool:
@@ -118,7 +118,9 @@ class GlooPool:
                 proc.kill()
             else:
                 tasks.put(None)
+        deadline = time.monotonic() + 5
         for proc in self._procs:
-            proc.join(timeout=10)
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()
+                proc.join(timeout=5)
