@@ -1,0 +1,206 @@
+"""Block-diagonal causal softmax attention under context parallelism, on a JAX mesh.
+
+``blockdiag_attention`` takes *global* q/k/v sharded along T over ``mesh[axis_name]`` and runs
+``blockdiag_attention_shard`` inside ``jax.shard_map``; the shard function exchanges K/V with the
+plan's collective (exchange.py) and runs an exact masked softmax on the received rows.
+
+Plans are host ints built from concrete, replicated ``doc_ids`` at trace time, so every host
+computes the same plan and raises the same ValueError before any collective runs. To keep one
+compiled program across packings, build the plan outside ``jax.jit`` with
+``plan_blockdiag_exchange`` and pass it (a pytree) in place of ``doc_ids``: only a change of its
+shape class (resolved mode, rounded exchange sizes, T, cp size) recompiles.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_api.attention.exchange import (
+    ATTENTION_MODES,
+    BlockDiagExchangePlan,
+    exchange_kv,
+    plan_blockdiag_exchange,
+    received_tokens_per_rank,
+)
+
+__all__ = [
+    "BlockDiagExchangePlan",
+    "blockdiag_attention",
+    "blockdiag_attention_shard",
+    "plan_blockdiag_exchange",
+    "received_tokens_per_rank",
+]
+
+_MASKED_LOGIT = -1e30  # finite, so fully masked (padding) rows never produce inf - inf
+
+
+def _check_qkv(q, k, v, *, where: str) -> None:
+    """Shapes q [B, T, Hq, D], k/v [B, T, Hkv, D] with Hq % Hkv == 0; one floating dtype."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if getattr(x, "ndim", None) != 4:
+            raise ValueError(f"{name} must be 4-D [B, T, H, D] ({where}); received shape {getattr(x, 'shape', x)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape ({where}); received {k.shape} and {v.shape}")
+    batch, tokens, q_heads, head_dim = q.shape
+    if (k.shape[0], k.shape[1], k.shape[3]) != (batch, tokens, head_dim):
+        raise ValueError(
+            f"k/v must be [B, T, Hkv, D] = [{batch}, {tokens}, Hkv, {head_dim}] to match q ({where}); "
+            f"received {k.shape}"
+        )
+    if q_heads % k.shape[2]:
+        raise ValueError(f"q heads ({q_heads}) must be a multiple of k/v heads ({k.shape[2]})")
+    dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
+    if len(dtypes) != 1 or not jnp.issubdtype(next(iter(dtypes)), jnp.floating):
+        raise ValueError(
+            f"q, k, v must share one floating dtype; received {jnp.dtype(q.dtype)}, {jnp.dtype(k.dtype)}, "
+            f"{jnp.dtype(v.dtype)}"
+        )
+
+
+def _check_plan_mode(plan: BlockDiagExchangePlan, mode: str) -> None:
+    """``mode`` must be "auto" (use the plan's) or the mode the plan was built for."""
+    if mode not in ATTENTION_MODES:
+        raise ValueError(f"mode must be one of {ATTENTION_MODES}; received {mode!r}")
+    if mode != "auto" and mode != plan.mode:
+        raise ValueError(
+            f"mode={mode!r} was requested but the plan was built for mode={plan.mode!r}; build it with "
+            f"plan_blockdiag_exchange(doc_ids, cp_size, mode={mode!r}) (which checks that the mode is possible)"
+        )
+
+
+def masked_attention(q, keys, values, key_positions, doc_ids, *, query_start, scale: float):
+    """Exact doc-masked causal softmax of local queries over a key window, in float32.
+
+    q [B, L, Hq, D]; keys/values [N, B, Hkv, D]; key_positions int32 [N] (-1: empty row);
+    doc_ids int32 [T]; the queries sit at global positions ``query_start + [0, L)``.
+    Returns float32 [B, L, Hq, D]; padding queries and queries with no key give exact zeros.
+    """
+    batch, length, q_heads, head_dim = q.shape
+    kv_heads = keys.shape[2]
+    query_positions = query_start + jnp.arange(length, dtype=jnp.int32)
+    query_docs = jax.lax.dynamic_slice_in_dim(doc_ids, query_start, length)
+    key_docs = jnp.where(key_positions >= 0, doc_ids[jnp.clip(key_positions, 0, doc_ids.shape[0] - 1)], -1)
+    allowed = (
+        (query_docs[:, None] == key_docs[None, :])
+        & (key_positions[None, :] <= query_positions[:, None])
+        & (query_docs[:, None] > 0)
+    )  # [L, N]
+    grouped = q.astype(jnp.float32).reshape(batch, length, kv_heads, q_heads // kv_heads, head_dim)
+    highest = jax.lax.Precision.HIGHEST
+    logits = jnp.einsum("blhgd,nbhd->bhgln", grouped, keys.astype(jnp.float32), precision=highest) * scale
+    logits = jnp.where(allowed, logits, _MASKED_LOGIT)
+    row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))  # softmax is shift-invariant
+    weights = jnp.where(allowed, jnp.exp(logits - row_max), 0.0)
+    denom = jnp.sum(weights, axis=-1, keepdims=True)
+    weights = weights / jnp.where(denom > 0, denom, 1.0)
+    out = jnp.einsum("bhgln,nbhd->blhgd", weights, values.astype(jnp.float32), precision=highest)
+    return out.reshape(batch, length, q_heads, head_dim)
+
+
+def blockdiag_attention_shard(q, k, v, *, plan: BlockDiagExchangePlan, axis_name: str = "cp", mode: str = "auto",
+                              scale: float | None = None):
+    """Per-shard block-diagonal attention; call it *inside* your own ``jax.shard_map``.
+
+    q [B, L, Hq, D], k/v [B, L, Hkv, D]: this rank's shard (tokens ``[r*L, (r+1)*L)``);
+    ``plan`` from ``plan_blockdiag_exchange(doc_ids, cp_size, mode=...)``, passed into the
+    shard_map replicated (``PartitionSpec()``); ``axis_name`` the mesh axis the sequence is split
+    over; ``mode`` "auto" (the plan's) or the plan's own mode. Returns [B, L, Hq, D] in q's dtype:
+    each query attends causally within its own document; padding rows are exactly 0.
+    All checks run at trace time, identically on every rank, before any collective.
+    """
+    if not isinstance(plan, BlockDiagExchangePlan):
+        raise ValueError(f"plan must be a BlockDiagExchangePlan; received {type(plan).__name__}")
+    try:
+        cp_size = jax.lax.axis_size(axis_name)
+    except NameError as err:
+        raise ValueError(
+            f"axis name {axis_name!r} is not bound here: call blockdiag_attention_shard inside a jax.shard_map "
+            f"over a mesh with that axis (or use blockdiag_attention with a mesh)"
+        ) from err
+    _check_qkv(q, k, v, where="local shards")
+    if cp_size != plan.cp_size or q.shape[1] != plan.local_len:
+        raise ValueError(
+            f"the plan is for cp_size = {plan.cp_size}, L = {plan.local_len}; received axis {axis_name!r} of size "
+            f"{cp_size} and local shards of length {q.shape[1]}"
+        )
+    _check_plan_mode(plan, mode)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    rank = jax.lax.axis_index(axis_name)
+    kv = jnp.moveaxis(jnp.stack([k, v], axis=0), 2, 0)  # [L, 2, B, Hkv, D]: K and V travel together
+    rows, key_positions = exchange_kv(kv, plan, axis_name=axis_name)
+    doc_ids = jnp.asarray(plan.doc_ids, jnp.int32)
+    out = masked_attention(q, rows[:, 0], rows[:, 1], key_positions, doc_ids,
+                           query_start=rank * plan.local_len, scale=scale)
+    return out.astype(q.dtype)
+
+
+def _mesh_axis_size(mesh, axis_name: str) -> int:
+    names = tuple(getattr(mesh, "axis_names", ()))
+    if axis_name not in names:
+        raise ValueError(f"axis name {axis_name!r} is not an axis of the mesh; mesh axes are {names}")
+    return int(mesh.shape[axis_name])
+
+
+def _mesh_platform(mesh) -> str:
+    return mesh.devices.flat[0].platform
+
+
+def _is_explicit_axis(mesh, axis_name: str) -> bool:
+    axis_types = getattr(mesh, "axis_types", None)
+    if not axis_types:
+        return False
+    return axis_types[tuple(mesh.axis_names).index(axis_name)] == AxisType.Explicit
+
+
+def blockdiag_attention(q, k, v, doc_ids, *, mesh, axis_name: str = "cp", mode: str = "auto",
+                        scale: float | None = None):
+    """Block-diagonal causal softmax attention of global arrays sharded along T over ``mesh[axis_name]``.
+
+    q [B, T, Hq, D], k/v [B, T, Hkv, D] (GQA: Hq a multiple of Hkv), T divisible by the axis size;
+    ``doc_ids`` int [T] replicated and concrete (0 = padding, anywhere; each document one
+    contiguous run) or a ``BlockDiagExchangePlan`` built from them (the way to call this under
+    ``jax.jit`` without recompiling per packing). ``mode``: "auto" (halo when every straddle fits in
+    the left neighbour, else a2a), "allgather", "halo" (ValueError when impossible) or "a2a".
+    ``scale`` defaults to D**-0.5. Returns [B, T, Hq, D] in q's dtype, sharded like the inputs
+    (``P(None, axis_name)``); padding rows are exactly 0. Differentiable (``jax.grad``).
+    """
+    cp_size = _mesh_axis_size(mesh, axis_name)
+    _check_qkv(q, k, v, where="global arrays")
+    tokens = q.shape[1]
+    if tokens % cp_size:
+        raise ValueError(f"T = {tokens} must be divisible by the size {cp_size} of mesh axis {axis_name!r}")
+    if isinstance(doc_ids, BlockDiagExchangePlan):
+        plan = doc_ids
+    else:
+        if getattr(doc_ids, "shape", None) is not None and tuple(doc_ids.shape)[-1:] != (tokens,):
+            raise ValueError(f"doc_ids must have shape [T] = [{tokens}]; received shape {tuple(doc_ids.shape)}")
+        plan = plan_blockdiag_exchange(doc_ids, cp_size, mode=mode, platform=_mesh_platform(mesh))
+    if plan.cp_size != cp_size or plan.total_len != tokens:
+        raise ValueError(
+            f"the plan is for cp_size = {plan.cp_size}, T = {plan.total_len}; received mesh axis {axis_name!r} "
+            f"of size {cp_size} and T = {tokens}"
+        )
+    _check_plan_mode(plan, mode)
+    scale = None if scale is None else float(scale)  # a static (hashable) jit argument
+    return _sharded_attention(q, k, v, plan, mesh=mesh, axis_name=axis_name, mode=mode, scale=scale)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "axis_name", "mode", "scale"))
+def _sharded_attention(q, k, v, plan, *, mesh, axis_name, mode, scale):
+    # Jitted once per (mesh, shapes, plan shape class): eager calls reuse the compiled program too.
+    spec = P(None, axis_name)
+    if _is_explicit_axis(mesh, axis_name):
+        # Explicit mesh axes carry shardings in the types; shard_map then wants them to match.
+        q, k, v = (jax.reshard(x, NamedSharding(mesh, spec)) for x in (q, k, v))
+
+    def per_shard(q_shard, k_shard, v_shard, shard_plan):
+        return blockdiag_attention_shard(q_shard, k_shard, v_shard, plan=shard_plan, axis_name=axis_name,
+                                         mode=mode, scale=scale)
+
+    sharded = jax.shard_map(per_shard, mesh=mesh, in_specs=(spec, spec, spec, P()), out_specs=spec)
+    return sharded(q, k, v, plan)
