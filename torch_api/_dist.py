@@ -14,6 +14,9 @@ import torch.distributed as dist
 
 SIGNATURE_LEN = 24  # ints per rank in the agreement header; enough for every caller's shapes
 
+# torch >= 2.10 renamed all_gather_into_tensor to all_gather_single (the old name warns); same collective.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def resolve_group(cp_group) -> dist.ProcessGroup:
     """Accept a ProcessGroup or a 1-D DeviceMesh; return the ProcessGroup."""
@@ -59,7 +62,7 @@ def agree_or_raise(group: dist.ProcessGroup, error: str | None, signature: Seque
     local = torch.tensor(header, dtype=torch.int64, device=device)
     world = dist.get_world_size(group)
     gathered = torch.empty(world * SIGNATURE_LEN, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(gathered, local, group=group)
+    all_gather_single(gathered, local, group=group)
     rows = gathered.view(world, SIGNATURE_LEN).tolist()
     failed = [rank for rank, row in enumerate(rows) if row[0]]
     if failed:

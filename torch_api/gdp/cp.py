@@ -1,0 +1,330 @@
+"""Chunkwise context parallelism for Gated DeltaProduct over torch.distributed.
+
+Glossary (DESIGN.md §2)
+  shard      the contiguous slice of the sequence one rank holds (L tokens)
+  summary    the affine map of a shard: forward ``[E | M]`` (S_out = M S_in + E), backward
+             ``[gamma | M^T]`` (dS_in = M^T dS_out + gamma); float32 [H, K, V + K] for a packed
+             batch, [B, H, K, V + K] when each batch row is one sequence
+  preceding  gathered forward summaries of ranks [preceding_rank_start, rank): folded ascending
+             into this rank's incoming state
+  following  gathered backward summaries of ranks [rank + 1, following_rank_stop): folded
+             descending into this rank's outgoing state-gradient
+
+One step, per direction::
+
+    rank r:  prepare (zero incoming state)  ->  all-gather summaries  ->  slice  ->  apply
+               summary_r --------------------> [s_0, s_1, ..., s_{cp-1}] -> [s_start .. s_{r-1}]
+
+Bad input is caught before the first collective: each rank validates locally (and runs its
+``prepare``), then one small all-gather (``agree_or_raise``) makes every rank raise the same
+ValueError if any rank failed or the ranks disagree on shapes, dtypes or flags.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from cp_linear.plan import PackedSequenceCPMetadata
+from cp_linear.protocol import CPForwardResult, CPSavedContext
+from cp_linear.summary import (
+    CPBackwardPackedSummary,
+    CPBackwardUnpackedSummary,
+    CPForwardPackedSummary,
+    CPForwardUnpackedSummary,
+    validate_packed_summary,
+)
+from torch_api._dist import agree_or_raise, all_gather_single, group_rank_and_size, resolve_group
+from torch_api.gdp.types import GDPInputGradients, GDPInputs
+from torch_api.gdp.validation import dtype_code, float_bits, gdp_input_error, nonfinite_error
+
+
+_PACKED_FORMS = (CPForwardPackedSummary, CPBackwardPackedSummary)
+_UNPACKED_FORMS = (CPForwardUnpackedSummary, CPBackwardUnpackedSummary)
+
+
+# --------------------------------------------------------------------------- summaries on the wire
+
+
+def _summary_tensors(summary) -> tuple[torch.Tensor, ...]:
+    """The tensors a summary travels as: one (packed or bare tensor) or two (unpacked)."""
+    if isinstance(summary, torch.Tensor):
+        return (summary,)
+    if isinstance(summary, _PACKED_FORMS + _UNPACKED_FORMS):
+        return tuple(getattr(summary, f.name) for f in fields(summary))
+    raise TypeError(f"a backend returned a summary of type {type(summary).__name__}; expected a torch.Tensor "
+                    "or a cp_linear.summary packed / unpacked summary")
+
+
+def _summary_error(summary, what: str, *, lead: tuple[int, ...] | None = None, value_dim: int | None = None
+                   ) -> str | None:
+    """Float32, contiguous, [..., H, K, V + K] (packed) or matching transition / update parts (unpacked);
+    ``lead`` = the expected [..., H, K] and ``value_dim`` = V when known."""
+    try:
+        tensors = _summary_tensors(summary)
+    except TypeError as err:
+        return str(err)
+    for tensor in tensors:
+        if not isinstance(tensor, torch.Tensor):
+            return f"{what}: expected torch tensors; received {type(tensor).__name__}"
+    if len(tensors) == 1:
+        try:
+            key_dim = None if lead is None else lead[-1]
+            validate_packed_summary(tensors[0], name=what, key_dim=key_dim, value_dim=value_dim)
+        except ValueError as err:
+            return str(err)
+    else:
+        for tensor in tensors:
+            if tensor.dtype != torch.float32:
+                return f"{what} must be float32; received {tensor.dtype}"
+            if not tensor.is_contiguous():
+                return f"{what} must be contiguous"
+            if tensor.dim() < 3:
+                return f"{what} must have shape [..., H, K, ...]; received {tuple(tensor.shape)}"
+        transition, other = tensors
+        if (transition.shape[-1] != transition.shape[-2] or transition.shape[:-1] != other.shape[:-1]
+                or (value_dim is not None and other.shape[-1] != value_dim)):
+            return (f"{what}: transition must be [..., H, K, K] beside [..., H, K, V = {value_dim}]; received "
+                    f"{tuple(transition.shape)} and {tuple(other.shape)}")
+    if lead is not None and tuple(tensors[0].shape[:-1]) != lead:
+        return f"{what}: expected shape {lead} + [last dim]; received {tuple(tensors[0].shape)}"
+    return None
+
+
+def _summary_signature(summary) -> list[int]:
+    tensors = _summary_tensors(summary)
+    return [len(tensors), tensors[0].dim(), *tensors[0].shape, tensors[-1].shape[-1]]
+
+
+def _all_gather_summary(summary, group: dist.ProcessGroup):
+    """Stack every rank's summary along a new leading axis: one all-gather, or a coalesced pair."""
+    tensors = _summary_tensors(summary)
+    world = dist.get_world_size(group)
+    # flat buffers: gloo accepts only the concatenated (not the stacked) output form
+    flat = [t.new_empty(world * t.numel()) for t in tensors]
+    if len(tensors) == 1:
+        all_gather_single(flat[0], tensors[0].view(-1), group=group)
+    else:  # unpacked: two all-gathers in one coalesced launch, no packing copy
+        with dist._coalescing_manager(group, async_ops=True) as coalesced:
+            for out, tensor in zip(flat, tensors):
+                all_gather_single(out, tensor.view(-1), group=group)
+        coalesced.wait()
+    gathered = [out.view(world, *t.shape) for out, t in zip(flat, tensors)]
+    if isinstance(summary, torch.Tensor):
+        return gathered[0]
+    return replace(summary, **{f.name: out for f, out in zip(fields(summary), gathered)})
+
+
+def _slice_summary(gathered, ranks: slice):
+    if isinstance(gathered, torch.Tensor):
+        return gathered[ranks]
+    return replace(gathered, **{f.name: getattr(gathered, f.name)[ranks] for f in fields(gathered)})
+
+
+def _rank_slice(ranks, world: int, name: str) -> slice:
+    if isinstance(ranks, tuple) and len(ranks) == 2:
+        ranks = slice(*ranks)
+    if not isinstance(ranks, slice) or ranks.step not in (None, 1):
+        raise ValueError(f"{name} must be a slice (or (start, stop)) of ranks; received {ranks!r}")
+    start, stop = ranks.start or 0, world if ranks.stop is None else ranks.stop
+    if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start <= stop <= world):
+        raise ValueError(f"{name} must lie within [0, {world}]; received {ranks!r}")
+    return slice(start, stop)
+
+
+def _agree(group, error: str | None, signature: list[int], *, check_inputs: bool, what: str,
+           cause: BaseException | None) -> None:
+    """One agreement collective when checking; without it a local error raises on this rank only."""
+    if check_inputs:
+        try:
+            agree_or_raise(group, error, signature, what=what)
+        except ValueError as err:
+            raise err from cause
+    elif error:
+        raise ValueError(f"{what} rejected: {error}") from cause
+
+
+# --------------------------------------------------------------------------- the two directions
+
+
+def _input_signature(inputs: GDPInputs) -> list[int]:
+    return [*inputs.q.shape, inputs.v.shape[-1], inputs.num_householder, dtype_code(inputs.q.dtype),
+            dtype_code(inputs.g.dtype), dtype_code(inputs.beta.dtype), int(bool(inputs.use_qk_l2norm_in_kernel)),
+            float_bits(inputs.scale), int(inputs.cu_seqlens is not None)]
+
+
+def _forward(backend, inputs: GDPInputs, group, preceding_slice: slice, *, check_inputs: bool,
+             error: str | None, signature: list[int]) -> CPForwardResult:
+    cause = summary = local = None
+    if error is None and check_inputs:
+        error = nonfinite_error({"q": inputs.q, "k": inputs.k, "v": inputs.v, "g": inputs.g, "beta": inputs.beta})
+    if error is None:
+        try:
+            summary, local = backend.cp_forward_prepare(inputs)
+        except Exception as err:  # reported on every rank instead of leaving the others in the all-gather
+            error, cause = f"{type(backend).__name__}.cp_forward_prepare raised {type(err).__name__}: {err}", err
+    if error is None:
+        batch, _, heads, key_dim = inputs.q.shape
+        lead = (heads, key_dim) if inputs.cu_seqlens is not None else (batch, heads, key_dim)
+        error = _summary_error(summary, f"{type(backend).__name__} forward summary", lead=lead,
+                               value_dim=inputs.v.shape[-1])
+    if error is None:
+        signature = signature + _summary_signature(summary)
+    _agree(group, error, signature, check_inputs=check_inputs, what="GDP context-parallel forward", cause=cause)
+    preceding = _slice_summary(_all_gather_summary(summary, group), preceding_slice)
+    return backend.cp_forward_apply(local, preceding)
+
+
+def chunkwise_cp_forward(backend, inputs: GDPInputs, cp_group, preceding_slice, *,
+                         check_inputs: bool = True) -> CPForwardResult:
+    """Forward of one rank: ``backend.cp_forward_prepare`` -> all-gather -> slice -> ``cp_forward_apply``.
+
+    inputs: this rank's shard (``GDPInputs``, local ``cu_seqlens`` for a packed batch);
+    preceding_slice: ``slice(preceding_rank_start, rank)`` (``slice(0, rank)`` for rows).
+    With ``check_inputs`` (the same on every rank) inputs are checked for NaN/Inf and one small
+    agreement collective runs before the all-gather. Returns ``CPForwardResult(output, saved_context)``.
+    """
+    group = resolve_group(cp_group)
+    preceding_slice = _rank_slice(preceding_slice, dist.get_world_size(group), "preceding_slice")
+    error = gdp_input_error(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta,
+                            num_householder=inputs.num_householder, scale=inputs.scale, cu_seqlens=inputs.cu_seqlens)
+    signature = _input_signature(inputs) if error is None else []
+    return _forward(backend, inputs, group, preceding_slice, check_inputs=check_inputs, error=error,
+                    signature=signature)
+
+
+def chunkwise_cp_backward(backend, output_grad: torch.Tensor, saved_context: CPSavedContext, cp_group,
+                          following_slice, *, check_inputs: bool = True) -> GDPInputGradients:
+    """Backward of one rank: ``cp_backward_prepare`` -> all-gather -> slice -> ``cp_backward_apply``.
+
+    output_grad [B, T, H, V]; following_slice: ``slice(rank + 1, following_rank_stop)``
+    (``slice(rank + 1, cp_size)`` for rows). Returns the five input gradients.
+    """
+    group = resolve_group(cp_group)
+    following_slice = _rank_slice(following_slice, dist.get_world_size(group), "following_slice")
+    error = cause = summary = local = None
+    if not isinstance(output_grad, torch.Tensor):
+        error = f"output_grad must be a torch.Tensor; received {type(output_grad).__name__}"
+    elif check_inputs:
+        error = nonfinite_error({"output_grad": output_grad})
+    if error is None:
+        try:
+            summary, local = backend.cp_backward_prepare(output_grad, saved_context)
+        except Exception as err:
+            error, cause = f"{type(backend).__name__}.cp_backward_prepare raised {type(err).__name__}: {err}", err
+    if error is None:
+        error = _summary_error(summary, f"{type(backend).__name__} backward summary",
+                               value_dim=output_grad.shape[-1])
+    signature = [] if error else [*output_grad.shape, dtype_code(output_grad.dtype), *_summary_signature(summary)]
+    _agree(group, error, signature, check_inputs=check_inputs, what="GDP context-parallel backward", cause=cause)
+    following = _slice_summary(_all_gather_summary(summary, group), following_slice)
+    return backend.cp_backward_apply(local, following)
+
+
+# --------------------------------------------------------------------------- autograd and the public op
+
+
+@dataclass(frozen=True)
+class _CPCall:
+    backend: object
+    group: dist.ProcessGroup
+    preceding: slice
+    following: slice
+    scale: float
+    num_householder: int
+    use_qk_l2norm_in_kernel: bool
+    cu_seqlens: torch.Tensor | None
+    check_inputs: bool
+    error: str | None
+    signature: tuple[int, ...]
+
+
+class _ContextParallelGDP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, call: _CPCall, q, k, v, g, beta):
+        inputs = GDPInputs(q, k, v, g, beta, call.scale, call.num_householder, call.use_qk_l2norm_in_kernel,
+                           call.cu_seqlens)
+        output, saved = _forward(call.backend, inputs, call.group, call.preceding, check_inputs=call.check_inputs,
+                                 error=call.error, signature=list(call.signature))
+        ctx.call = call
+        ctx.saved_metadata = saved.metadata
+        ctx.save_for_backward(*saved.tensors)
+        return output
+
+    @staticmethod
+    def backward(ctx, output_grad):
+        call = ctx.call
+        saved = CPSavedContext(tuple(ctx.saved_tensors), ctx.saved_metadata)
+        grads = chunkwise_cp_backward(call.backend, output_grad, saved, call.group, call.following,
+                                      check_inputs=call.check_inputs)
+        return None, grads.dq, grads.dk, grads.dv, grads.dg, grads.dbeta
+
+
+def _metadata_error(metadata, rank: int, world: int, q: torch.Tensor) -> str | None:
+    if not isinstance(metadata, PackedSequenceCPMetadata):
+        return f"metadata must be a PackedSequenceCPMetadata; received {type(metadata).__name__}"
+    if (metadata.cp_size, metadata.cp_rank) != (world, rank):
+        return (f"metadata was built for cp_rank {metadata.cp_rank} of cp_size {metadata.cp_size}; "
+                f"this is rank {rank} of {world}")
+    if q.shape[0] != 1:
+        return f"a packed batch (metadata given) needs B = 1; received B = {q.shape[0]}"
+    if metadata.local_len != q.shape[1]:
+        return f"metadata describes a local length of {metadata.local_len} tokens; q holds {q.shape[1]}"
+    cu = np.asarray(metadata.local_cu_seqlens)
+    if cu.ndim != 1 or cu.shape[0] < 2 or cu[0] != 0 or cu[-1] != q.shape[1] or np.any(np.diff(cu) <= 0):
+        return f"metadata.local_cu_seqlens must rise strictly from 0 to {q.shape[1]}; received {cu.tolist()}"
+    if not 0 <= metadata.preceding_rank_start <= rank < metadata.following_rank_stop <= world:
+        return (f"metadata rank range [{metadata.preceding_rank_start}, {metadata.following_rank_stop}) "
+                f"must contain rank {rank} within [0, {world})")
+    return None
+
+
+def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, cp_group, metadata: PackedSequenceCPMetadata | None = None,
+                                   scale=None, num_householder=1, use_qk_l2norm_in_kernel=False, backend=None,
+                                   check_inputs: bool = True):
+    """GDP over a sequence split contiguously across the ranks of ``cp_group``; differentiable.
+
+    Local shards in, local output out (DESIGN.md §2 layouts):
+      q [B, L, H, K], k [B, L*n_h, H, K], v [B, L*n_h, H, V], g [B, L, H], beta [B, L*n_h, H]
+      -> o [B, L, H, V] in q's dtype; gradients flow to q, k, v, g and beta.
+    Packed batch: B = 1 and ``metadata`` = ``build_packed_sequence_cp_metadata(global_seq_idx,
+    rank, cp_size)``. Without metadata every batch row is one sequence spanning all ranks in order.
+    cp_group: ProcessGroup or 1-D DeviceMesh (gloo or NCCL).
+
+    check_inputs (must be the same on every rank): NaN/Inf in the inputs (and in the output
+    gradient) is an error, and one small agreement collective per direction makes every rank
+    raise the same ValueError for any local failure (bad shapes, metadata for another rank or
+    cp_size, K > 256, a backend error, a non-float32 summary) or cross-rank disagreement. With
+    False, the same local checks run (no NaN/Inf check) and raise on the failing rank only; there
+    is no extra collective. Default backend: ``TorchGDPBackend()``.
+    """
+    from torch_api.gdp.chunk import TorchGDPBackend
+
+    group = resolve_group(cp_group)
+    rank, world = group_rank_and_size(group)
+    backend = TorchGDPBackend() if backend is None else backend
+    if scale is None and isinstance(q, torch.Tensor) and q.dim() == 4:
+        scale = q.shape[-1] ** -0.5
+    error = gdp_input_error(q, k, v, g, beta, num_householder=num_householder, scale=scale)
+    if error is None and metadata is not None:
+        error = _metadata_error(metadata, rank, world, q)
+    cu_seqlens = None
+    if metadata is not None and error is None:
+        cu_seqlens = torch.as_tensor(metadata.local_cu_seqlens, dtype=torch.int32).to(q.device, non_blocking=True)
+        preceding, following = slice(metadata.preceding_rank_start, rank), slice(rank + 1, metadata.following_rank_stop)
+    else:
+        preceding, following = slice(0, rank), slice(rank + 1, world)
+    signature = []
+    if error is None:
+        signature = [*q.shape, v.shape[-1], num_householder, dtype_code(q.dtype), dtype_code(g.dtype),
+                     dtype_code(beta.dtype), int(bool(use_qk_l2norm_in_kernel)), float_bits(scale),
+                     int(metadata is not None), world]
+    call = _CPCall(backend, group, preceding, following, float(scale) if error is None else 0.0, num_householder,
+                   bool(use_qk_l2norm_in_kernel), cu_seqlens, bool(check_inputs), error, tuple(signature))
+    if error is not None and not all(isinstance(x, torch.Tensor) for x in (q, k, v, g, beta)):
+        # autograd.Function needs tensors; agree (or raise locally) here instead
+        _agree(group, error, [], check_inputs=check_inputs, what="GDP context-parallel forward", cause=None)
+    return _ContextParallelGDP.apply(call, q, k, v, g, beta)

@@ -1,0 +1,79 @@
+"""One-device Gated DeltaProduct with autograd: ``gated_delta_product`` (no context parallelism).
+
+Returns ``(o, final_state)`` like ``cp_linear.reference.naive_gated_delta_product`` and like
+flash-linear-attention's ``chunk_gated_delta_product(..., output_final_state=True)``:
+o [B, T, H, V] in q's dtype, final_state float32 [N, H, K, V] (N = B, or the number of sequences
+in ``cu_seqlens``). Gradients flow to q, k, v, g, beta and ``initial_state``.
+
+A backend serves this op through two methods beyond the CP protocol (``TorchGDPBackend`` has them):
+    one_device_forward(inputs, initial_state) -> (o, final_state, CPSavedContext)
+    one_device_backward(output_grad | None, final_state_grad | None, saved) -> (GDPInputGradients, d_initial)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cp_linear.protocol import CPSavedContext
+from torch_api.gdp.types import GDPInputs
+from torch_api.gdp.validation import cu_seqlens_value_error, gdp_input_error
+
+
+class _GatedDeltaProduct(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, backend, options, q, k, v, g, beta, initial_state):
+        inputs = GDPInputs(q, k, v, g, beta, **options)
+        output, final_state, saved = backend.one_device_forward(inputs, initial_state)
+        ctx.backend = backend
+        ctx.saved_metadata = saved.metadata
+        ctx.initial_dtype = None if initial_state is None else initial_state.dtype
+        ctx.save_for_backward(*saved.tensors)
+        ctx.set_materialize_grads(False)
+        return output, final_state
+
+    @staticmethod
+    def backward(ctx, output_grad, final_state_grad):
+        if output_grad is None and final_state_grad is None:
+            return (None,) * 8
+        saved = CPSavedContext(tuple(ctx.saved_tensors), ctx.saved_metadata)
+        grads, initial_grad = ctx.backend.one_device_backward(output_grad, final_state_grad, saved)
+        initial_grad = None if ctx.initial_dtype is None else initial_grad.to(ctx.initial_dtype)
+        return None, None, grads.dq, grads.dk, grads.dv, grads.dg, grads.dbeta, initial_grad
+
+
+def gated_delta_product(q, k, v, g, beta, *, scale=None, num_householder=1, cu_seqlens=None,
+                        initial_state=None, use_qk_l2norm_in_kernel=False, backend=None):
+    """Gated DeltaProduct on one device (DESIGN.md §2), differentiable.
+
+    q [B, T, H, K], k [B, T*n_h, H, K], v [B, T*n_h, H, V], g [B, T, H] (log decay),
+    beta [B, T*n_h, H]; fp32 / bf16 / fp16. cu_seqlens int [N + 1] for a packed batch (B = 1),
+    read once on the host for validation; initial_state [N, H, K, V] (zeros when None).
+    Returns (o [B, T, H, V], final_state float32 [N, H, K, V]). K ≤ 256.
+    """
+    from torch_api.gdp.chunk import TorchGDPBackend
+
+    backend = TorchGDPBackend() if backend is None else backend
+    for method in ("one_device_forward", "one_device_backward"):
+        if not callable(getattr(backend, method, None)):
+            raise ValueError(f"backend {type(backend).__name__} has no {method}(); "
+                             "gated_delta_product needs a backend with the one-device methods (TorchGDPBackend)")
+    scale = q.shape[-1] ** -0.5 if scale is None and isinstance(q, torch.Tensor) else scale
+    error = gdp_input_error(q, k, v, g, beta, num_householder=num_householder, scale=scale, cu_seqlens=cu_seqlens)
+    if error is None and cu_seqlens is not None:
+        error = cu_seqlens_value_error(cu_seqlens, q.shape[1])
+    if error is None and initial_state is not None:
+        sequences = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        expected = (sequences, q.shape[2], q.shape[3], v.shape[3])
+        if not isinstance(initial_state, torch.Tensor) or tuple(initial_state.shape) != expected:
+            shape = tuple(getattr(initial_state, "shape", ()))
+            error = f"initial_state must be a tensor [N, H, K, V] = {expected}; received {shape}"
+        elif not initial_state.is_floating_point() or initial_state.device != q.device:
+            error = (f"initial_state must be floating point on {q.device}; "
+                     f"received {initial_state.dtype} on {initial_state.device}")
+    if error:
+        raise ValueError(error)
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.to(q.device)
+    options = dict(scale=float(scale), num_householder=num_householder,
+                   use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel), cu_seqlens=cu_seqlens)
+    return _GatedDeltaProduct.apply(backend, options, q, k, v, g, beta, initial_state)

@@ -1,0 +1,84 @@
+"""Input checks shared by the GDP entry points; each returns an error message (None when fine).
+
+Returning messages instead of raising lets the CP frontend fold a local failure into one
+cross-rank agreement (``torch_api._dist.agree_or_raise``) so that every rank raises together.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import torch
+
+from cp_linear.reference import check_gdp_shapes
+
+MAX_KEY_DIM = 256
+INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    return _DTYPE_CODES.get(dtype, 0)
+
+
+def float_bits(value: float) -> int:
+    """A float as an int64 bit pattern (for cross-rank agreement signatures)."""
+    return struct.unpack("<q", struct.pack("<d", float(value)))[0]
+
+
+def gdp_input_error(q, k, v, g, beta, *, num_householder, scale, cu_seqlens=None) -> str | None:
+    """Shapes, dtypes, devices and limits of one GDP call (DESIGN.md §2); no values are read."""
+    named = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
+    for name, x in named.items():
+        if not isinstance(x, torch.Tensor):
+            return f"{name} must be a torch.Tensor; received {type(x).__name__}"
+    try:
+        check_gdp_shapes(q.shape, k.shape, v.shape, g.shape, beta.shape, num_householder)
+    except ValueError as err:
+        return str(err)
+    batch, tokens, _, key_dim = q.shape
+    if tokens == 0 or batch == 0 or v.shape[-1] == 0 or key_dim == 0:
+        return f"empty inputs are not supported (q {tuple(q.shape)}, v {tuple(v.shape)})"
+    if key_dim > MAX_KEY_DIM:
+        return f"K = {key_dim} exceeds the supported maximum K = {MAX_KEY_DIM}"
+    for name, x in named.items():
+        if x.dtype not in INPUT_DTYPES:
+            return f"{name} must be float32, bfloat16 or float16; received {x.dtype}"
+    if not q.dtype == k.dtype == v.dtype:
+        return f"q, k and v must share one dtype; received {q.dtype}, {k.dtype}, {v.dtype}"
+    devices = {name: x.device for name, x in named.items()}
+    if len(set(devices.values())) != 1:
+        return f"inputs must live on one device; received {devices}"
+    if not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        return f"scale must be a finite float; received {scale!r}"
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, torch.Tensor):
+            return f"cu_seqlens must be a torch.Tensor; received {type(cu_seqlens).__name__}"
+        if batch != 1:
+            return f"cu_seqlens needs a packed batch (B = 1); received B = {batch}"
+        if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+            return f"cu_seqlens must be 1-D with at least 2 entries; received shape {tuple(cu_seqlens.shape)}"
+        if cu_seqlens.dtype not in (torch.int32, torch.int64):
+            return f"cu_seqlens must be int32 or int64; received {cu_seqlens.dtype}"
+    return None
+
+
+def cu_seqlens_value_error(cu_seqlens: torch.Tensor, tokens: int) -> str | None:
+    """Values of cu_seqlens: strictly increasing from 0 to T. Reads the (small) tensor on the host."""
+    values = cu_seqlens.tolist()
+    if values[0] != 0 or values[-1] != tokens or any(b <= a for a, b in zip(values, values[1:])):
+        return f"cu_seqlens must rise strictly from 0 to T = {tokens}; received {values}"
+    return None
+
+
+def nonfinite_error(named: dict[str, torch.Tensor | None]) -> str | None:
+    """NaN/Inf check: one fused isfinite().all() per tensor, one host read for all of them."""
+    present = {name: x for name, x in named.items() if x is not None}
+    if not present:
+        return None
+    flags = torch.stack([torch.isfinite(x).all() for x in present.values()]).tolist()
+    bad = [name for name, ok in zip(present, flags) if not ok]
+    if bad:
+        return f"non-finite values (NaN or Inf) in {', '.join(bad)}"
+    return None

@@ -1,0 +1,302 @@
+"""Vectorised chunk math of Gated DeltaProduct in WY/UT form, and the chunk-to-chunk recurrences.
+
+Vocabulary
+  step     one Householder update. Token t owns steps t*n_h .. t*n_h + n_h - 1; its gate g[t] sits
+           on the first step and q[t] is read on the last (DESIGN.md §2), so GDP over T tokens is a
+           gated delta rule over S = T*n_h steps.
+  chunk    C consecutive steps (64) of ONE sequence. Every sequence starts a new chunk; the tail of
+           its last chunk is padded with identity steps (q = k = v = 0, beta = 0, g = 0), which
+           leave the state unchanged and whose outputs are dropped.
+  chunk-major layout  [NC, B, H, C, D]: chunk index first, so the state recurrences read one
+           contiguous [B, H, ...] block per chunk.
+  state entering chunk c   S_c [B, H, K, V]; the chunk ends in ``transition_c @ S_c + update_c``
+           and reads ``o_c = state_read_c @ S_c + local_output_c`` ([C, V] per head).
+
+Packed batch (B = 1, several sequences): with cu_seqlens = [0, 3, 70] and n_h = 1, C = 64 the
+second sequence (67 steps) starts at chunk 1::
+
+    chunk 0: steps 0..2 of seq 0, then 61 padding steps      keep[0] = 0 (chunk 1 starts seq 1)
+    chunk 1: steps 0..63 of seq 1                            keep[1] = 1
+    chunk 2: steps 64..66 of seq 1, then padding
+The number of chunks is the static bound ceil(S / C) + N - 1 (extra chunks are all padding), so
+the layout is built on the device from cu_seqlens without a host read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+L2NORM_EPS = 1e-6
+
+
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + 1e-6) over the last axis (the same eps as cp_linear.reference)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
+
+
+def on_last_step(x: torch.Tensor, num_householder: int) -> torch.Tensor:
+    """[B, T, H, D] -> [B, T*n_h, H, D]: each token's row on its last step, zeros elsewhere (q, do)."""
+    n = num_householder
+    if n == 1:
+        return x
+    batch, tokens = x.shape[:2]
+    return F.pad(x.unsqueeze(2), (0, 0, 0, 0, n - 1, 0)).reshape(batch, tokens * n, *x.shape[2:])
+
+
+def on_first_step(g: torch.Tensor, num_householder: int) -> torch.Tensor:
+    """[B, T, H] -> [B, T*n_h, H]: each token's gate on its first step, zeros elsewhere."""
+    n = num_householder
+    if n == 1:
+        return g
+    batch, tokens, heads = g.shape
+    return F.pad(g.unsqueeze(2), (0, 0, 0, n - 1)).reshape(batch, tokens * n, heads)
+
+
+def last_steps(per_step: torch.Tensor, num_householder: int) -> torch.Tensor:
+    """[B, T*n_h, H, V] -> [B, T, H, V]: the value on each token's last step (where q is read)."""
+    batch, steps = per_step.shape[:2]
+    n = num_householder
+    return per_step.view(batch, steps // n, n, *per_step.shape[2:])[:, :, n - 1]
+
+
+# --------------------------------------------------------------------------- layout
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Where every step of a shard sits in the chunk-major layout, and where sequences begin.
+
+    Two modes:
+      rows    (``slot is None``): each of the B rows is one sequence; steps are padded at the end.
+      packed  (B = 1, N ≥ 2 sequences from cu_seqlens): each sequence starts a new chunk.
+    N, the number of sequences, is B in rows mode.
+
+    slot         int64 [S]   packed: index of each step in the padded axis (chunk * C + offset)
+    keep         float32 [NC]  packed: 0 where the next chunk starts a new sequence, else 1
+    first_chunk  int64 [N]   packed: first chunk of each sequence
+    last_chunk   int64 [N]   packed: last chunk of each sequence
+    """
+
+    batch: int
+    steps: int
+    num_chunks: int
+    chunk_size: int
+    num_sequences: int
+    slot: torch.Tensor | None = None
+    keep: torch.Tensor | None = None
+    first_chunk: torch.Tensor | None = None
+    last_chunk: torch.Tensor | None = None
+
+    @classmethod
+    def build(cls, batch: int, steps: int, num_householder: int, cu_seqlens: torch.Tensor | None,
+              chunk_size: int, device: torch.device) -> "ChunkLayout":
+        """cu_seqlens: token boundaries int [N + 1] of a packed batch (B = 1), or None for rows."""
+        rows_chunks = -(-steps // chunk_size)
+        if cu_seqlens is None or cu_seqlens.shape[0] == 2:  # one sequence per row
+            return cls(batch, steps, rows_chunks, chunk_size, num_sequences=batch)
+        count = cu_seqlens.shape[0] - 1
+        bounds = cu_seqlens.to(device=device, dtype=torch.int64) * num_householder  # step boundaries
+        lengths = bounds[1:] - bounds[:-1]
+        chunks = (lengths + chunk_size - 1) // chunk_size
+        last_chunk = torch.cumsum(chunks, 0) - 1
+        first_chunk = last_chunk + 1 - chunks
+        # ceil(a/C) + ceil(b/C) <= ceil((a+b)/C) + 1, so N sequences need at most this many chunks.
+        num_chunks = rows_chunks + count - 1
+        step = torch.arange(steps, device=device)
+        seq = torch.searchsorted(bounds[1:], step, right=True)
+        slot = first_chunk[seq] * chunk_size + (step - bounds[seq])
+        keep = torch.ones(num_chunks, dtype=torch.float32, device=device)
+        keep.index_fill_(0, first_chunk[1:] - 1, 0.0)
+        return cls(batch, steps, num_chunks, chunk_size, count, slot, keep, first_chunk, last_chunk)
+
+    @property
+    def packed(self) -> bool:
+        return self.slot is not None
+
+    def to_chunks(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, S, H, D] (or [B, S, H]) -> [NC, B, H, C, D] (or [NC, B, H, C]), zero padded."""
+        squeeze = x.dim() == 3
+        if squeeze:
+            x = x.unsqueeze(-1)
+        batch, _, heads, dim = x.shape
+        padded_len = self.num_chunks * self.chunk_size
+        if self.packed:
+            padded = x.new_zeros(batch, padded_len, heads, dim).index_copy(1, self.slot, x)
+        else:
+            padded = F.pad(x, (0, 0, 0, 0, 0, padded_len - self.steps))
+        chunked = padded.view(batch, self.num_chunks, self.chunk_size, heads, dim).permute(1, 0, 3, 2, 4)
+        chunked = chunked.contiguous()
+        return chunked.squeeze(-1) if squeeze else chunked
+
+    def from_chunks(self, y: torch.Tensor) -> torch.Tensor:
+        """[NC, B, H, C, D] -> [B, S, H, D] (drops the padding steps)."""
+        nc, batch, heads, chunk, dim = y.shape
+        padded = y.permute(1, 0, 3, 2, 4).reshape(batch, nc * chunk, heads, dim)
+        return padded.index_select(1, self.slot) if self.packed else padded[:, : self.steps]
+
+    # -- sequences: initial and final states ([N, H, K, V]) <-> recurrence coordinates ([B, H, K, V])
+
+    def initial_and_resets(self, initial_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[N, H, K, V] -> (state entering chunk 0 [B, H, K, V], reset states [NC, B, H, K, V] or None).
+
+        ``resets[c]`` is the initial state of the sequence that starts at chunk c + 1 (else 0)."""
+        if not self.packed:
+            return initial_state, None
+        resets = initial_state.new_zeros(self.num_chunks, *initial_state.shape[1:])
+        resets.index_copy_(0, self.first_chunk[1:] - 1, initial_state[1:])
+        return initial_state[:1], resets.unsqueeze(1)
+
+    def final_states(self, transition, update, states) -> torch.Tensor:
+        """State at the end of every sequence [N, H, K, V] from the recurrence's states [NC + 1, B, ...]."""
+        if not self.packed:
+            return states[-1]
+        last = self.last_chunk
+        ends = transition.index_select(0, last) @ states.index_select(0, last) + update.index_select(0, last)
+        return ends[:, 0]
+
+    def final_state_grads(self, final_state_grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """dL/d(final states) [N, H, K, V] -> (gradient after the last chunk [B, H, K, V],
+        extra gradients on each chunk's end state [NC, B, H, K, V] or None)."""
+        if not self.packed:
+            return final_state_grad, None
+        inject = final_state_grad.new_zeros(self.num_chunks, *final_state_grad.shape[1:])
+        inject.index_copy_(0, self.last_chunk, final_state_grad)
+        return torch.zeros_like(final_state_grad[:1]), inject.unsqueeze(1)
+
+    def initial_state_grads(self, state_grads: torch.Tensor) -> torch.Tensor:
+        """dL/d(state entering each chunk) [NC + 1, B, H, K, V] -> dL/d(initial states) [N, H, K, V]."""
+        if not self.packed:
+            return state_grads[0]
+        return state_grads.index_select(0, self.first_chunk)[:, 0]
+
+
+# --------------------------------------------------------------------------- per-chunk math
+
+
+@dataclass
+class ChunkTerms:
+    """Per-chunk affine maps of the incoming state, float32, chunk-major.
+
+    state_read    [NC, B, H, C, K]   output o_c = state_read_c @ S_c + local_output_c  (scale folded in)
+    local_output  [NC, B, H, C, V]
+    transition    [NC, B, H, K, K]   end state = transition_c @ S_c + update_c
+    update        [NC, B, H, K, V]
+    """
+
+    state_read: torch.Tensor
+    local_output: torch.Tensor
+    transition: torch.Tensor
+    update: torch.Tensor
+
+    def detached(self) -> "ChunkTerms":
+        return ChunkTerms(*(t.detach() for t in (self.state_read, self.local_output, self.transition, self.update)))
+
+
+def chunk_terms(q, k, v, g, beta, scale: float) -> ChunkTerms:
+    """WY/UT form of every chunk at once (differentiable).
+
+    q, k [NC, B, H, C, K]; v [NC, B, H, C, V]; g, beta [NC, B, H, C], all float32 per step.
+    With G the cumulative gate inside the chunk, decay[i, j] = exp(G_i - G_j) for i ≥ j, and the
+    unit lower triangular ``A = I + tril(beta_i k_i.k_j decay_ij, -1)``:
+      w = A^-1 diag(beta exp(G)) k   (how the incoming state enters the corrected values)
+      u = A^-1 diag(beta) v          (the corrected values from a zero state)
+    the chunk reads o = scale (exp(G) q S + (q k^T * decay) (u - w S)) and ends in
+    exp(G_C) S + k_end^T (u - w S), k_end[j] = exp(G_C - G_j) k_j (cp_linear.reference.wy_chunk).
+    """
+    chunk = q.shape[-2]
+    key_dim = k.shape[-1]
+    cum = g.cumsum(-1)  # [NC, B, H, C]
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    # mask before exp: exp(G_i - G_j) above the diagonal may overflow
+    decay = torch.where(causal, cum[..., :, None] - cum[..., None, :], float("-inf")).exp()
+    gate = cum.exp()
+    lower = ((k @ k.transpose(-1, -2)) * decay * beta[..., :, None]).tril(-1)
+    rhs = torch.cat([(beta * gate)[..., None] * k, beta[..., None] * v], dim=-1)
+    wu = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
+    w, u = wu[..., :key_dim], wu[..., key_dim:]
+    attn = (q @ k.transpose(-1, -2)) * decay * scale
+    state_read = (scale * gate)[..., None] * q - attn @ w
+    local_output = attn @ u
+    k_end = (cum[..., -1:] - cum).exp()[..., None] * k
+    eye = torch.eye(key_dim, dtype=q.dtype, device=q.device)
+    transition = gate[..., -1, None, None] * eye - k_end.transpose(-1, -2) @ w
+    update = k_end.transpose(-1, -2) @ u
+    return ChunkTerms(state_read, local_output, transition, update)
+
+
+# --------------------------------------------------------------------------- recurrences over chunks
+
+
+def _per_chunk(x: torch.Tensor) -> torch.Tensor:
+    """[NC, B, H, R, W] -> [NC, B*H, R, W] (a view)."""
+    return x.reshape(x.shape[0], -1, *x.shape[-2:])
+
+
+def forward_states(transition, update, initial, *, keep=None, resets=None) -> torch.Tensor:
+    """States entering every chunk plus the state after the last one: [NC + 1, B, H, K, V].
+
+    S_{c+1} = keep_c (transition_c S_c + update_c) + resets_c, S_0 = initial [B, H, K, V].
+    """
+    if keep is not None:
+        keep = keep.view(-1, 1, 1, 1, 1)
+        transition, update = transition * keep, update * keep
+    if resets is not None:
+        update = update + resets
+    num_chunks = transition.shape[0]
+    matrices, offsets = _per_chunk(transition), _per_chunk(update)
+    states = update.new_empty(num_chunks + 1, *offsets.shape[1:])
+    states[0] = initial.reshape(offsets.shape[1:])
+    for c in range(num_chunks):
+        torch.baddbmm(offsets[c], matrices[c], states[c], out=states[c + 1])
+    return states.view(num_chunks + 1, *update.shape[1:])
+
+
+def fold_summary(transition, update, *, keep=None) -> torch.Tensor:
+    """``[E | M]`` [B, H, K, V + K] of all chunks: the recurrence run on ``[S | I]`` from ``[0 | I]``.
+
+    E is the state after the last chunk from a zero incoming state (later sequences start from 0);
+    M = d(state after the last chunk) / d(incoming state), zero once a new sequence started.
+    """
+    if keep is not None:
+        keep = keep.view(-1, 1, 1, 1, 1)
+        transition, update = transition * keep, update * keep
+    matrices, offsets = _per_chunk(transition), _per_chunk(update)
+    value_dim = update.shape[-1]
+    blocks, key_dim = offsets.shape[1], offsets.shape[2]
+    eye = torch.eye(key_dim, dtype=update.dtype, device=update.device).expand(blocks, key_dim, key_dim)
+    acc = torch.cat([update.new_zeros(blocks, key_dim, value_dim), eye], dim=-1)
+    for c in range(transition.shape[0]):
+        acc = torch.bmm(matrices[c], acc)
+        acc[..., :value_dim] += offsets[c]
+    return acc.view(*update.shape[1:-1], value_dim + key_dim)
+
+
+def backward_state_grads(transition, read_grads, final_grad, *, keep=None, inject=None):
+    """Adjoint of ``forward_states``: returns (lam [NC + 1, B, H, K, V], mu [NC, B, H, K, V]).
+
+    lam_c = dL/dS_c (state entering chunk c), lam_NC = final_grad; mu_c = dL/d(end state of chunk c)
+    = keep_c lam_{c+1} + inject_c; lam_c = read_grads_c + transition_c^T mu_c, where
+    read_grads_c = state_read_c^T do_c is what chunk c's own outputs contribute.
+    """
+    num_chunks = transition.shape[0]
+    matrices_t = _per_chunk(transition).transpose(-1, -2)
+    local = _per_chunk(read_grads)
+    lams = read_grads.new_empty(num_chunks + 1, *local.shape[1:])
+    lams[num_chunks] = final_grad.reshape(local.shape[1:])
+    separate = keep is not None or inject is not None
+    mus = read_grads.new_empty(num_chunks, *local.shape[1:]) if separate else lams[1:]
+    injected = _per_chunk(inject) if inject is not None else None
+    for c in range(num_chunks - 1, -1, -1):
+        if separate:
+            if keep is not None:
+                torch.mul(lams[c + 1], keep[c], out=mus[c])
+            else:
+                mus[c].copy_(lams[c + 1])
+            if injected is not None:
+                mus[c] += injected[c]
+        torch.baddbmm(local[c], matrices_t[c], mus[c], out=lams[c])
+    shape = read_grads.shape[1:]
+    return lams.view(num_chunks + 1, *shape), mus.view(num_chunks, *shape)
