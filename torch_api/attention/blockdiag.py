@@ -1,0 +1,235 @@
+"""Block-diagonal (per-document causal) softmax attention under context parallelism.
+
+Each rank holds a contiguous shard of L tokens of a packed sequence of T = cp_size * L tokens;
+``doc_ids`` [T] is replicated (0 = padding). A query reads earlier keys of its own document only,
+so rank r needs the K/V range ``[s_first[r], real_end[r])`` of the plan (``cp_linear.build_blockdiag_plan``).
+Three exchanges bring those keys in (torch_api/attention/exchange.py):
+
+  "allgather"  every rank gathers all of K/V                  always possible, moves the most
+  "halo"       the last ``max(back)`` tokens of the left rank  only when every back[r] <= L
+  "a2a"        each rank receives exactly what it needs         always possible, moves the least
+  "auto"       "halo" when the plan allows it, else "a2a"
+
+Calling protocol (why it cannot hang): a ``BlockDiagRouting`` (plan, mode, host layout; device index
+tensors built once per device) is built locally by ``prepare_blockdiag`` and never communicates.
+The first ``blockdiag_attention`` call that uses it with a given shape signature runs one small
+all-gather (``torch_api._dist.agree_or_raise``) *before* any data collective: every rank learns
+whether any rank found a problem (bad doc ids, impossible forced halo, unavailable kernel, shapes,
+a rank that disagrees) and all raise the same ValueError. Later calls with the same signature (the
+other layers of the step) skip it: no per-layer host sync. Passing a torch ``doc_ids`` tensor instead
+of a routing looks the routing up in a small cache keyed by the tensor's identity and version.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from cp_linear.plan import BlockDiagPlan, build_blockdiag_plan, needed_kv_a2a_splits, validate_doc_ids
+from torch_api._dist import agree_or_raise, resolve_group
+from torch_api.attention.exchange import all_gather_kv, left_halo_kv, needed_kv_all_to_all, stack_kv, unstack_kv
+from torch_api.attention.kernel import KERNELS, DocCausalLayout, doc_causal_attention, resolve_kernel
+
+MODES = ("allgather", "halo", "a2a")
+MODE_CHOICES = ("auto", *MODES)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_CACHE_SIZE = 8
+
+
+@dataclass
+class BlockDiagRouting:
+    """One rank's routing for one ``doc_ids`` layout (typically one training step), reusable across layers.
+
+    plan            the replicated ``BlockDiagPlan`` (None when ``error`` is set)
+    mode            the exchange actually used: "allgather", "halo" or "a2a"
+    window_start    global position of row 0 of the exchange's output window
+    key_start/stop  global key range this rank attends to, ``[s_first[r], real_end[r])``
+    error           a local problem found while preparing; raised on every rank by the first call
+    """
+
+    group: dist.ProcessGroup
+    rank: int
+    cp_size: int
+    requested_mode: str
+    doc_fingerprint: tuple[int, int, int]
+    plan: BlockDiagPlan | None = None
+    mode: str | None = None
+    window_start: int = 0
+    key_start: int = 0
+    key_stop: int = 0
+    layout: DocCausalLayout | None = None
+    a2a_splits: tuple[list[int], list[int], np.ndarray] | None = None
+    error: str | None = None
+    _send_index: dict = field(default_factory=dict, repr=False)
+    _agreed: set = field(default_factory=set, repr=False)
+
+    def send_index(self, device: torch.device) -> torch.Tensor:
+        if device not in self._send_index:
+            self._send_index[device] = torch.from_numpy(self.a2a_splits[2]).to(device)
+        return self._send_index[device]
+
+    def signature(self) -> list[int]:
+        mode_id = MODES.index(self.mode) if self.mode in MODES else -1
+        return [mode_id, self.cp_size, *self.doc_fingerprint]
+
+
+def _fingerprint(ids: np.ndarray | None) -> tuple[int, int, int]:
+    if ids is None:
+        return (-1, -1, -1)
+    raw = np.ascontiguousarray(ids, dtype=np.int64).tobytes()
+    return (int(ids.shape[0]), zlib.crc32(raw), zlib.adler32(raw))
+
+
+def _halo_error(plan: BlockDiagPlan) -> str:
+    worst = int(np.argmax(plan.back))
+    return (f"mode='halo' needs every document straddle to fit in the left neighbour (back[r] <= L = "
+            f"{plan.local_len}), but rank {worst}'s first document starts {plan.back[worst]} tokens before "
+            f"its shard (back = {list(plan.back)}); use mode='a2a' or mode='auto'")
+
+
+def prepare_blockdiag(doc_ids, cp_group, mode: str = "auto") -> BlockDiagRouting:
+    """Build this rank's routing from the replicated ``doc_ids`` int [T]; local, no communication.
+
+    Problems (bad ids, a forced halo that cannot work, an unknown mode) are recorded, not raised:
+    the first ``blockdiag_attention`` call raises them on every rank at once.
+    """
+    group = resolve_group(cp_group)
+    rank, cp_size = dist.get_rank(group), dist.get_world_size(group)
+    ids = None
+    try:
+        if mode not in MODE_CHOICES:
+            raise ValueError(f"mode must be one of {MODE_CHOICES}; received {mode!r}")
+        ids = validate_doc_ids(doc_ids, cp_size)
+        plan = build_blockdiag_plan(ids, cp_size)
+    except ValueError as err:
+        return BlockDiagRouting(group, rank, cp_size, mode, _fingerprint(ids), error=str(err))
+    routing = BlockDiagRouting(group, rank, cp_size, mode, _fingerprint(ids), plan=plan)
+    if mode == "halo" and not plan.use_halo:
+        routing.error = _halo_error(plan)
+        return routing
+    routing.mode = ("halo" if plan.use_halo else "a2a") if mode == "auto" else mode
+    local_len = plan.local_len
+    routing.key_start, routing.key_stop = plan.s_first[rank], plan.real_end[rank]
+    routing.window_start = {"allgather": 0, "halo": rank * local_len - plan.halo_len,
+                            "a2a": routing.key_start}[routing.mode]
+    if routing.mode == "a2a":
+        routing.a2a_splits = needed_kv_a2a_splits(plan, rank)
+    routing.layout = DocCausalLayout.from_doc_ids(ids, rank * local_len, local_len,
+                                                  routing.key_start, routing.key_stop)
+    return routing
+
+
+# --------------------------------------------------------------------------- routing cache
+
+
+_ROUTINGS: OrderedDict = OrderedDict()
+
+
+def _cached_routing(doc_ids, cp_group, mode: str) -> BlockDiagRouting:
+    """Reuse the routing of the same live ``doc_ids`` tensor (same version) within a step."""
+    if not isinstance(doc_ids, torch.Tensor):
+        return prepare_blockdiag(doc_ids, cp_group, mode)
+    group = resolve_group(cp_group)
+    key = (id(doc_ids), doc_ids._version, id(group), mode)
+    hit = _ROUTINGS.get(key)
+    if hit is not None and hit[0]() is doc_ids:
+        _ROUTINGS.move_to_end(key)
+        return hit[1]
+    routing = prepare_blockdiag(doc_ids, group, mode)
+    _ROUTINGS[key] = (weakref.ref(doc_ids), routing)
+    while len(_ROUTINGS) > _CACHE_SIZE:
+        _ROUTINGS.popitem(last=False)
+    return routing
+
+
+# --------------------------------------------------------------------------- the public op
+
+
+def _check_call(routing: BlockDiagRouting, q, k, v, cp_group, mode, scale) -> str | None:
+    """This call's local problem, or None. Runs on host metadata only."""
+    if routing.error:
+        return routing.error
+    try:
+        if resolve_group(cp_group) is not routing.group:
+            return "cp_group differs from the group the routing was prepared for"
+    except ValueError as err:
+        return str(err)
+    if mode not in ("auto", routing.requested_mode):
+        return f"mode={mode!r} differs from the routing's mode={routing.requested_mode!r}"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            return f"{name} must be a torch.Tensor; received {type(t).__name__}"
+        if t.ndim != 4:
+            return f"{name} must have shape [B, L, H, D]; received shape {tuple(t.shape)}"
+    if k.shape != v.shape:
+        return f"k and v must have the same shape; received {tuple(k.shape)} and {tuple(v.shape)}"
+    local_len = routing.plan.local_len
+    if q.shape[0] != k.shape[0] or q.shape[1] != local_len or k.shape[1] != local_len or q.shape[3] != k.shape[3]:
+        return (f"expected q [B, L={local_len}, Hq, D] and k/v [B, L={local_len}, Hkv, D] with equal B and D; "
+                f"received q {tuple(q.shape)}, k/v {tuple(k.shape)}")
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
+        return f"q heads ({q.shape[2]}) must be a multiple of k/v heads ({k.shape[2]})"
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"q, k, v must share one float dtype of {_DTYPES}; received {q.dtype}, {k.dtype}, {v.dtype}"
+    if k.device != q.device or v.device != q.device:
+        return f"q, k, v must be on one device; received {q.device}, {k.device}, {v.device}"
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        return f"scale must be a positive finite number or None; received {scale!r}"
+    return None
+
+
+def _call_signature(q, k) -> list[int]:
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.ndim == 4 and k.ndim == 4):
+        return [-1] * 7
+    dtype_id = _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1
+    return [q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], dtype_id, int(q.is_cuda)]
+
+
+def exchange_window(routing: BlockDiagRouting, kv: torch.Tensor) -> torch.Tensor:
+    """Run the routing's exchange on token-major kv [L, B, 2, Hkv, D]; returns its window (no agreement:
+    only for callers that already went through ``blockdiag_attention`` with this routing, e.g. benchmarks)."""
+    if routing.mode == "allgather":
+        return all_gather_kv(kv, routing.group)
+    if routing.mode == "halo":
+        return left_halo_kv(kv, routing.plan.halo_len, routing.group)
+    in_splits, out_splits, _ = routing.a2a_splits
+    return needed_kv_all_to_all(kv, routing.send_index(kv.device), in_splits, out_splits, routing.group)
+
+
+def blockdiag_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids, *, cp_group,
+                        mode: str = "auto", scale: float | None = None, kernel: str = "auto") -> torch.Tensor:
+    """Block-diagonal causal attention of this rank's shard under CP (differentiable).
+
+    q [B, L, Hq, D], k/v [B, L, Hkv, D]: the local shards (Hq a multiple of Hkv); ``doc_ids`` int [T]
+    replicated on every rank (0 = padding, anywhere), or a ``BlockDiagRouting`` from
+    ``prepare_blockdiag``. ``mode`` in {"auto", "allgather", "halo", "a2a"}; ``kernel`` in
+    {"auto", "sdpa", "flex"} (torch_api/attention/kernel.py). Returns [B, L, Hq, D]; padding rows
+    are exactly 0. Bad input on any rank raises the same ValueError on every rank before any
+    data collective.
+    """
+    routing = doc_ids if isinstance(doc_ids, BlockDiagRouting) else _cached_routing(doc_ids, cp_group, mode)
+    error = _check_call(routing, q, k, v, cp_group, mode, scale)
+    kernel_name, needs_grad = None, -1
+    if error is None:
+        # a rank without autograd would skip the backward collectives: agree on it too
+        needs_grad = int(torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
+        kernel_name, error = resolve_kernel(kernel, q.device, q.shape[3], bool(needs_grad))
+    kernel_id = KERNELS.index(kernel_name) if kernel_name in KERNELS else -1
+    signature = tuple(routing.signature() + [kernel_id, needs_grad] + _call_signature(q, k))
+    if error is not None or signature not in routing._agreed:
+        agree_or_raise(routing.group, error, signature, what="blockdiag_attention inputs")
+        routing._agreed.add(signature)
+    window = exchange_window(routing, stack_kv(k, v))
+    keys = window[routing.key_start - routing.window_start:routing.key_stop - routing.window_start]
+    k_window, v_window = unstack_kv(keys)
+    return doc_causal_attention(q, k_window, v_window, routing.layout, scale=scale, kernel=kernel_name)
+
+
+__all__ = ["BlockDiagRouting", "MODES", "blockdiag_attention", "exchange_window", "prepare_blockdiag"]
