@@ -1,0 +1,148 @@
+"""Two-rank NCCL check and timing of the CuTeDSL GDP forward under context parallelism.
+
+    NCCL_NVLS_ENABLE=0 python benchmarks/cp_gdp_nccl.py [--tokens 65536] [--world 2] [--timeout 300]
+
+Each rank holds T / world tokens of one packed batch: first documents of several lengths (one
+crossing the rank boundary), then a single document spanning every rank. The CP forward (``chunkwise_cp_forward`` with
+``CuTeDSLGatedDeltaProductCPBackend``) must reproduce the one-device forward; then both are
+timed (CUDA events, median). The parent kills the ranks after ``--timeout`` seconds, so a hang
+cannot outlive the call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from cp_linear import build_packed_sequence_cp_metadata
+
+
+def _lengths(tokens: int) -> list[int]:
+    """Documents of uneven lengths; the largest crosses the middle of the sequence."""
+    parts = [tokens // 8, tokens // 2, tokens // 4 + 3]
+    parts.append(tokens - sum(parts))
+    return parts
+
+
+def _inputs(tokens, heads, dim, nh):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, device="cuda", generator=gen)  # noqa: E731
+    q = rand(1, tokens, heads, dim).bfloat16()
+    k = rand(1, tokens * nh, heads, dim).bfloat16()
+    v = rand(1, tokens * nh, heads, dim).bfloat16()
+    g = torch.nn.functional.logsigmoid(rand(1, tokens, heads) + 3.0).float()
+    beta = torch.sigmoid(rand(1, tokens * nh, heads)).float()
+    return q, k, v, g, beta
+
+
+def _median_ms(fn, group, repeat=10, warmup=3):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        dist.barrier(group)
+        torch.cuda.synchronize()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def _rank_main(rank, world, port, tokens, heads, dim, nh):
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120), device_id=torch.device("cuda", rank))
+    q, k, v, g, beta = _inputs(tokens, heads, dim, nh)
+    for lengths in (_lengths(tokens), [tokens]):  # packed documents; one document spanning every rank
+        _check_and_time(rank, world, tokens, heads, dim, nh, lengths, q, k, v, g, beta)
+    dist.barrier(dist.group.WORLD)
+    dist.destroy_process_group()
+
+
+def _check_and_time(rank, world, tokens, heads, dim, nh, lengths, q, k, v, g, beta):
+    from torch_api import GDPInputs, chunkwise_cp_forward
+    from torch_api.gdp.cutedsl import CuTeDSLGatedDeltaProductCPBackend
+
+    group = dist.group.WORLD
+    backend = CuTeDSLGatedDeltaProductCPBackend()
+    seq_idx = np.repeat(np.arange(len(lengths)), lengths).reshape(1, -1)
+    meta = build_packed_sequence_cp_metadata(seq_idx, rank, world)
+    local = tokens // world
+    tok, stp = slice(rank * local, (rank + 1) * local), slice(rank * local * nh, (rank + 1) * local * nh)
+    cu_local = torch.tensor(meta.local_cu_seqlens, dtype=torch.int32, device="cuda")
+    shard = GDPInputs(q[:, tok].contiguous(), k[:, stp].contiguous(), v[:, stp].contiguous(), g[:, tok].contiguous(),
+                      beta[:, stp].contiguous(), dim ** -0.5, nh, True, cu_local)
+    preceding = slice(meta.preceding_rank_start, rank)
+    cu_full = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device="cuda")
+    full = GDPInputs(q, k, v, g, beta, dim ** -0.5, nh, True, cu_full)
+    with torch.no_grad():
+        output = chunkwise_cp_forward(backend, shard, group, preceding).output
+        reference = backend.one_device_forward(full)[0][:, tok]
+        err = ((output.float() - reference.float()).norm() / reference.float().norm()).item()
+        err_fla = float("nan")
+        try:  # an independent oracle (bf16 internals: expect a few 1e-3)
+            from fla.ops.gated_delta_product import chunk_gated_delta_product
+
+            fla = chunk_gated_delta_product(q, k, v, g, beta, num_householder=nh, use_qk_l2norm_in_kernel=True,
+                                            cu_seqlens=cu_full.long())[0][:, tok]
+            err_fla = ((output.float() - fla.float()).norm() / fla.float().norm()).item()
+        except Exception as exc:  # FLA is optional
+            print(f"rank {rank}: FLA oracle unavailable ({type(exc).__name__}: {exc})", flush=True)
+        t_cp = _median_ms(lambda: chunkwise_cp_forward(backend, shard, group, preceding, check_inputs=False), group)
+        t_one = _median_ms(lambda: backend.one_device_forward(full), group)
+    results = [None] * world
+    dist.all_gather_object(results, (rank, err, t_cp, t_one, meta.preceding_rank_start,
+                                     meta.local_cu_seqlens.tolist(), err_fla))
+    if rank == 0:
+        print(f"T={tokens} H={heads} K=V={dim} n_h={nh} bf16 l2norm, documents {lengths}, {world} ranks")
+        print(f"{'rank':>4} {'rel err vs 1 GPU':>17} {'vs FLA':>9} {'CP fwd ms':>10} {'1-GPU fwd ms':>13}  "
+              "local cu_seqlens")
+        for r, e, tc, to, start, cu, ef in results:
+            print(f"{r:>4} {e:>17.2e} {ef:>9.2e} {tc:>10.3f} {to:>13.3f}  {cu} (preceding from rank {start})")
+        worst = max(r[1] for r in results)
+        print(f"CP step (slowest rank) {max(r[2] for r in results):.3f} ms vs one GPU {results[0][3]:.3f} ms; "
+              f"max rel err {worst:.2e} -> {'PASS' if worst < 2e-3 else 'FAIL'}\n", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=65536)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--nh", type=int, default=2)
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=300)
+    args = parser.parse_args()
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    if torch.cuda.device_count() < args.world:
+        print(f"needs {args.world} GPUs; found {torch.cuda.device_count()}")
+        return 2
+    port = 29500 + os.getpid() % 1000
+    context = mp.start_processes(_rank_main, args=(args.world, port, args.tokens, args.heads, args.dim, args.nh),
+                                 nprocs=args.world, join=False, start_method="spawn")
+    deadline = time.time() + args.timeout
+    while not context.join(timeout=5):
+        if time.time() > deadline:
+            for process in context.processes:
+                process.kill()
+            print(f"TIMEOUT after {args.timeout} s: ranks killed")
+            return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
