@@ -1,0 +1,38 @@
+"""Flax NNX layers: ``GatedDeltaProduct``, ``BlockDiagAttention``, ``HybridDecoder``, weight conversion.
+
+Same parameter names and shapes as ``torch_api.layers`` (one table: ``torch_api.layers.config``).
+Under CP the modules run inside ``jax.shard_map`` (``axis_name``) with a replicated ``TokenLayout``;
+``cp_apply`` wraps a whole model for global arrays. Names resolve lazily.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "AttentionConfig": "torch_api.layers.config",
+    "DecoderConfig": "torch_api.layers.config",
+    "GDPConfig": "torch_api.layers.config",
+    "TokenLayout": "jax_api.layers.layout",
+    "build_layout": "jax_api.layers.layout",
+    "GatedDeltaProduct": "jax_api.layers.gdp",
+    "BlockDiagAttention": "jax_api.layers.attention",
+    "HybridDecoder": "jax_api.layers.model",
+    "cp_apply": "jax_api.layers.model",
+    "load_torch_state_dict": "jax_api.layers.convert",
+    "flatten_jax_state": "jax_api.layers.convert",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'jax_api.layers' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

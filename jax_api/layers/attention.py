@@ -1,0 +1,67 @@
+"""``BlockDiagAttention`` as a Flax NNX module: GQA softmax attention with RoPE at global
+in-document positions, causal within each packed document; same parameters and math as
+``torch_api.layers.BlockDiagAttention``.
+
+``__call__(x [B, L, D], *, layout=None, axis_name=None, doc_ids=None, cu_seqlens=None,
+seq_idx=None) -> [B, L, D]``: one device (axis_name None, the doc-masked softmax over all T
+tokens) or inside ``jax.shard_map`` (``jax_api.blockdiag_attention_shard`` with the layout's plan).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_api.layers.blocks import Linear, apply_rope, rope_angles
+from jax_api.layers.layout import resolve_layout
+from torch_api.layers.config import AttentionConfig
+
+
+class BlockDiagAttention(nnx.Module):
+    """Block-diagonal causal GQA attention; keyword arguments as ``AttentionConfig``.
+
+    ``mode`` must match the layout's plan under CP ("auto" accepts the plan's own mode).
+    """
+
+    def __init__(self, config: AttentionConfig | None = None, *, rngs: nnx.Rngs, mode: str = "auto", **kwargs):
+        if config is None:
+            config = AttentionConfig(**kwargs)
+        elif kwargs:
+            raise ValueError(f"pass either an AttentionConfig or keyword arguments; received both ({sorted(kwargs)})")
+        self.config = config
+        self.mode = mode
+        c, d = config, config.dim_per_head
+        self.q_proj = Linear(c.hidden_size, c.num_heads * d, bias=c.qkv_bias, rngs=rngs)
+        self.k_proj = Linear(c.hidden_size, c.kv_heads * d, bias=c.qkv_bias, rngs=rngs)
+        self.v_proj = Linear(c.hidden_size, c.kv_heads * d, bias=c.qkv_bias, rngs=rngs)
+        self.o_proj = Linear(c.num_heads * d, c.hidden_size, rngs=rngs)
+
+    def __call__(self, x: jax.Array, *, layout=None, axis_name: str | None = None, doc_ids=None, cu_seqlens=None,
+                 seq_idx=None) -> jax.Array:
+        c, d = self.config, self.config.dim_per_head
+        layout = resolve_layout(x, layout=layout, axis_name=axis_name, doc_ids=doc_ids, seq_idx=seq_idx,
+                                cu_seqlens=cu_seqlens)
+        if x.shape[-1] != c.hidden_size:
+            raise ValueError(f"hidden_states must have D = {c.hidden_size}; received shape {tuple(x.shape)}")
+        batch, length, _ = x.shape
+        q = self.q_proj(x).reshape(batch, length, c.num_heads, d)
+        k = self.k_proj(x).reshape(batch, length, c.kv_heads, d)
+        v = self.v_proj(x).reshape(batch, length, c.kv_heads, d)
+        cos, sin = rope_angles(layout.local(layout.position, axis_name), d, c.rope_theta)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if axis_name is not None:
+            from jax_api.attention.blockdiag import blockdiag_attention_shard
+
+            o = blockdiag_attention_shard(q, k, v, plan=layout.attention_plan, axis_name=axis_name, mode=self.mode)
+        else:
+            from jax_api.attention.blockdiag import masked_attention
+
+            keys, values = jnp.moveaxis(k, 1, 0), jnp.moveaxis(v, 1, 0)  # [T, B, Hkv, D]
+            positions = jnp.arange(length, dtype=jnp.int32)
+            o = masked_attention(q, keys, values, positions, layout.doc_ids, query_start=0,
+                                 scale=d**-0.5).astype(q.dtype)
+        return self.o_proj(o.reshape(batch, length, c.num_heads * d))
+
+
+__all__ = ["BlockDiagAttention"]

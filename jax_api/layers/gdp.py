@@ -1,0 +1,122 @@
+"""``GatedDeltaProduct`` as a Flax NNX module: the same mixer, parameters and math as
+``torch_api.layers.GatedDeltaProduct`` (see its docstring for the per-token formulas).
+
+``__call__(x [B, L, D], *, layout=None, axis_name=None, cu_seqlens=None, seq_idx=None) -> [B, L, D]``
+  one device   axis_name None; x holds all T tokens; packing from ``layout`` or the ids
+  CP           call inside ``jax.shard_map`` over mesh axis ``axis_name`` with x this rank's
+               L tokens and ``layout = build_layout(..., cp_size=cp)`` passed in replicated
+               (``P()``); the conv halo is one ``ppermute``, the GDP is
+               ``jax_api.gdp_chunkwise_context_parallel_shard``
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_api.layers.blocks import GatedRMSNorm, Linear, RMSNorm, ShortConvolution
+from jax_api.layers.conv import conv_window
+from jax_api.layers.layout import resolve_layout
+from torch_api.layers.config import GDPConfig
+
+
+def _init_decay(rngs: nnx.Rngs, heads: int) -> tuple[jax.Array, jax.Array]:
+    """A_log = log(U(0, 16)), dt_bias = inverse softplus of dt ~ logU(1e-3, 0.1) (as FLA)."""
+    a_log = jnp.log(jax.random.uniform(rngs.params(), (heads,), jnp.float32, 0.0, 16.0))
+    u = jax.random.uniform(rngs.params(), (heads,), jnp.float32)
+    dt = jnp.maximum(jnp.exp(u * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)), 1e-4)
+    return a_log, dt + jnp.log(-jnp.expm1(-dt))
+
+
+class GatedDeltaProduct(nnx.Module):
+    """Gated DeltaProduct mixer; keyword arguments as ``GDPConfig``; ``rngs`` for the initial weights."""
+
+    def __init__(self, config: GDPConfig | None = None, *, rngs: nnx.Rngs, backend=None, **kwargs):
+        if config is None:
+            config = GDPConfig(**kwargs)
+        elif kwargs:
+            raise ValueError(f"pass either a GDPConfig or keyword arguments; received both ({sorted(kwargs)})")
+        self.config = config
+        self.backend = backend
+        c, n = config, config.num_householder
+        self.q_proj = Linear(c.hidden_size, c.key_dim, rngs=rngs)
+        self.k_proj = Linear(c.hidden_size, c.key_dim * n, rngs=rngs)
+        self.v_proj = Linear(c.hidden_size, c.value_dim * n, rngs=rngs)
+        self.b_proj = Linear(c.hidden_size, c.value_heads * n, rngs=rngs)
+        if c.use_forget_gate:
+            self.a_proj = Linear(c.hidden_size, c.value_heads, rngs=rngs)
+            a_log, dt_bias = _init_decay(rngs, c.value_heads)
+            self.A_log = nnx.Param(a_log)
+            self.dt_bias = nnx.Param(dt_bias)
+        if c.use_short_conv:
+            q_ch, k_ch, v_ch = c.conv_channels
+            self.q_conv1d = ShortConvolution(q_ch, c.conv_size, bias=c.conv_bias, rngs=rngs)
+            self.k_conv1d = ShortConvolution(k_ch, c.conv_size, bias=c.conv_bias, rngs=rngs)
+            self.v_conv1d = ShortConvolution(v_ch, c.conv_size, bias=c.conv_bias, rngs=rngs)
+        if c.use_output_gate:
+            self.g_proj = Linear(c.hidden_size, c.value_dim, rngs=rngs)
+            self.o_norm = GatedRMSNorm(c.head_v_dim, eps=c.norm_eps)
+        else:
+            self.o_norm = RMSNorm(c.head_v_dim, eps=c.norm_eps)
+        self.o_proj = Linear(c.value_dim, c.hidden_size, rngs=rngs)
+
+    def _short_conv(self, x, layout, axis_name):
+        c = self.config
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if not c.use_short_conv:
+            return jax.nn.silu(q), jax.nn.silu(k), jax.nn.silu(v)
+        window = conv_window(jnp.concatenate([q, k, v], axis=-1), c.conv_size - 1, axis_name)
+        positions = layout.local(layout.position, axis_name)
+        q_ch, k_ch, _ = c.conv_channels
+        q_win, k_win, v_win = jnp.split(window, [q_ch, q_ch + k_ch], axis=-1)
+        return self.q_conv1d(q_win, positions), self.k_conv1d(k_win, positions), self.v_conv1d(v_win, positions)
+
+    def __call__(self, x: jax.Array, *, layout=None, axis_name: str | None = None, cu_seqlens=None,
+                 seq_idx=None) -> jax.Array:
+        c, n = self.config, self.config.num_householder
+        layout = resolve_layout(x, layout=layout, axis_name=axis_name, seq_idx=seq_idx, cu_seqlens=cu_seqlens)
+        if x.shape[-1] != c.hidden_size:
+            raise ValueError(f"hidden_states must have D = {c.hidden_size}; received shape {tuple(x.shape)}")
+        if axis_name is not None and c.use_short_conv and c.conv_size - 1 > layout.local_len:
+            raise ValueError(f"conv_size - 1 = {c.conv_size - 1} exceeds the local length L = {layout.local_len}")
+        batch, length, _ = x.shape
+        q, k, v = self._short_conv(x, layout, axis_name)
+        q = q.reshape(batch, length, c.num_heads, c.head_dim)
+        k = k.reshape(batch, length * n, c.num_heads, c.head_dim)
+        v = v.reshape(batch, length * n, c.value_heads, c.head_v_dim)
+        if c.value_heads > c.num_heads:
+            groups = c.value_heads // c.num_heads
+            q, k = jnp.repeat(q, groups, axis=2), jnp.repeat(k, groups, axis=2)
+        beta = jax.nn.sigmoid(self.b_proj(x))
+        if c.allow_neg_eigval:
+            beta = beta * 2.0
+        beta = beta.reshape(batch, length * n, c.value_heads)
+        if c.use_forget_gate:
+            a = self.a_proj(x).astype(jnp.float32) + self.dt_bias[...]
+            g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a)
+        else:
+            g = jnp.zeros((batch, length, c.value_heads), jnp.float32)
+
+        options = dict(num_householder=n, use_qk_l2norm_in_kernel=True, backend=self.backend)
+        if axis_name is not None:
+            from jax_api.gdp.cp import gdp_chunkwise_context_parallel_shard
+
+            o = gdp_chunkwise_context_parallel_shard(
+                q, k, v, g, beta, axis_name=axis_name, global_seq_idx=layout.seq_idx if layout.packed else None,
+                **options)
+        else:
+            from jax_api.gdp.ops import gated_delta_product
+
+            o, _ = gated_delta_product(q, k, v, g, beta, cu_seqlens=layout.cu_seqlens, **options)
+        if c.use_output_gate:
+            gate = self.g_proj(x).reshape(batch, length, c.value_heads, c.head_v_dim)
+            o = self.o_norm(o, gate)
+        else:
+            o = self.o_norm(o)
+        return self.o_proj(o.reshape(batch, length, c.value_dim))
+
+
+__all__ = ["GatedDeltaProduct"]

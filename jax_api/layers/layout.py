@@ -1,0 +1,140 @@
+"""How the JAX layers see a packed batch: a ``TokenLayout`` pytree built once, outside ``jax.jit``.
+
+The layers run either on one device (``axis_name=None``, x holds all T tokens) or *inside* a
+``jax.shard_map`` over the CP mesh axis (``axis_name="cp"``, x holds this rank's L tokens). The
+layout holds the *global* per-token arrays, replicated (in_spec ``P()``); each rank slices its
+part by ``lax.axis_index``, so one compiled program serves every packing of the same T::
+
+    seq_idx     int32 [1, T]  GDP sequences (``jax_api.gdp_chunkwise_context_parallel_shard``)
+    doc_ids     int32 [T]     attention documents, 0 = padding
+    position    int32 [T]     index within the sequence (conv reach, RoPE angle)
+    attention_plan            ``BlockDiagExchangePlan`` for the attention exchange (CP only)
+
+``torch_api.layers.packing.PackedLayout`` (numpy, shared with torch) derives the arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from torch_api.layers.packing import PackedLayout, layout_from_ids
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLayout:
+    """Global per-token arrays (data) and static facts (meta: ``packed``, ``cp_size``).
+
+    ``cu_seqlens`` int32 [N + 1] serves the one-device GDP (cp_size 1, packed; else None); its
+    length N is part of the compiled shape, its values are not.
+    """
+
+    seq_idx: jax.Array
+    doc_ids: jax.Array
+    position: jax.Array
+    attention_plan: object = None
+    packed: bool = True
+    cp_size: int = 1
+    cu_seqlens: jax.Array | None = None
+
+    @property
+    def total_len(self) -> int:
+        return int(self.doc_ids.shape[0])
+
+    @property
+    def local_len(self) -> int:
+        return self.total_len // self.cp_size
+
+    def local(self, values: jax.Array, axis_name: str | None) -> jax.Array:
+        """This rank's slice of a per-token array [T] (all of it on one device)."""
+        if axis_name is None:
+            return values
+        rank = jax.lax.axis_index(axis_name)
+        return jax.lax.dynamic_slice_in_dim(values, rank * self.local_len, self.local_len)
+
+
+jax.tree_util.register_dataclass(TokenLayout,
+                                 data_fields=["seq_idx", "doc_ids", "position", "attention_plan", "cu_seqlens"],
+                                 meta_fields=["packed", "cp_size"])
+
+
+def layout_from_packed(packed: PackedLayout, *, cp_size: int = 1, attention_mode: str = "auto",
+                       platform: str | None = None, min_halo_len: int = 0) -> TokenLayout:
+    packed.check_cp_size(cp_size)
+    plan = None
+    if cp_size > 1:
+        from jax_api.attention.blockdiag import plan_blockdiag_exchange
+
+        plan = plan_blockdiag_exchange(packed.doc_ids, cp_size, mode=attention_mode, platform=platform)
+        if plan.mode == "halo" and plan.halo_len < min_halo_len:
+            # extra halo rows hold other documents' tokens, which the doc mask drops; a fixed
+            # halo keeps the plan's static shape (and so the compiled program) across packings
+            plan = dataclasses.replace(plan, halo_len=min(min_halo_len, plan.local_len))
+    cu = jnp.asarray(packed.cu_seqlens(), jnp.int32) if (packed.packed and cp_size == 1) else None
+    return TokenLayout(seq_idx=jnp.asarray(packed.seq_idx.reshape(1, -1), jnp.int32),
+                       doc_ids=jnp.asarray(packed.doc_ids, jnp.int32),
+                       position=jnp.asarray(packed.position, jnp.int32),
+                       attention_plan=plan, packed=packed.packed, cp_size=int(cp_size), cu_seqlens=cu)
+
+
+def build_layout(*, total_len: int, doc_ids=None, seq_idx=None, cu_seqlens=None, cp_size: int = 1,
+                 attention_mode: str = "auto", platform: str | None = None, min_halo_len: int = 0) -> TokenLayout:
+    """A ``TokenLayout`` from concrete *global* ids (host-read; call outside ``jax.jit``).
+
+    At most one of ``doc_ids`` (int [T], 0 = padding), ``seq_idx`` (int [1, T] nondecreasing),
+    ``cu_seqlens`` (int [N + 1]); none: every batch row is one sequence of T tokens. ``cp_size`` > 1
+    builds the attention plan for that many ranks (``attention_mode``: auto / allgather / halo / a2a;
+    ``platform`` picks the a2a implementation, default ``jax.default_backend()``).
+
+    The attention plan's exchange sizes are static (``jax.jit`` recompiles when they change).
+    ``min_halo_len`` pads a halo plan to at least that many tokens: when documents are shorter
+    than it, every packing then shares one compiled program (the examples use this).
+    """
+    for name, value in (("doc_ids", doc_ids), ("seq_idx", seq_idx), ("cu_seqlens", cu_seqlens)):
+        if isinstance(value, jax.core.Tracer):
+            raise ValueError(f"{name} is traced: build the TokenLayout outside jax.jit (build_layout) and pass it in")
+    host = {name: None if value is None else np.asarray(value)
+            for name, value in (("doc_ids", doc_ids), ("seq_idx", seq_idx), ("cu_seqlens", cu_seqlens))}
+    packed = layout_from_ids(total_len=total_len, **host)
+    return layout_from_packed(packed, cp_size=cp_size, attention_mode=attention_mode, platform=platform,
+                              min_halo_len=min_halo_len)
+
+
+def resolve_layout(x, *, layout, axis_name, doc_ids=None, seq_idx=None, cu_seqlens=None) -> TokenLayout:
+    """The layout of a layer call; checks x [B, L, D] against it (trace time, before any collective)."""
+    if getattr(x, "ndim", None) != 3:
+        raise ValueError(f"hidden_states must be [B, L, D]; received shape {getattr(x, 'shape', None)}")
+    cp_size = 1 if axis_name is None else _axis_size(axis_name)
+    if layout is None:
+        if cp_size > 1:
+            raise ValueError("under CP (axis_name given) pass layout=build_layout(..., cp_size=...) built outside "
+                             "the shard_map")
+        layout = build_layout(total_len=x.shape[1], doc_ids=doc_ids, seq_idx=seq_idx, cu_seqlens=cu_seqlens)
+    elif any(v is not None for v in (doc_ids, seq_idx, cu_seqlens)):
+        raise ValueError("pass either layout or ids (doc_ids / seq_idx / cu_seqlens), not both")
+    if not isinstance(layout, TokenLayout):
+        raise ValueError(f"layout must be a TokenLayout (jax_api.layers.build_layout); "
+                         f"received {type(layout).__name__}")
+    if layout.cp_size != cp_size:
+        raise ValueError(f"the layout was built for cp_size = {layout.cp_size}; this call runs over "
+                         f"{cp_size} rank(s) (axis_name={axis_name!r})")
+    if x.shape[1] != layout.local_len:
+        raise ValueError(f"hidden_states must hold L = {layout.local_len} tokens (T = {layout.total_len} over "
+                         f"{cp_size} rank(s)); received shape {tuple(x.shape)}")
+    if layout.packed and x.shape[0] != 1:
+        raise ValueError(f"a packed batch (ids given) needs B = 1; received B = {x.shape[0]}")
+    return layout
+
+
+def _axis_size(axis_name: str) -> int:
+    try:
+        return jax.lax.axis_size(axis_name)
+    except NameError as err:
+        raise ValueError(f"axis name {axis_name!r} is not bound: call the layer inside a jax.shard_map over a mesh "
+                         "with that axis, or pass axis_name=None on one device") from err
+
+
+__all__ = ["TokenLayout", "build_layout", "layout_from_packed", "resolve_layout"]

@@ -1,0 +1,108 @@
+"""``HybridDecoder`` as a Flax NNX module (same blocks, names and math as ``torch_api.layers.HybridDecoder``).
+
+    input_ids [B, L] -> embeddings -> N x block -> norm -> lm_head -> logits [B, L, vocab]
+    block:  h = h + attn(attn_norm(h));  h = h + mlp(mlp_norm(h))     (attn: GDP or attention)
+
+CP: run the model inside ``jax.shard_map`` with the weights replicated (``P()``), tokens split
+along T (``P(None, "cp")``) and the ``TokenLayout`` replicated; ``cp_apply`` does exactly that for
+global arrays. Weight gradients of a replicated model come out summed over ranks (shard_map's
+transpose of an unvarying input), so ``jax.grad`` of a psum-ed loss is the full gradient.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_api.layers.attention import BlockDiagAttention
+from jax_api.layers.blocks import Embedding, GatedMLP, Linear, RMSNorm
+from jax_api.layers.gdp import GatedDeltaProduct
+from jax_api.layers.layout import TokenLayout, build_layout
+from torch_api.layers.config import DecoderConfig
+
+
+class HybridBlock(nnx.Module):
+    def __init__(self, config: DecoderConfig, kind: str, *, rngs: nnx.Rngs, gdp_options=None, attention_options=None):
+        self.kind = kind
+        self.attn_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        if kind == "gdp":
+            self.attn = GatedDeltaProduct(config.gdp_config(), rngs=rngs, **(gdp_options or {}))
+        else:
+            self.attn = BlockDiagAttention(config.attention_config(), rngs=rngs, **(attention_options or {}))
+        self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.mlp_width, rngs=rngs)
+
+    def __call__(self, h, layout, axis_name):
+        h = h + self.attn(self.attn_norm(h), layout=layout, axis_name=axis_name)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class HybridDecoder(nnx.Module):
+    """``__call__(input_ids [B, L], *, layout=None, axis_name=None, doc_ids=None) -> logits [B, L, V]``.
+
+    One device: ``doc_ids`` int [T] (0 = padding, B = 1) or a ``layout``; neither: each row one
+    document. Inside a shard_map: ``axis_name`` and a replicated ``layout`` built for the cp size.
+    ``compute_dtype`` (e.g. ``jnp.bfloat16``) casts the activations; norms and gates compute in float32.
+    """
+
+    def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs, gdp_options: dict | None = None,
+                 attention_options: dict | None = None, init_std: float = 0.02, compute_dtype=None):
+        self.config = config
+        self.compute_dtype = compute_dtype  # e.g. jnp.bfloat16: activations in it, weights stay float32
+        self.embeddings = Embedding(config.vocab_size, config.hidden_size, rngs=rngs, std=init_std)
+        self.layers = nnx.List([HybridBlock(config, kind, rngs=rngs, gdp_options=gdp_options,
+                                            attention_options=attention_options) for kind in config.layer_types])
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, rngs=rngs)
+        # the same initial distribution as the torch model: N(0, init_std) for projections
+        for path, param in nnx.iter_graph(self):
+            if isinstance(param, nnx.Param) and path and path[-1] == "weight" and len(path) >= 2 and (
+                    str(path[-2]).endswith("proj") or path[-2] == "lm_head"):
+                param[...] = init_std * jax.random.normal(rngs.params(), param.shape, param.dtype)
+
+    def __call__(self, input_ids: jax.Array, *, layout: TokenLayout | None = None, axis_name: str | None = None,
+                 doc_ids=None) -> jax.Array:
+        if getattr(input_ids, "ndim", None) != 2:
+            raise ValueError(f"input_ids must be an int array [B, L]; "
+                             f"received shape {getattr(input_ids, 'shape', None)}")
+        if layout is None:
+            if axis_name is not None:
+                raise ValueError("under CP (axis_name given) pass layout=build_layout(..., cp_size=...)")
+            layout = build_layout(total_len=input_ids.shape[1], doc_ids=doc_ids)
+        elif doc_ids is not None:
+            raise ValueError("pass either layout or doc_ids, not both")
+        h = self.embeddings(input_ids)
+        if self.compute_dtype is not None:
+            h = h.astype(self.compute_dtype)
+        for block in self.layers:
+            h = block(h, layout, axis_name)
+        return self.lm_head(self.norm(h))
+
+
+def _is_explicit_axis(mesh, axis_name: str) -> bool:
+    axis_types = getattr(mesh, "axis_types", None) or ()
+    names = tuple(mesh.axis_names)
+    return bool(axis_types) and axis_types[names.index(axis_name)] == AxisType.Explicit
+
+
+def cp_apply(model: nnx.Module, input_ids: jax.Array, layout: TokenLayout, *, mesh, axis_name: str = "cp"):
+    """Logits [B, T, V] of ``model`` on global ``input_ids`` [B, T], split along T over ``mesh[axis_name]``.
+
+    Runs the model once per shard inside ``jax.shard_map`` (weights and layout replicated).
+    Differentiable with respect to the model's state through ``nnx.split`` / ``nnx.merge``.
+    """
+    graphdef, state = nnx.split(model)
+    tokens = P(None, axis_name)
+    if _is_explicit_axis(mesh, axis_name):
+        # explicit mesh axes carry shardings in the types; shard_map wants them to match its in_specs
+        input_ids = jax.reshard(input_ids, NamedSharding(mesh, tokens))
+
+    def per_shard(state, ids, layout):
+        return nnx.merge(graphdef, state)(ids, layout=layout, axis_name=axis_name)
+
+    return jax.shard_map(per_shard, mesh=mesh, in_specs=(P(), tokens, P()), out_specs=tokens)(state, input_ids, layout)
+
+
+__all__ = ["HybridBlock", "HybridDecoder", "cp_apply"]

@@ -1,0 +1,81 @@
+"""``BlockDiagAttention``: GQA softmax attention with RoPE, causal within each packed document.
+
+Parameter names follow flash-linear-attention's ``fla/layers/attn.py`` (q_proj, k_proj, v_proj,
+o_proj; no qk-norm, no window). RoPE uses the rotate-half convention and each token's *global*
+position within its document (global index minus the document start, from the replicated ids),
+so a document that straddles ranks gets the same angles as on one device::
+
+    doc_ids   1 1 1 2 2 | 2 2 2 3 3     (cp 2, L = 5)
+    position  0 1 2 0 1 | 2 3 4 0 1     rank 1's first tokens continue document 2 at positions 2, 3, 4
+
+Under CP the attention itself is ``torch_api.blockdiag_attention`` (K/V exchange per the plan);
+on one device it is the same doc-masked kernel over the whole sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from torch_api.layers.blocks import apply_rope, rope_angles
+from torch_api.layers.config import AttentionConfig
+from torch_api.layers.layout import resolve_layout
+
+
+class BlockDiagAttention(nn.Module):
+    """Block-diagonal causal GQA attention; keyword arguments as ``AttentionConfig``.
+
+    ``forward(hidden_states [B, L, D], *, doc_ids=None, cu_seqlens=None, seq_idx=None,
+    cp_group=None, cp_metadata=None) -> [B, L, D]``. ``doc_ids`` int [T] (0 = padding: those rows
+    output 0), ``seq_idx`` [1, T] or ``cu_seqlens`` [N + 1] (no padding) describe the global packed
+    sequence (replicated under CP); none of them: each batch row is one causal document.
+    ``mode`` picks the CP exchange ("auto", "allgather", "halo", "a2a"); ``kernel`` the local
+    attention kernel ("auto", "sdpa", "flex"), both as in ``torch_api.blockdiag_attention``.
+    """
+
+    def __init__(self, config: AttentionConfig | None = None, *, mode: str = "auto", kernel: str = "auto", **kwargs):
+        super().__init__()
+        if config is None:
+            config = AttentionConfig(**kwargs)
+        elif kwargs:
+            raise ValueError(f"pass either an AttentionConfig or keyword arguments; received both ({sorted(kwargs)})")
+        self.config = config
+        self.mode = mode
+        self.kernel = kernel
+        c, d = config, config.dim_per_head
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * d, bias=c.qkv_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.kv_heads * d, bias=c.qkv_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.kv_heads * d, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(c.num_heads * d, c.hidden_size, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor, *, doc_ids=None, cu_seqlens=None, seq_idx=None, cp_group=None,
+                cp_metadata=None) -> torch.Tensor:
+        c, d = self.config, self.config.dim_per_head
+        layout = resolve_layout(hidden_states, cp_metadata=cp_metadata, cp_group=cp_group, doc_ids=doc_ids,
+                                seq_idx=seq_idx, cu_seqlens=cu_seqlens)
+        layout.agree(layout.hidden_error(hidden_states, c.hidden_size), hidden_states, "BlockDiagAttention inputs")
+
+        x = hidden_states
+        batch, length, _ = x.shape
+        q = self.q_proj(x).view(batch, length, c.num_heads, d)
+        k = self.k_proj(x).view(batch, length, c.kv_heads, d)
+        v = self.v_proj(x).view(batch, length, c.kv_heads, d)
+        cos, sin = rope_angles(layout.positions(x.device), d, c.rope_theta)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if layout.is_cp:
+            from torch_api.attention.blockdiag import blockdiag_attention
+
+            o = blockdiag_attention(q, k, v, layout.attention_routing(self.mode), cp_group=layout.group,
+                                    mode=self.mode, kernel=self.kernel)
+        else:
+            from torch_api.attention.kernel import doc_causal_attention, resolve_kernel
+
+            needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+            kernel, error = resolve_kernel(self.kernel, q.device, d, needs_grad)
+            if error:
+                raise ValueError(f"BlockDiagAttention: {error}")
+            o = doc_causal_attention(q, k, v, layout.attention_layout(), kernel=kernel)
+        return self.o_proj(o.reshape(batch, length, c.num_heads * d))
+
+
+__all__ = ["BlockDiagAttention"]

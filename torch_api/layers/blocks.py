@@ -1,0 +1,91 @@
+"""Small building blocks of the layers: norms, the short conv's parameters, SwiGLU MLP, RoPE.
+
+Parameter names and shapes follow flash-linear-attention (``weight`` everywhere, conv weights
+``[C, 1, W]``); norms compute in float32 and return the input dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from torch_api.layers.conv import masked_causal_conv
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last axis. x [..., D]."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight.float()).to(x.dtype)
+
+
+class GatedRMSNorm(RMSNorm):
+    """``RMSNorm(x) * silu(gate)`` (FLA's ``FusedRMSNormGated``, norm before gate). x, gate [..., D]."""
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        return (normed * F.silu(gate.float())).to(x.dtype)
+
+
+class ShortConvolution(nn.Module):
+    """Depthwise causal conv + SiLU with FLA's ``ShortConvolution`` parameters (weight [C, 1, W], bias [C]).
+
+    ``forward(window, positions)`` takes the halo-extended input of ``conv.conv_window``; the conv
+    itself is ``conv.masked_causal_conv`` (never crosses a sequence start).
+    """
+
+    def __init__(self, channels: int, kernel_size: int, bias: bool = False):
+        super().__init__()
+        self.kernel_size = kernel_size
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
+        self.bias = nn.Parameter(torch.empty(channels)) if bias else None
+        bound = 1.0 / math.sqrt(kernel_size)  # torch.nn.Conv1d's default for a depthwise conv
+        nn.init.uniform_(self.weight, -bound, bound)
+        if self.bias is not None:
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, window: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return F.silu(masked_causal_conv(window, self.weight, self.bias, positions))
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU: ``down_proj(silu(gate_proj(x)) * up_proj(x))``. x [..., D]."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rope_angles(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin float32 [L, head_dim / 2] for integer positions [L] (rotate-half convention)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    return torch.cos(angles), torch.sin(angles)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate halves of x [B, L, H, D] by the angles of its token; computed in float32."""
+    half = x.shape[-1] // 2
+    x32 = x.float()
+    first, second = x32[..., :half], x32[..., half:]
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1).to(x.dtype)
+
+
+__all__ = ["GatedMLP", "GatedRMSNorm", "RMSNorm", "ShortConvolution", "apply_rope", "rope_angles"]

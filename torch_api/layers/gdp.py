@@ -1,0 +1,160 @@
+"""``GatedDeltaProduct``: the GDP token mixer (projections, short conv, gates, GDP, gated norm, output).
+
+Mirrors flash-linear-attention's ``fla/layers/gated_deltaproduct.py`` (same parameter names and
+shapes, so its state dicts load as is), in chunk mode, with three differences:
+  * the short conv never crosses a sequence start and, under CP, reads the previous rank's last
+    ``conv_size - 1`` tokens (``torch_api.layers.conv``);
+  * no inference cache (``past_key_values``) and no ``attention_mask`` unpadding: pass packed
+    sequences (``cu_seqlens`` / ``seq_idx``) instead;
+  * the forward returns the output tensor only (FLA returns ``(o, None, cache)``).
+
+Per token (x [B, L, D] -> [B, L, D]), with n = num_householder::
+
+    q = silu(conv(q_proj x))  [H, K]       k = silu(conv(k_proj x))  [n, H, K]   (n keys per token)
+    v = silu(conv(v_proj x))  [n, Hv, V]   beta = sigmoid(b_proj x) (x2 with allow_neg_eigval) [n, Hv]
+    g = -exp(A_log) * softplus(a_proj x + dt_bias)  [Hv]   (log decay, float32)
+    o = GDP(q, k, v, g, beta) with q/k l2-normalised in the kernel
+    y = o_proj(RMSNorm(o) * silu(g_proj x))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from torch_api.layers.blocks import GatedRMSNorm, RMSNorm, ShortConvolution
+from torch_api.layers.config import GDPConfig
+from torch_api.layers.conv import conv_window
+from torch_api.layers.layout import resolve_layout
+
+
+def _init_decay(heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A_log (log of A ~ U(0, 16)) and dt_bias (inverse softplus of dt ~ logU(1e-3, 0.1)), as FLA does."""
+    a_log = torch.log(torch.empty(heads).uniform_(0, 16))
+    dt = torch.exp(torch.rand(heads) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
+    return a_log, dt + torch.log(-torch.expm1(-dt))
+
+
+class GatedDeltaProduct(nn.Module):
+    """Gated DeltaProduct mixer; keyword arguments as ``GDPConfig`` (FLA's names and defaults).
+
+    ``forward(hidden_states [B, L, D], *, cu_seqlens=None, seq_idx=None, cp_group=None,
+    cp_metadata=None) -> [B, L, D]``.
+
+    One device: ``cu_seqlens`` int [N + 1] or ``seq_idx`` int [1, T] for a packed batch (B = 1), or
+    neither (each row one sequence). Under CP (``cp_group``): hidden_states is this rank's shard of
+    L tokens and the ids describe the *global* packed sequence (replicated on every rank), or pass
+    ``cp_metadata`` = ``build_shard_layout(...)`` built once per step for all layers.
+    ``cp_check_inputs`` is handed to ``gdp_chunkwise_context_parallel(check_inputs=...)``.
+    """
+
+    def __init__(self, config: GDPConfig | None = None, *, backend=None, cp_check_inputs: bool = True, **kwargs):
+        super().__init__()
+        if config is None:
+            config = GDPConfig(**kwargs)
+        elif kwargs:
+            raise ValueError(f"pass either a GDPConfig or keyword arguments; received both ({sorted(kwargs)})")
+        self.config = config
+        self.backend = backend
+        self.cp_check_inputs = cp_check_inputs
+        c, n = config, config.num_householder
+        self.q_proj = nn.Linear(c.hidden_size, c.key_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.key_dim * n, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.value_dim * n, bias=False)
+        self.b_proj = nn.Linear(c.hidden_size, c.value_heads * n, bias=False)
+        if c.use_forget_gate:
+            self.a_proj = nn.Linear(c.hidden_size, c.value_heads, bias=False)
+            a_log, dt_bias = _init_decay(c.value_heads)
+            self.A_log = nn.Parameter(a_log)
+            self.dt_bias = nn.Parameter(dt_bias)
+            self.A_log._no_weight_decay = True
+            self.dt_bias._no_weight_decay = True
+        if c.use_short_conv:
+            q_ch, k_ch, v_ch = c.conv_channels
+            self.q_conv1d = ShortConvolution(q_ch, c.conv_size, c.conv_bias)
+            self.k_conv1d = ShortConvolution(k_ch, c.conv_size, c.conv_bias)
+            self.v_conv1d = ShortConvolution(v_ch, c.conv_size, c.conv_bias)
+        if c.use_output_gate:
+            self.g_proj = nn.Linear(c.hidden_size, c.value_dim, bias=False)
+            self.o_norm = GatedRMSNorm(c.head_v_dim, eps=c.norm_eps)
+        else:
+            self.o_norm = RMSNorm(c.head_v_dim, eps=c.norm_eps)
+        self.o_proj = nn.Linear(c.value_dim, c.hidden_size, bias=False)
+
+    def _short_conv(self, x, layout):
+        """q, k, v before head reshape: [B, L, key_dim], [B, L, key_dim*n], [B, L, value_dim*n]."""
+        c = self.config
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if not c.use_short_conv:
+            return F.silu(q), F.silu(k), F.silu(v)
+        # one halo exchange for all three projections
+        window = conv_window(torch.cat((q, k, v), dim=-1), c.conv_size - 1, layout.group)
+        positions = layout.positions(x.device)
+        q_win, k_win, v_win = window.split(c.conv_channels, dim=-1)
+        return self.q_conv1d(q_win, positions), self.k_conv1d(k_win, positions), self.v_conv1d(v_win, positions)
+
+    def _gated_delta_product(self, q, k, v, g, beta, layout):
+        """The GDP op (CP or one device) outside autocast: its state and summaries stay float32;
+        under autocast q/k/v/beta enter in the autocast dtype."""
+        device_type = q.device.type
+        autocast = torch.is_autocast_enabled(device_type)
+        if autocast:
+            dtype = torch.get_autocast_dtype(device_type)
+            q, k, v, beta = (t.to(dtype) for t in (q, k, v, beta))
+        with torch.autocast(device_type, enabled=False) if autocast else contextlib.nullcontext():
+            if layout.is_cp:
+                from torch_api.gdp.cp import gdp_chunkwise_context_parallel
+
+                return gdp_chunkwise_context_parallel(
+                    q, k, v, g, beta, cp_group=layout.group, metadata=layout.gdp_metadata,
+                    num_householder=self.config.num_householder, use_qk_l2norm_in_kernel=True, backend=self.backend,
+                    check_inputs=self.cp_check_inputs)
+            from torch_api.gdp.ops import gated_delta_product
+
+            o, _ = gated_delta_product(q, k, v, g, beta, num_householder=self.config.num_householder,
+                                       cu_seqlens=layout.cu_seqlens(q.device), use_qk_l2norm_in_kernel=True,
+                                       backend=self.backend)
+            return o
+
+    def forward(self, hidden_states: torch.Tensor, *, cu_seqlens=None, seq_idx=None, cp_group=None,
+                cp_metadata=None) -> torch.Tensor:
+        c, n = self.config, self.config.num_householder
+        layout = resolve_layout(hidden_states, cp_metadata=cp_metadata, cp_group=cp_group, seq_idx=seq_idx,
+                                cu_seqlens=cu_seqlens)
+        error = layout.hidden_error(hidden_states, c.hidden_size)
+        if error is None and layout.is_cp and c.use_short_conv and c.conv_size - 1 > layout.local_len:
+            error = f"conv_size - 1 = {c.conv_size - 1} exceeds the local length L = {layout.local_len} (halo)"
+        layout.agree(error, hidden_states, "GatedDeltaProduct inputs")
+
+        x = hidden_states
+        batch, length, _ = x.shape
+        q, k, v = self._short_conv(x, layout)
+        q = q.reshape(batch, length, c.num_heads, c.head_dim)
+        k = k.reshape(batch, length * n, c.num_heads, c.head_dim)  # token-major: the n keys of t are adjacent
+        v = v.reshape(batch, length * n, c.value_heads, c.head_v_dim)
+        if c.value_heads > c.num_heads:
+            groups = c.value_heads // c.num_heads
+            q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
+        beta = self.b_proj(x).sigmoid()
+        if c.allow_neg_eigval:
+            beta = beta * 2.0
+        beta = beta.view(batch, length * n, c.value_heads)
+        if c.use_forget_gate:
+            g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias)
+        else:
+            g = x.new_zeros(batch, length, c.value_heads, dtype=torch.float32)
+
+        o = self._gated_delta_product(q, k, v, g, beta, layout)
+        if c.use_output_gate:
+            gate = self.g_proj(x).view(batch, length, c.value_heads, c.head_v_dim)
+            o = self.o_norm(o, gate)
+        else:
+            o = self.o_norm(o)
+        return self.o_proj(o.reshape(batch, length, c.value_dim))
+
+
+__all__ = ["GatedDeltaProduct"]
