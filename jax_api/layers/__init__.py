@@ -1,6 +1,6 @@
 """Flax NNX layers: ``GatedDeltaProduct``, ``BlockDiagAttention``, ``HybridDecoder``, weight conversion.
 
-Same parameter names and shapes as ``torch_api.layers`` (one table: ``torch_api.layers.config``).
+Same parameter names and shapes as ``torch_api.layers`` (one table: ``cp_linear.model_config``).
 Under CP the modules run inside ``jax.shard_map`` (``axis_name``) with a replicated ``TokenLayout``;
 ``cp_apply`` wraps a whole model for global arrays. Names resolve lazily.
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "AttentionConfig": "torch_api.layers.config",
-    "DecoderConfig": "torch_api.layers.config",
-    "GDPConfig": "torch_api.layers.config",
+    "AttentionConfig": "cp_linear.model_config",
+    "DecoderConfig": "cp_linear.model_config",
+    "GDPConfig": "cp_linear.model_config",
     "TokenLayout": "jax_api.layers.layout",
     "build_layout": "jax_api.layers.layout",
     "GatedDeltaProduct": "jax_api.layers.gdp",

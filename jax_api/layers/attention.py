@@ -15,7 +15,7 @@ from flax import nnx
 
 from jax_api.layers.blocks import Linear, apply_rope, rope_angles
 from jax_api.layers.layout import resolve_layout
-from torch_api.layers.config import AttentionConfig
+from cp_linear.model_config import AttentionConfig
 
 
 class BlockDiagAttention(nnx.Module):

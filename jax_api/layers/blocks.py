@@ -2,7 +2,7 @@
 RMSNorm, GatedRMSNorm, ShortConvolution (weight [C, 1, W]), GatedMLP, and RoPE helpers.
 
 Keeping torch's layout (not ``nnx.Linear``'s ``kernel [in, out]``) makes the parameter table of
-``torch_api.layers.config`` hold for both frameworks, so weight conversion is a plain copy.
+``cp_linear.model_config`` hold for both frameworks, so weight conversion is a plain copy.
 Matmuls use ``Precision.HIGHEST`` so float32 stays float32 on GPUs (no TF32), as in torch.
 """
 

@@ -1,7 +1,7 @@
 """Weights between the JAX and torch layers: ``load_torch_state_dict(module, state_dict)`` (torch -> JAX).
 
 Both frameworks hold the same parameters under the same dotted names and shapes
-(``torch_api.layers.config.parameter_shapes``), so conversion is a checked name-for-name copy.
+(``cp_linear.model_config.parameter_shapes``), so conversion is a checked name-for-name copy.
 The reverse direction is ``torch_api.load_jax_state``; ``flatten_jax_state`` serves it.
 """
 
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from torch_api.layers.config import check_state, parameter_shapes
+from cp_linear.model_config import check_state, parameter_shapes
 
 
 def _flatten_nested(tree, prefix: str, out: dict) -> None:

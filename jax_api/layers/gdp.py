@@ -20,7 +20,7 @@ from flax import nnx
 from jax_api.layers.blocks import GatedRMSNorm, Linear, RMSNorm, ShortConvolution
 from jax_api.layers.conv import conv_window
 from jax_api.layers.layout import resolve_layout
-from torch_api.layers.config import GDPConfig
+from cp_linear.model_config import GDPConfig
 
 
 def _init_decay(rngs: nnx.Rngs, heads: int) -> tuple[jax.Array, jax.Array]:

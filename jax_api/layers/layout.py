@@ -10,7 +10,7 @@ part by ``lax.axis_index``, so one compiled program serves every packing of the 
     position    int32 [T]     index within the sequence (conv reach, RoPE angle)
     attention_plan            ``BlockDiagExchangePlan`` for the attention exchange (CP only)
 
-``torch_api.layers.packing.PackedLayout`` (numpy, shared with torch) derives the arrays.
+``cp_linear.packing.PackedLayout`` (numpy, shared with torch) derives the arrays.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from torch_api.layers.packing import PackedLayout, layout_from_ids
+from cp_linear.packing import PackedLayout, layout_from_ids
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ from jax_api.layers.attention import BlockDiagAttention
 from jax_api.layers.blocks import Embedding, GatedMLP, Linear, RMSNorm
 from jax_api.layers.gdp import GatedDeltaProduct
 from jax_api.layers.layout import TokenLayout, build_layout
-from torch_api.layers.config import DecoderConfig
+from cp_linear.model_config import DecoderConfig
 
 
 class HybridBlock(nnx.Module):

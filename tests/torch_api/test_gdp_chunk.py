@@ -341,3 +341,16 @@ def test_cuda_matches_float64_and_is_bitwise_repeatable(dtype, tol):
     for name, got in zip(("o", "final") + tuple(f"d{n}" for n in NAMES), first):
         limit = tol if tol is not None else (OUTPUT_TOL if name in ("o", "final") else GRAD_TOL)
         check_close(name, got.cpu(), expected[name], limit)
+
+
+def test_autocast_does_not_round_the_float32_state_math():
+    arrays = to_torch(gdp_arrays(61, tokens=70, heads=2, key_dim=16, value_dim=12, num_householder=2), torch.bfloat16)
+    cu = torch.tensor(cu_from_lengths([30, 40]))
+    plain, _ = gated_delta_product(*arrays, num_householder=2, cu_seqlens=cu)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        leaves = [x.clone().requires_grad_() for x in arrays]
+        under_autocast, final = gated_delta_product(*leaves, num_householder=2, cu_seqlens=cu)
+    assert final.dtype == torch.float32
+    assert torch.equal(plain, under_autocast)
+    under_autocast.float().sum().backward()
+    assert all(leaf.grad is not None and leaf.grad.dtype == torch.bfloat16 for leaf in leaves)

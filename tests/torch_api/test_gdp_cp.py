@@ -327,3 +327,14 @@ def count_agreements_without_checks(rank, world):
 def test_check_inputs_false_skips_the_agreement_collectives_and_changes_nothing_else(gloo_pools):
     for with_checks, without_checks, same in gloo_pools(2).run(count_agreements_without_checks):
         assert (with_checks, without_checks, same) == (2, 0, True)
+
+
+def run_under_autocast(rank, world, case):
+    plain = run_rank_case(rank, world, case, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = run_rank_case(rank, world, case, dtype=torch.bfloat16)
+    return all(torch.equal(plain[key], autocast[key]) for key in plain)
+
+
+def test_cp_under_autocast_keeps_float32_summaries_and_matches_plain_bf16(gloo_pools):
+    assert gloo_pools(2).run(run_under_autocast, cases_for(2)[0]) == [True, True]

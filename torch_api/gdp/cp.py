@@ -38,7 +38,7 @@ from cp_linear.summary import (
     validate_packed_summary,
 )
 from torch_api._dist import agree_or_raise, all_gather_single, group_rank_and_size, resolve_group
-from torch_api.gdp.types import GDPInputGradients, GDPInputs
+from torch_api.gdp.types import GDPInputGradients, GDPInputs, float32_region
 from torch_api.gdp.validation import dtype_code, float_bits, gdp_input_error, nonfinite_error
 
 
@@ -247,8 +247,9 @@ class _ContextParallelGDP(torch.autograd.Function):
     def forward(ctx, call: _CPCall, q, k, v, g, beta):
         inputs = GDPInputs(q, k, v, g, beta, call.scale, call.num_householder, call.use_qk_l2norm_in_kernel,
                            call.cu_seqlens)
-        output, saved = _forward(call.backend, inputs, call.group, call.preceding, check_inputs=call.check_inputs,
-                                 error=call.error, signature=list(call.signature))
+        with float32_region(q.device):
+            output, saved = _forward(call.backend, inputs, call.group, call.preceding,
+                                     check_inputs=call.check_inputs, error=call.error, signature=list(call.signature))
         ctx.call = call
         ctx.saved_metadata = saved.metadata
         ctx.save_for_backward(*saved.tensors)
@@ -258,8 +259,9 @@ class _ContextParallelGDP(torch.autograd.Function):
     def backward(ctx, output_grad):
         call = ctx.call
         saved = CPSavedContext(tuple(ctx.saved_tensors), ctx.saved_metadata)
-        grads = chunkwise_cp_backward(call.backend, output_grad, saved, call.group, call.following,
-                                      check_inputs=call.check_inputs)
+        with float32_region(output_grad.device):
+            grads = chunkwise_cp_backward(call.backend, output_grad, saved, call.group, call.following,
+                                          check_inputs=call.check_inputs)
         return None, grads.dq, grads.dk, grads.dv, grads.dg, grads.dbeta
 
 

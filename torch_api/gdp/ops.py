@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from cp_linear.protocol import CPSavedContext
-from torch_api.gdp.types import GDPInputs
+from torch_api.gdp.types import GDPInputs, float32_region
 from torch_api.gdp.validation import cu_seqlens_value_error, gdp_input_error
 
 
@@ -23,7 +23,8 @@ class _GatedDeltaProduct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, backend, options, q, k, v, g, beta, initial_state):
         inputs = GDPInputs(q, k, v, g, beta, **options)
-        output, final_state, saved = backend.one_device_forward(inputs, initial_state)
+        with float32_region(q.device):
+            output, final_state, saved = backend.one_device_forward(inputs, initial_state)
         ctx.backend = backend
         ctx.saved_metadata = saved.metadata
         ctx.initial_dtype = None if initial_state is None else initial_state.dtype
@@ -36,7 +37,9 @@ class _GatedDeltaProduct(torch.autograd.Function):
         if output_grad is None and final_state_grad is None:
             return (None,) * 8
         saved = CPSavedContext(tuple(ctx.saved_tensors), ctx.saved_metadata)
-        grads, initial_grad = ctx.backend.one_device_backward(output_grad, final_state_grad, saved)
+        device = (output_grad if output_grad is not None else final_state_grad).device
+        with float32_region(device):
+            grads, initial_grad = ctx.backend.one_device_backward(output_grad, final_state_grad, saved)
         initial_grad = None if ctx.initial_dtype is None else initial_grad.to(ctx.initial_dtype)
         return None, None, grads.dq, grads.dk, grads.dv, grads.dg, grads.dbeta, initial_grad
 

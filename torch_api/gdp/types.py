@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
+
+
+def float32_region(device: torch.device):
+    """Autocast off for the GDP math: the state and summaries are float32 by contract, and autocast
+    would otherwise round the chunk matmuls (and hence the summaries) to its low-precision dtype."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """torch layers: ``GatedDeltaProduct``, ``BlockDiagAttention``, ``HybridDecoder`` and weight conversion.
 
-Names resolve lazily: ``torch_api.layers.config`` and ``torch_api.layers.packing`` import neither
+Names resolve lazily: ``cp_linear.model_config`` and ``cp_linear.packing`` import neither
 torch nor jax, and ``jax_api.layers`` imports them for the shared parameter table and host layout.
 """
 
@@ -9,11 +9,11 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "AttentionConfig": "torch_api.layers.config",
-    "DecoderConfig": "torch_api.layers.config",
-    "GDPConfig": "torch_api.layers.config",
-    "parameter_shapes": "torch_api.layers.config",
-    "PackedLayout": "torch_api.layers.packing",
+    "AttentionConfig": "cp_linear.model_config",
+    "DecoderConfig": "cp_linear.model_config",
+    "GDPConfig": "cp_linear.model_config",
+    "parameter_shapes": "cp_linear.model_config",
+    "PackedLayout": "cp_linear.packing",
     "ShardLayout": "torch_api.layers.layout",
     "build_shard_layout": "torch_api.layers.layout",
     "GatedDeltaProduct": "torch_api.layers.gdp",

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from torch_api.layers.blocks import apply_rope, rope_angles
-from torch_api.layers.config import AttentionConfig
+from cp_linear.model_config import AttentionConfig
 from torch_api.layers.layout import resolve_layout
 
 

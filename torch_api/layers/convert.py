@@ -1,7 +1,7 @@
 """Weights between the torch and JAX layers: ``load_jax_state(module, state)`` (JAX -> torch, in place).
 
 Both frameworks hold the same parameters under the same dotted names and shapes
-(``torch_api.layers.config.parameter_shapes`` is the one table), so conversion is a checked
+(``cp_linear.model_config.parameter_shapes`` is the one table), so conversion is a checked
 name-for-name copy with no transposes. The reverse direction is ``jax_api.load_torch_state_dict``.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from torch_api.layers.config import check_state, parameter_shapes
+from cp_linear.model_config import check_state, parameter_shapes
 
 
 def module_parameter_table(module: torch.nn.Module) -> dict[str, tuple[int, ...]]:

@@ -19,7 +19,6 @@ Per token (x [B, L, D] -> [B, L, D]), with n = num_householder::
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -27,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from torch_api.layers.blocks import GatedRMSNorm, RMSNorm, ShortConvolution
-from torch_api.layers.config import GDPConfig
+from cp_linear.model_config import GDPConfig
 from torch_api.layers.conv import conv_window
 from torch_api.layers.layout import resolve_layout
 
@@ -98,27 +97,25 @@ class GatedDeltaProduct(nn.Module):
         return self.q_conv1d(q_win, positions), self.k_conv1d(k_win, positions), self.v_conv1d(v_win, positions)
 
     def _gated_delta_product(self, q, k, v, g, beta, layout):
-        """The GDP op (CP or one device) outside autocast: its state and summaries stay float32;
-        under autocast q/k/v/beta enter in the autocast dtype."""
+        """The GDP op (CP or one device); it keeps its own math float32 under autocast, and q/k/v/beta
+        enter in the autocast dtype so that a kernel backend sees one input dtype."""
         device_type = q.device.type
-        autocast = torch.is_autocast_enabled(device_type)
-        if autocast:
+        if torch.is_autocast_enabled(device_type):
             dtype = torch.get_autocast_dtype(device_type)
             q, k, v, beta = (t.to(dtype) for t in (q, k, v, beta))
-        with torch.autocast(device_type, enabled=False) if autocast else contextlib.nullcontext():
-            if layout.is_cp:
-                from torch_api.gdp.cp import gdp_chunkwise_context_parallel
+        if layout.is_cp:
+            from torch_api.gdp.cp import gdp_chunkwise_context_parallel
 
-                return gdp_chunkwise_context_parallel(
-                    q, k, v, g, beta, cp_group=layout.group, metadata=layout.gdp_metadata,
-                    num_householder=self.config.num_householder, use_qk_l2norm_in_kernel=True, backend=self.backend,
-                    check_inputs=self.cp_check_inputs)
-            from torch_api.gdp.ops import gated_delta_product
+            return gdp_chunkwise_context_parallel(
+                q, k, v, g, beta, cp_group=layout.group, metadata=layout.gdp_metadata,
+                num_householder=self.config.num_householder, use_qk_l2norm_in_kernel=True, backend=self.backend,
+                check_inputs=self.cp_check_inputs)
+        from torch_api.gdp.ops import gated_delta_product
 
-            o, _ = gated_delta_product(q, k, v, g, beta, num_householder=self.config.num_householder,
-                                       cu_seqlens=layout.cu_seqlens(q.device), use_qk_l2norm_in_kernel=True,
-                                       backend=self.backend)
-            return o
+        o, _ = gated_delta_product(q, k, v, g, beta, num_householder=self.config.num_householder,
+                                   cu_seqlens=layout.cu_seqlens(q.device), use_qk_l2norm_in_kernel=True,
+                                   backend=self.backend)
+        return o
 
     def forward(self, hidden_states: torch.Tensor, *, cu_seqlens=None, seq_idx=None, cp_group=None,
                 cp_metadata=None) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from torch_api._dist import agree_or_raise, resolve_group
-from torch_api.layers.packing import PackedLayout, layout_from_ids
+from cp_linear.packing import PackedLayout, layout_from_ids
 
 _DTYPE_IDS = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
 

@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch_api._dist import resolve_group
 from torch_api.layers.attention import BlockDiagAttention
 from torch_api.layers.blocks import GatedMLP, RMSNorm
-from torch_api.layers.config import DecoderConfig
+from cp_linear.model_config import DecoderConfig
 from torch_api.layers.gdp import GatedDeltaProduct
 from torch_api.layers.layout import ShardLayout, build_shard_layout
 
