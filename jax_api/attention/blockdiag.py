@@ -73,23 +73,22 @@ def _check_plan_mode(plan: BlockDiagExchangePlan, mode: str) -> None:
         )
 
 
-def masked_attention(q, keys, values, key_positions, doc_ids, *, query_start, scale: float):
-    """Exact doc-masked causal softmax of local queries over a key window, in float32.
+QUERY_BLOCK = 512  # queries per block: scores live as [B, H, 512, keys] at a time, forward and backward
 
-    q [B, L, Hq, D]; keys/values [N, B, Hkv, D]; key_positions int32 [N] (-1: empty row);
-    doc_ids int32 [T]; the queries sit at global positions ``query_start + [0, L)``.
-    Returns float32 [B, L, Hq, D]; padding queries and queries with no key give exact zeros.
-    """
+
+def _attend(q, keys, values, key_positions, doc_ids, query_positions, query_valid, *, scale: float):
+    """Masked softmax of one block of queries at global ``query_positions`` (``query_valid`` False:
+    a padding slot past the shard) over the key window; float32 [B, Lq, Hq, D]."""
     batch, length, q_heads, head_dim = q.shape
     kv_heads = keys.shape[2]
-    query_positions = query_start + jnp.arange(length, dtype=jnp.int32)
-    query_docs = jax.lax.dynamic_slice_in_dim(doc_ids, query_start, length)
-    key_docs = jnp.where(key_positions >= 0, doc_ids[jnp.clip(key_positions, 0, doc_ids.shape[0] - 1)], -1)
+    last = doc_ids.shape[0] - 1
+    query_docs = jnp.where(query_valid, doc_ids[jnp.clip(query_positions, 0, last)], 0)
+    key_docs = jnp.where(key_positions >= 0, doc_ids[jnp.clip(key_positions, 0, last)], -1)
     allowed = (
         (query_docs[:, None] == key_docs[None, :])
         & (key_positions[None, :] <= query_positions[:, None])
         & (query_docs[:, None] > 0)
-    )  # [L, N]
+    )  # [Lq, N]
     grouped = q.astype(jnp.float32).reshape(batch, length, kv_heads, q_heads // kv_heads, head_dim)
     highest = jax.lax.Precision.HIGHEST
     logits = jnp.einsum("blhgd,nbhd->bhgln", grouped, keys.astype(jnp.float32), precision=highest) * scale
@@ -100,6 +99,35 @@ def masked_attention(q, keys, values, key_positions, doc_ids, *, query_start, sc
     weights = weights / jnp.where(denom > 0, denom, 1.0)
     out = jnp.einsum("bhgln,nbhd->blhgd", weights, values.astype(jnp.float32), precision=highest)
     return out.reshape(batch, length, q_heads, head_dim)
+
+
+def masked_attention(q, keys, values, key_positions, doc_ids, *, query_start, scale: float,
+                     query_block: int = QUERY_BLOCK):
+    """Exact doc-masked causal softmax of local queries over a key window, in float32.
+
+    q [B, L, Hq, D]; keys/values [N, B, Hkv, D]; key_positions int32 [N] (-1: empty row);
+    doc_ids int32 [T]; the queries sit at global positions ``query_start + [0, L)``.
+    Returns float32 [B, L, Hq, D]; padding queries and queries with no key give exact zeros.
+    Queries run in blocks of ``query_block`` under ``jax.checkpoint``, so memory holds one block's
+    scores (the full [L, N] score matrix of 8k tokens ran a 2-rank CPU training step out of 24 GiB).
+    """
+    batch, length, q_heads, head_dim = q.shape
+    blocks = -(-length // query_block)
+    slots = blocks * query_block
+    positions = query_start + jnp.arange(slots, dtype=jnp.int32)
+    valid = jnp.arange(slots) < length
+    if blocks == 1:
+        return _attend(q, keys, values, key_positions, doc_ids, positions[:length], valid[:length], scale=scale)
+    padded = jnp.pad(q, ((0, 0), (0, slots - length), (0, 0), (0, 0)))
+    q_blocks = jnp.moveaxis(padded.reshape(batch, blocks, query_block, q_heads, head_dim), 1, 0)
+
+    @jax.checkpoint
+    def one_block(args):
+        block_q, block_positions, block_valid = args
+        return _attend(block_q, keys, values, key_positions, doc_ids, block_positions, block_valid, scale=scale)
+
+    out = jax.lax.map(one_block, (q_blocks, positions.reshape(blocks, query_block), valid.reshape(blocks, query_block)))
+    return jnp.moveaxis(out, 0, 1).reshape(batch, slots, q_heads, head_dim)[:, :length]
 
 
 def blockdiag_attention_shard(q, k, v, *, plan: BlockDiagExchangePlan, axis_name: str = "cp", mode: str = "auto",

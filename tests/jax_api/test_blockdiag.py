@@ -407,3 +407,41 @@ def test_shard_variant_raises_for_an_unbound_axis_name():
     spec = P(None, "cp")
     with pytest.raises(ValueError, match="axis name 'sequence' is not bound"):
         jax.eval_shape(jax.shard_map(body, mesh=cp_mesh(2), in_specs=spec, out_specs=spec), np.zeros((1, 30, 2, 8)))
+
+
+def test_query_blocks_give_the_same_output_and_gradients_as_one_block():
+    from jax_api.attention.blockdiag import masked_attention
+
+    rng = np.random.default_rng(7)
+    doc_ids = jnp.asarray(np.array([0, 1, 1, 1, 2, 2, 2, 2, 2, 0, 3, 3, 3, 3, 3, 3, 3, 0, 4, 4, 4]), jnp.int32)
+    q = jnp.asarray(rng.normal(size=(2, 13, 4, 8)), jnp.float32)  # queries at global positions 8..20
+    keys = jnp.asarray(rng.normal(size=(17, 2, 2, 8)), jnp.float32)  # the key window holds positions 4..20
+    values = jnp.asarray(rng.normal(size=(17, 2, 2, 8)), jnp.float32)
+    key_positions = jnp.arange(4, 21, dtype=jnp.int32)
+
+    def loss(q, keys, values, block):
+        out = masked_attention(q, keys, values, key_positions, doc_ids, query_start=8, scale=0.3, query_block=block)
+        return jnp.sum(out * jnp.cos(out)), out
+
+    (_, whole), whole_grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, keys, values, 64)
+    (_, blocked), blocked_grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, keys, values, 5)
+    expected = reference_blockdiag_attention_window(q, keys, values, np.asarray(doc_ids), query_start=8,
+                                                    key_start=4, scale=0.3)
+    np.testing.assert_allclose(np.asarray(whole), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(blocked), np.asarray(whole), rtol=1e-6, atol=1e-7)
+    for got, want in zip(blocked_grads, whole_grads):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def reference_blockdiag_attention_window(q, keys, values, doc_ids, *, query_start, key_start, scale):
+    """float64 reference: the full-sequence doc-masked attention restricted to the queried rows."""
+    tokens = doc_ids.shape[0]
+    batch, length, q_heads, dim = q.shape
+    full_q = np.zeros((batch, tokens, q_heads, dim))
+    full_q[:, query_start:query_start + length] = np.asarray(q)
+    full_k = np.zeros((batch, tokens, keys.shape[2], dim))
+    full_v = np.zeros_like(full_k)
+    full_k[:, key_start:] = np.moveaxis(np.asarray(keys), 0, 1)
+    full_v[:, key_start:] = np.moveaxis(np.asarray(values), 0, 1)
+    # keys before key_start are outside every queried row's document here (positions 0..3 are docs 0, 1)
+    return reference_attention(full_q, full_k, full_v, doc_ids, scale=scale)[:, query_start:query_start + length]
