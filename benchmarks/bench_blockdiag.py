@@ -171,7 +171,7 @@ def bench_kernels(args, shape: Shape, device: torch.device, deadline: Deadline) 
     print(f"\n## Part 1: kernels on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}")
     print(f"B={shape.batch} L={shape.local_len} Hq={shape.q_heads} Hkv={shape.kv_heads} D={shape.head_dim} "
           f"{shape.dtype} (busiest rank of cp={shape.cp_size}); median of {args.iters} after {args.warmup} warm-up")
-    print(f"| layout | keys | kernel | fwd ms | fwd+bwd ms | fwd TFLOP/s | check |")
+    print("| layout | keys | kernel | fwd ms | fwd+bwd ms | fwd TFLOP/s | check |")
     print("|---|---|---|---|---|---|---|")
     best: dict[str, tuple[float, str]] = {}
     for kind in ("short", "long"):

@@ -8,7 +8,6 @@ states, new values, output, transition product, fold), so a wrong kernel is name
 
 from __future__ import annotations
 
-import itertools
 import sys
 
 import numpy as np

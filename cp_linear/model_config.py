@@ -17,6 +17,15 @@ import math
 from dataclasses import dataclass, field
 
 
+def resolve_config(config_class, config, kwargs: dict):
+    """A layer's config: the one given, or one built from keyword arguments (not both)."""
+    if config is None:
+        return config_class(**kwargs)
+    if kwargs:
+        raise ValueError(f"pass either a {config_class.__name__} or keyword arguments; received both ({sorted(kwargs)})")
+    return config
+
+
 def _positive_int(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int; received {value!r}")

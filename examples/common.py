@@ -109,3 +109,16 @@ def summary_lines(history: dict, png: Path) -> list[str]:
 
 
 __all__ = ["base_parser", "check_args", "free_port", "parity_line", "parity_ok", "summary_lines", "write_outputs"]
+
+
+def finish(args, history: dict, title: str) -> int:
+    """Write the plot and history, print the summary; exit status 1 when the step-0 parity failed."""
+    import sys
+
+    png = write_outputs(args.out, history, title)
+    for line in summary_lines(history, png):
+        print(line)
+    if not parity_ok(history, args.dtype):
+        print("FAILED: CP and one-device step 0 disagree beyond rounding", file=sys.stderr)
+        return 1
+    return 0

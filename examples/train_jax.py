@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from examples.common import base_parser, check_args, parity_line, parity_ok, summary_lines, write_outputs  # noqa: E501
+from examples.common import base_parser, check_args, finish, parity_line
 from examples.data import IGNORE, RecallTask, packed_batch
 
 
@@ -129,13 +129,7 @@ def main(argv=None) -> int:
     history["tokens_per_s"] = tokens_done / (time.perf_counter() - start) if tokens_done else 0.0
     title = (f"jax: {args.layers} layers, hidden {args.hidden}, T = {args.seq_len}, CP {args.cp}, "
              f"{platform}, {args.dtype}")
-    png = write_outputs(args.out, history, title)
-    for line in summary_lines(history, png):
-        print(line)
-    if not parity_ok(history, args.dtype):
-        print("FAILED: CP and one-device step 0 disagree beyond rounding", file=sys.stderr)
-        return 1
-    return 0
+    return finish(args, history, title)
 
 
 if __name__ == "__main__":

@@ -24,8 +24,7 @@ from datetime import timedelta
 
 import numpy as np
 
-from examples.common import (base_parser, check_args, free_port, parity_line, parity_ok, summary_lines,
-                             write_outputs)
+from examples.common import base_parser, check_args, finish, free_port, parity_line
 from examples.data import IGNORE, RecallTask, packed_batch
 
 
@@ -44,7 +43,6 @@ def build_model(args, task):
 
 def loss_pieces(model, ids, targets, doc_ids, *, layout=None, autocast=None):
     """(sum of the local answer losses, number of answers in the *global* row) -> local loss share."""
-    import torch
     import torch.nn.functional as F
 
     with autocast():
@@ -187,13 +185,7 @@ def main(argv=None) -> int:
     history = run(args)
     title = (f"torch: {args.layers} layers, hidden {args.hidden}, T = {args.seq_len}, CP {args.cp}, "
              f"{args.device}, {args.dtype}")
-    png = write_outputs(args.out, history, title)
-    for line in summary_lines(history, png):
-        print(line)
-    if not parity_ok(history, args.dtype):
-        print("FAILED: CP and one-device step 0 disagree beyond rounding", file=sys.stderr)
-        return 1
-    return 0
+    return finish(args, history, title)
 
 
 if __name__ == "__main__":

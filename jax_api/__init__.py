@@ -6,7 +6,7 @@ inside a caller's own ``shard_map``. Names resolve lazily.
 
 from __future__ import annotations
 
-import importlib
+from cp_linear._lazy import lazy_exports
 
 _EXPORTS = {
     "JaxGDPBackend": "jax_api.gdp.chunk",
@@ -22,14 +22,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'jax_api' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__ = lazy_exports("jax_api", _EXPORTS, globals())

@@ -6,7 +6,7 @@ backend needs nvidia-cutlass-dsl and a GPU) only load when used.
 
 from __future__ import annotations
 
-import importlib
+from cp_linear._lazy import lazy_exports
 
 _EXPORTS = {
     "GDPInputs": "torch_api.gdp.types",
@@ -25,14 +25,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'torch_api' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__ = lazy_exports("torch_api", _EXPORTS, globals())

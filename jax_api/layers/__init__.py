@@ -7,7 +7,7 @@ Under CP the modules run inside ``jax.shard_map`` (``axis_name``) with a replica
 
 from __future__ import annotations
 
-import importlib
+from cp_linear._lazy import lazy_exports
 
 _EXPORTS = {
     "AttentionConfig": "cp_linear.model_config",
@@ -25,14 +25,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'jax_api.layers' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__ = lazy_exports("jax_api.layers", _EXPORTS, globals())

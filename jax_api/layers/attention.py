@@ -15,7 +15,7 @@ from flax import nnx
 
 from jax_api.layers.blocks import Linear, apply_rope, rope_angles
 from jax_api.layers.layout import resolve_layout
-from cp_linear.model_config import AttentionConfig
+from cp_linear.model_config import AttentionConfig, resolve_config
 
 
 class BlockDiagAttention(nnx.Module):
@@ -25,11 +25,7 @@ class BlockDiagAttention(nnx.Module):
     """
 
     def __init__(self, config: AttentionConfig | None = None, *, rngs: nnx.Rngs, mode: str = "auto", **kwargs):
-        if config is None:
-            config = AttentionConfig(**kwargs)
-        elif kwargs:
-            raise ValueError(f"pass either an AttentionConfig or keyword arguments; received both ({sorted(kwargs)})")
-        self.config = config
+        self.config = config = resolve_config(AttentionConfig, config, kwargs)
         self.mode = mode
         c, d = config, config.dim_per_head
         self.q_proj = Linear(c.hidden_size, c.num_heads * d, bias=c.qkv_bias, rngs=rngs)

@@ -20,7 +20,7 @@ from flax import nnx
 from jax_api.layers.blocks import GatedRMSNorm, Linear, RMSNorm, ShortConvolution
 from jax_api.layers.conv import conv_window
 from jax_api.layers.layout import resolve_layout
-from cp_linear.model_config import GDPConfig
+from cp_linear.model_config import GDPConfig, resolve_config
 
 
 def _init_decay(rngs: nnx.Rngs, heads: int) -> tuple[jax.Array, jax.Array]:
@@ -35,11 +35,7 @@ class GatedDeltaProduct(nnx.Module):
     """Gated DeltaProduct mixer; keyword arguments as ``GDPConfig``; ``rngs`` for the initial weights."""
 
     def __init__(self, config: GDPConfig | None = None, *, rngs: nnx.Rngs, backend=None, **kwargs):
-        if config is None:
-            config = GDPConfig(**kwargs)
-        elif kwargs:
-            raise ValueError(f"pass either a GDPConfig or keyword arguments; received both ({sorted(kwargs)})")
-        self.config = config
+        self.config = config = resolve_config(GDPConfig, config, kwargs)
         self.backend = backend
         c, n = config, config.num_householder
         self.q_proj = Linear(c.hidden_size, c.key_dim, rngs=rngs)

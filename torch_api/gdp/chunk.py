@@ -38,7 +38,7 @@ from cp_linear.summary import (
     compose_forward,
 )
 from torch_api.gdp.types import GDPInputGradients, GDPInputs
-from torch_api.gdp.validation import gdp_input_error
+from torch_api.gdp.validation import check_gdp_inputs
 from torch_api.gdp.wy import (
     ChunkLayout,
     ChunkTerms,
@@ -224,11 +224,7 @@ class TorchGDPBackend:
 
     @staticmethod
     def _check(inputs: GDPInputs) -> None:
-        error = gdp_input_error(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta,
-                                num_householder=inputs.num_householder, scale=inputs.scale,
-                                cu_seqlens=inputs.cu_seqlens)
-        if error:
-            raise ValueError(error)
+        check_gdp_inputs(inputs)
 
     # ---- forward
 

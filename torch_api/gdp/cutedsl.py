@@ -31,7 +31,7 @@ from cp_linear.protocol import CPForwardResult, CPSavedContext
 from cp_linear.summary import CPForwardPackedSummary, CPForwardUnpackedSummary
 from torch_api.gdp.chunk import TorchGDPBackend, make_cp_saved_context
 from torch_api.gdp.types import GDPInputs
-from torch_api.gdp.validation import gdp_input_error
+from torch_api.gdp.validation import check_gdp_inputs
 
 CHUNK = 64
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -150,11 +150,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
 
     @staticmethod
     def _check(inputs: GDPInputs) -> None:
-        error = gdp_input_error(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta,
-                                num_householder=inputs.num_householder, scale=inputs.scale,
-                                cu_seqlens=inputs.cu_seqlens)
-        if error:
-            raise ValueError(error)
+        check_gdp_inputs(inputs)
         key_dim, value_dim = inputs.q.shape[-1], inputs.v.shape[-1]
         if key_dim not in SUPPORTED_HEAD_DIMS or value_dim not in SUPPORTED_HEAD_DIMS:
             raise ValueError(f"CuTeDSLGatedDeltaProductCPBackend supports K, V in {SUPPORTED_HEAD_DIMS}; "

@@ -82,3 +82,11 @@ def nonfinite_error(named: dict[str, torch.Tensor | None]) -> str | None:
     if bad:
         return f"non-finite values (NaN or Inf) in {', '.join(bad)}"
     return None
+
+
+def check_gdp_inputs(inputs) -> None:
+    """Raise ValueError for a ``GDPInputs`` whose shapes, dtypes or cu_seqlens are wrong (host only)."""
+    error = gdp_input_error(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta,
+                            num_householder=inputs.num_householder, scale=inputs.scale, cu_seqlens=inputs.cu_seqlens)
+    if error:
+        raise ValueError(error)

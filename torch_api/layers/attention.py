@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from torch_api.layers.blocks import apply_rope, rope_angles
-from cp_linear.model_config import AttentionConfig
+from cp_linear.model_config import AttentionConfig, resolve_config
 from torch_api.layers.layout import resolve_layout
 
 
@@ -35,11 +35,7 @@ class BlockDiagAttention(nn.Module):
 
     def __init__(self, config: AttentionConfig | None = None, *, mode: str = "auto", kernel: str = "auto", **kwargs):
         super().__init__()
-        if config is None:
-            config = AttentionConfig(**kwargs)
-        elif kwargs:
-            raise ValueError(f"pass either an AttentionConfig or keyword arguments; received both ({sorted(kwargs)})")
-        self.config = config
+        self.config = config = resolve_config(AttentionConfig, config, kwargs)
         self.mode = mode
         self.kernel = kernel
         c, d = config, config.dim_per_head

@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from torch_api.layers.blocks import GatedRMSNorm, RMSNorm, ShortConvolution
-from cp_linear.model_config import GDPConfig
+from cp_linear.model_config import GDPConfig, resolve_config
 from torch_api.layers.conv import conv_window
 from torch_api.layers.layout import resolve_layout
 
@@ -53,11 +53,7 @@ class GatedDeltaProduct(nn.Module):
 
     def __init__(self, config: GDPConfig | None = None, *, backend=None, cp_check_inputs: bool = True, **kwargs):
         super().__init__()
-        if config is None:
-            config = GDPConfig(**kwargs)
-        elif kwargs:
-            raise ValueError(f"pass either a GDPConfig or keyword arguments; received both ({sorted(kwargs)})")
-        self.config = config
+        self.config = config = resolve_config(GDPConfig, config, kwargs)
         self.backend = backend
         self.cp_check_inputs = cp_check_inputs
         c, n = config, config.num_householder
