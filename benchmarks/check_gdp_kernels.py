@@ -87,7 +87,7 @@ def check(lengths, heads, key_dim, value_dim, nh, l2, dtype=torch.float32):
     report("final_state", rel_err(final.cpu().numpy(), np.stack(finals)), 1e-4)
     ref_o, _ = naive_gated_delta_product(*(x.detach().float().cpu().numpy() for x in (q, k, v, g, beta)),
                                          num_householder=nh, initial_state=init_host, cu_seqlens=cu_host,
-                                         use_qk_l2norm=l2)
+                                         use_qk_l2norm_in_kernel=l2)
     report("output", rel_err(output.float().cpu().numpy(), ref_o), 2e-3 if dtype != torch.float32 else 1e-4)
 
     # transition product and fold, on a one-sequence shard

@@ -18,9 +18,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from cp_linear.gdp import L2NORM_EPS
 from cp_linear.kernels.configs import CHUNK_SIZE
 
-L2NORM_EPS = 1e-6
 THREADS = 256
 WARPS = THREADS // 32
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-CHUNK_SIZE = 64  # interleaved steps per chunk; every chunk starts at its sequence's start
+from cp_linear.chunking import CHUNK_SIZE  # interleaved steps per chunk; every chunk starts at its sequence's start
 HEAD_DIMS = (64, 128)  # supported K and V
 INPUT_DTYPES = ("bfloat16", "float16", "float32")
 STATE_TILE = 16  # state columns per CTA in the sequential state pass and in folds

@@ -41,7 +41,7 @@ def test_chunked_matches_naive(num_householder, use_qk_l2norm, chunk_size):
     q, k, v, g, beta = random_gdp_inputs(rng, tokens=63, key_dim=12, value_dim=10, num_householder=num_householder)
     cu = [0, 1, 30, 63]
     init = rng.normal(size=(3, 2, 12, 10))
-    args = dict(num_householder=num_householder, cu_seqlens=cu, initial_state=init, use_qk_l2norm=use_qk_l2norm)
+    args = dict(num_householder=num_householder, cu_seqlens=cu, initial_state=init, use_qk_l2norm_in_kernel=use_qk_l2norm)
     o_ref, s_ref = ref.naive_gated_delta_product(q, k, v, g, beta, **args)
     o, s = ref.chunked_gated_delta_product(q, k, v, g, beta, chunk_size=chunk_size, **args)
     tol = tolerance(gdp_length(63, num_householder, 12), compared_with="rounded", **F64)
@@ -109,10 +109,33 @@ def test_blockdiag_attention_masks_documents_and_zeroes_padding():
     assert_close("token 0 sees only itself", v[0, 0, 0], o[0, 0, 0], tol)
 
 
+def test_empty_sequences_end_in_their_initial_state():
+    rng = np.random.default_rng(6)
+    q, k, v, g, beta = random_gdp_inputs(rng, tokens=8, num_householder=2)
+    init = rng.normal(size=(4, 2, 8, 6))
+    o, final = ref.naive_gated_delta_product(q, k, v, g, beta, num_householder=2, cu_seqlens=[0, 3, 3, 8, 8],
+                                             initial_state=init)
+    o_plain, final_plain = ref.naive_gated_delta_product(q, k, v, g, beta, num_householder=2, cu_seqlens=[0, 3, 8],
+                                                         initial_state=init[[0, 2]])
+    np.testing.assert_array_equal(final[[1, 3]], init[[1, 3]])
+    np.testing.assert_array_equal(final[[0, 2]], final_plain)
+    np.testing.assert_array_equal(o, o_plain)
+
+
+def test_no_gate_is_a_zero_gate():
+    rng = np.random.default_rng(7)
+    q, k, v, g, beta = random_gdp_inputs(rng, tokens=6)
+    o, final = ref.naive_gated_delta_product(q, k, v, None, beta)
+    o_zero, final_zero = ref.naive_gated_delta_product(q, k, v, np.zeros_like(g), beta)
+    np.testing.assert_array_equal(o, o_zero)
+    np.testing.assert_array_equal(final, final_zero)
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(g_shape=(1, 5, 2)), "g must have shape"),
     (dict(num_householder=0), "num_householder"),
-    (dict(cu_seqlens=[0, 3, 3, 8]), "cu_seqlens"),
+    (dict(cu_seqlens=[0, 5, 3, 8]), "nondecreasing"),
+    (dict(cu_seqlens=[0, 3, 7]), "from 0 to T = 8"),
 ])
 def test_reference_rejects_bad_shapes(bad, match):
     rng = np.random.default_rng(5)

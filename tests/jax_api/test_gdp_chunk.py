@@ -11,7 +11,8 @@ import pytest
 
 from cp_linear import compose_backward, compose_forward
 from cp_linear import reference as ref
-from jax_api.gdp.chunk import JaxGDPBackend, JaxGDPInputs
+from cp_linear.gdp import GDPInputs
+from jax_api.gdp.chunk import JaxGDPBackend
 from jax_api.gdp.naive import naive_gated_delta_product, naive_recurrence
 from jax_api.gdp.ops import gated_delta_product
 from tests.cp_linear.gdp_cases import random_gdp_inputs, seq_idx_from_lengths
@@ -32,13 +33,13 @@ def sequence_index(lengths):
 def _float64_vjp(num_householder, use_qk_l2norm, packed):
     def loss(q, k, v, g, beta, initial_state, seq_index, output_grad, final_grad):
         o, final = naive_recurrence(q, k, v, g, beta, seq_index if packed else None, initial_state,
-                                    num_householder=num_householder, use_qk_l2norm=use_qk_l2norm)
+                                    num_householder=num_householder, use_qk_l2norm_in_kernel=use_qk_l2norm)
         return jnp.sum(o * output_grad) + jnp.sum(final * final_grad)
 
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)))
 
 
-def float64_reference_grads(inputs, output_grad, *, num_householder, use_qk_l2norm=False, lengths=None,
+def float64_reference_grads(inputs, output_grad, *, num_householder, use_qk_l2norm_in_kernel=False, lengths=None,
                             initial_state=None, final_grad=None):
     """Gradients of sum(o * output_grad) + sum(final * final_grad) w.r.t. (q, k, v, g, beta, initial_state).
 
@@ -55,7 +56,7 @@ def float64_reference_grads(inputs, output_grad, *, num_householder, use_qk_l2no
                                                                + [(0, 0)] * 3)
     seq = sequence_index(lengths) if lengths is not None else np.zeros((tokens,), np.int32)
     with jax.enable_x64(True):
-        fn = _float64_vjp(num_householder, use_qk_l2norm, lengths is not None)
+        fn = _float64_vjp(num_householder, use_qk_l2norm_in_kernel, lengths is not None)
         grads = fn(*(jnp.asarray(x, jnp.float64) for x in inputs), jnp.asarray(initial, jnp.float64),
                    jnp.asarray(seq), jnp.asarray(output_grad, jnp.float64), jnp.asarray(dfinal, jnp.float64))
         grads = [np.asarray(x) for x in grads]
@@ -75,10 +76,10 @@ def test_naive_recurrence_matches_numpy_reference_in_float64(num_householder):
     cu = np.r_[0, np.cumsum(lengths)]
     init = rng.normal(size=(3, HEADS, KEY_DIM, VALUE_DIM))
     o_ref, final_ref = ref.naive_gated_delta_product(*inputs, num_householder=num_householder, cu_seqlens=cu,
-                                                     initial_state=init, use_qk_l2norm=True)
+                                                     initial_state=init, use_qk_l2norm_in_kernel=True)
     with jax.enable_x64(True):
         o, final = naive_gated_delta_product(*(jnp.asarray(x) for x in inputs), num_householder=num_householder,
-                                             cu_seqlens=cu, initial_state=jnp.asarray(init), use_qk_l2norm=True)
+                                             cu_seqlens=cu, initial_state=jnp.asarray(init), use_qk_l2norm_in_kernel=True)
         assert o.dtype == jnp.float64
     tol = tolerance(gdp_length(13, num_householder, KEY_DIM), dtype="float64", compared_with="rounded")
     assert_close("output", o_ref, o, tol)
@@ -115,14 +116,11 @@ def test_naive_recurrence_gradient_matches_finite_differences():
 # --------------------------------------------------------------------------- backend protocol
 
 
-def packed_shard(rng, lengths, num_householder, *, flag_first_token=False):
-    tokens = sum(lengths)
-    inputs = random_gdp_inputs(rng, tokens=tokens, heads=HEADS, key_dim=KEY_DIM, value_dim=VALUE_DIM,
+def packed_shard(rng, lengths, num_householder):
+    """Random inputs of one packed shard and its local cu_seqlens int32 [N + 1]."""
+    inputs = random_gdp_inputs(rng, tokens=sum(lengths), heads=HEADS, key_dim=KEY_DIM, value_dim=VALUE_DIM,
                                num_householder=num_householder)
-    starts = np.zeros((1, tokens), bool)
-    starts[0, np.cumsum(lengths)[:-1]] = True
-    starts[0, 0] = flag_first_token
-    return inputs, starts
+    return inputs, jnp.asarray(np.r_[0, np.cumsum(lengths)], jnp.int32)
 
 
 @pytest.mark.parametrize("num_householder, chunk_size", [(1, 4), (2, 64), (3, 4)])
@@ -132,10 +130,8 @@ def test_forward_summary_matches_reference_for_packed_and_batched_shards(num_hou
     prepare = jax.jit(lambda shard: backend.cp_forward_prepare(shard)[0].packed)  # one compile per shape
     # a 1-token sequence, a start on a chunk boundary (token 4 with n_h = 1, chunk 4), a long tail
     lengths = [4, 1, 3, 9]
-    inputs, starts = packed_shard(rng, lengths, num_householder, flag_first_token=True)
-    summary = prepare(JaxGDPInputs(*as_f32(*inputs), scale=KEY_DIM**-0.5,
-                                                         sequence_starts=jnp.asarray(starts),
-                                                         num_householder=num_householder))
+    inputs, cu = packed_shard(rng, lengths, num_householder)
+    summary = prepare(GDPInputs(*as_f32(*inputs), scale=KEY_DIM**-0.5, cu_seqlens=cu, num_householder=num_householder))
     want = ref.shard_forward_summary(*inputs[1:], num_householder=num_householder,
                                      cu_seqlens=np.r_[0, np.cumsum(lengths)])
     assert summary.shape == (HEADS, KEY_DIM, VALUE_DIM + KEY_DIM) and summary.dtype == jnp.float32
@@ -143,9 +139,9 @@ def test_forward_summary_matches_reference_for_packed_and_batched_shards(num_hou
 
     rows = random_gdp_inputs(rng, batch=2, tokens=11, heads=HEADS, key_dim=KEY_DIM, value_dim=VALUE_DIM,
                              num_householder=num_householder)
-    summary = prepare(JaxGDPInputs(*as_f32(*rows), scale=0.3, num_householder=num_householder,
-                                                         use_qk_l2norm_in_kernel=True))
-    want = ref.shard_forward_summary(*rows[1:], num_householder=num_householder, use_qk_l2norm=True)
+    summary = prepare(GDPInputs(*as_f32(*rows), scale=0.3, num_householder=num_householder,
+                                use_qk_l2norm_in_kernel=True))
+    want = ref.shard_forward_summary(*rows[1:], num_householder=num_householder, use_qk_l2norm_in_kernel=True)
     assert summary.shape == (2, HEADS, KEY_DIM, VALUE_DIM + KEY_DIM)
     assert_close("row summaries", want, summary, tolerance(gdp_length(11, num_householder, KEY_DIM)))
 
@@ -162,13 +158,13 @@ def test_apply_and_backward_match_float64_oracle_for_a_packed_shard(num_househol
     rng = np.random.default_rng(num_householder)
     backend = JaxGDPBackend(chunk_size=8)
     lengths = [6, 1, 2, 8]
-    inputs, starts = packed_shard(rng, lengths, num_householder)
+    inputs, cu = packed_shard(rng, lengths, num_householder)
     preceding, following = random_summaries(rng, 2), random_summaries(rng, 3)
     incoming, outgoing_grad = compose_forward(preceding), compose_backward(following)
     output_grad = rng.normal(size=(1, sum(lengths), HEADS, VALUE_DIM))
 
-    local_inputs = JaxGDPInputs(*as_f32(*inputs), scale=KEY_DIM**-0.5, sequence_starts=jnp.asarray(starts),
-                                num_householder=num_householder, use_qk_l2norm_in_kernel=use_qk_l2norm)
+    local_inputs = GDPInputs(*as_f32(*inputs), scale=KEY_DIM**-0.5, cu_seqlens=cu, num_householder=num_householder,
+                             use_qk_l2norm_in_kernel=use_qk_l2norm)
 
     @jax.jit
     def protocol(local_inputs, preceding, output_grad, following):  # the frontend's call order
@@ -183,21 +179,21 @@ def test_apply_and_backward_match_float64_oracle_for_a_packed_shard(num_househol
     initial[0] = incoming  # the incoming state reaches only the first sequence
     o_ref, _ = ref.naive_gated_delta_product(*inputs, num_householder=num_householder,
                                              cu_seqlens=np.r_[0, np.cumsum(lengths)],
-                                             initial_state=initial, use_qk_l2norm=use_qk_l2norm)
+                                             initial_state=initial, use_qk_l2norm_in_kernel=use_qk_l2norm)
     tol = tolerance(gdp_length(sum(lengths), num_householder, KEY_DIM))
     assert output.dtype == jnp.float32
     assert_close("output", o_ref, output, tol)
     # gamma: gradient of the local loss w.r.t. the incoming state, at zero outgoing gradient
     local_only = float64_reference_grads(inputs, output_grad, num_householder=num_householder,
-                                         use_qk_l2norm=use_qk_l2norm, lengths=lengths, initial_state=initial)
+                                         use_qk_l2norm_in_kernel=use_qk_l2norm, lengths=lengths, initial_state=initial)
     gamma, transposed = np.split(np.asarray(backward_summary), [VALUE_DIM], axis=-1)
     assert_close("gamma", local_only[5][0], gamma, tol)
     np.testing.assert_array_equal(transposed, np.swapaxes(np.asarray(summary)[..., VALUE_DIM:], -1, -2))
     # input gradients: local loss plus dS_out flowing into the last sequence's final state
     final_grad = np.zeros_like(initial)
     final_grad[-1] = outgoing_grad
-    want = float64_reference_grads(inputs, output_grad, num_householder=num_householder, use_qk_l2norm=use_qk_l2norm,
-                                   lengths=lengths, initial_state=initial, final_grad=final_grad)
+    want = float64_reference_grads(inputs, output_grad, num_householder=num_householder, lengths=lengths,
+                                   use_qk_l2norm_in_kernel=use_qk_l2norm, initial_state=initial, final_grad=final_grad)
     for name, got, expected in zip(("dq", "dk", "dv", "dg", "dbeta"), grads, want):
         assert got.dtype == jnp.float32
         assert_close(name, expected, got, tol)
@@ -214,15 +210,15 @@ def test_apply_accepts_an_empty_preceding_stack_and_batched_rows():
         _, local = backend.cp_forward_prepare(shard)
         return backend.cp_forward_apply(local, jnp.zeros((0, 2, HEADS, KEY_DIM, VALUE_DIM + KEY_DIM))).output
 
-    output = forward(JaxGDPInputs(*as_f32(*rows), scale=0.4, num_householder=2))
+    output = forward(GDPInputs(*as_f32(*rows), scale=0.4, num_householder=2))
     o_ref, _ = ref.naive_gated_delta_product(*rows, num_householder=2, scale=0.4)
     assert_close("output", o_ref, output, tolerance(gdp_length(9, 2, KEY_DIM)))
 
 
-def test_first_token_flag_is_ignored_because_the_incoming_state_owns_it():
+def test_empty_sequences_in_cu_seqlens_change_nothing():
     rng = np.random.default_rng(5)
     backend = JaxGDPBackend(chunk_size=4)
-    inputs, starts = packed_shard(rng, [3, 6], 1)
+    inputs, cu = packed_shard(rng, [3, 6], 1)
     preceding = jnp.asarray(random_summaries(rng, 1), jnp.float32)
 
     @jax.jit
@@ -230,12 +226,11 @@ def test_first_token_flag_is_ignored_because_the_incoming_state_owns_it():
         summary, local = backend.cp_forward_prepare(shard)
         return summary.packed, backend.cp_forward_apply(local, preceding).output
 
-    results = []
-    for first in (False, True):
-        starts[0, 0] = first
-        results.append(forward(JaxGDPInputs(*as_f32(*inputs), scale=0.5, sequence_starts=jnp.asarray(starts))))
-    np.testing.assert_array_equal(results[0][0], results[1][0])
-    np.testing.assert_array_equal(results[0][1], results[1][1])
+    plain = forward(GDPInputs(*as_f32(*inputs), scale=0.5, cu_seqlens=cu))
+    with_empty = forward(GDPInputs(*as_f32(*inputs), scale=0.5, cu_seqlens=jnp.asarray([0, 3, 3, 9, 9], jnp.int32)))
+    tol = tolerance(gdp_length(9, 1, KEY_DIM), compared_with="rounded")  # more chunk slots: other batch shapes
+    assert_close("summary", plain[0], with_empty[0], tol)
+    assert_close("output", plain[1], with_empty[1], tol)
 
 
 @pytest.mark.parametrize("chunk_size", [0, -3, 2.5, True])
@@ -278,12 +273,12 @@ def test_op_with_cu_seqlens_matches_references_and_reuses_its_program(num_househ
         (_, (o, final)), grads = fn(*as_f32(*inputs, init), jnp.asarray(cu, jnp.int32),
                                     *as_f32(output_grad, final_grad))
         o_ref, final_ref = ref.naive_gated_delta_product(*inputs, num_householder=num_householder, cu_seqlens=cu,
-                                                         initial_state=init, use_qk_l2norm=use_qk_l2norm)
+                                                         initial_state=init, use_qk_l2norm_in_kernel=use_qk_l2norm)
         tol = tolerance(gdp_length(tokens, num_householder, KEY_DIM))
         assert_close(f"{lengths} output", o_ref, o, tol)
         assert_close(f"{lengths} final state", final_ref, final, tol)
         want = float64_reference_grads(inputs, output_grad, num_householder=num_householder, lengths=lengths,
-                                       use_qk_l2norm=use_qk_l2norm, initial_state=init, final_grad=final_grad)
+                                       use_qk_l2norm_in_kernel=use_qk_l2norm, initial_state=init, final_grad=final_grad)
         for name, got, expected in zip(("dq", "dk", "dv", "dg", "dbeta", "dinitial_state"), grads, want):
             assert_close(f"{lengths} {name}", expected, got, tol)
     assert fn._cache_size() == 1
@@ -324,6 +319,38 @@ def test_op_with_seq_idx_equals_op_with_cu_seqlens():
     assert_close("output, traced ids", by_cu[0], traced(jnp.asarray(seq_idx_from_lengths(lengths)))[0], tol)
 
 
+def test_op_takes_no_gate_and_empty_sequences():
+    """g=None is a zero gate; an empty sequence of cu_seqlens ends in its initial state and passes
+    its final-state gradient to it (flash-linear-attention's varlen conventions)."""
+    rng = np.random.default_rng(12)
+    inputs = random_gdp_inputs(rng, tokens=14, heads=HEADS, key_dim=KEY_DIM, value_dim=VALUE_DIM, num_householder=2)
+    q, k, v, _, beta = as_f32(*inputs)
+    init = jnp.asarray(rng.normal(size=(4, HEADS, KEY_DIM, VALUE_DIM)), jnp.float32)
+    dfinal = jnp.asarray(rng.normal(size=init.shape), jnp.float32)
+    cu = np.array([0, 0, 5, 5, 14])
+    backend = JaxGDPBackend(chunk_size=4)
+
+    def loss(q, initial):
+        o, final = gated_delta_product(q, k, v, None, beta, num_householder=2, cu_seqlens=cu, initial_state=initial,
+                                       backend=backend)
+        return jnp.sum(o) + jnp.sum(final * dfinal), (o, final)
+
+    (_, (o, final)), (dq, dinit) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(q, init)
+    empty = np.array([0, 2])
+    np.testing.assert_array_equal(np.asarray(final)[empty], np.asarray(init)[empty])
+    np.testing.assert_array_equal(np.asarray(dinit)[empty], np.asarray(dfinal)[empty])
+    o_ref, final_ref = ref.naive_gated_delta_product(*inputs[:3], None, inputs[4], num_householder=2, cu_seqlens=cu,
+                                                     initial_state=np.asarray(init, np.float64))
+    tol = tolerance(gdp_length(14, 2, KEY_DIM))
+    assert_close("output", o_ref, o, tol)
+    assert_close("final state", final_ref, final, tol)
+    want = float64_reference_grads((*inputs[:3], np.zeros_like(inputs[3]), inputs[4]), np.ones(o.shape),
+                                   num_householder=2, lengths=[5, 9], initial_state=np.asarray(init)[[1, 3]],
+                                   final_grad=np.asarray(dfinal)[[1, 3]])
+    assert_close("dq", want[0], dq, tol)
+    assert_close("dinitial_state of the nonempty sequences", want[5], np.asarray(dinit)[[1, 3]], tol)
+
+
 def test_op_keeps_bfloat16_inputs_in_bfloat16_with_a_float32_state():
     rng = np.random.default_rng(9)
     inputs = random_gdp_inputs(rng, tokens=12, heads=HEADS, key_dim=KEY_DIM, value_dim=VALUE_DIM, num_householder=2)
@@ -346,9 +373,8 @@ def test_op_keeps_bfloat16_inputs_in_bfloat16_with_a_float32_state():
         pytest.param(dict(k_len=11), "k must have shape", id="k-length-mismatch"),
         pytest.param(dict(k_dtype=jnp.bfloat16), "q, k and v must share one dtype", id="k-dtype-mismatch"),
         pytest.param(dict(q_int=True), "q must have a floating dtype", id="integer-q"),
-        pytest.param(dict(cu_seqlens=np.array([0, 5, 5, 12])), "must rise strictly from 0 to T = 12",
-                     id="empty-sequence"),
-        pytest.param(dict(cu_seqlens=np.array([0, 5, 11])), "must rise strictly from 0 to T = 12", id="cu-short-of-T"),
+        pytest.param(dict(cu_seqlens=np.array([0, 5, 3, 12])), "nondecreasing from 0 to T = 12", id="decreasing"),
+        pytest.param(dict(cu_seqlens=np.array([0, 5, 11])), "nondecreasing from 0 to T = 12", id="cu-short-of-T"),
         pytest.param(dict(seq_idx=np.array([[0] * 6 + [1] * 3 + [0] * 3])), "nondecreasing", id="seq-idx-drops"),
         pytest.param(dict(initial_state=np.zeros((3, HEADS, KEY_DIM, VALUE_DIM))),
                      r"initial_state must be \[N, H, K, V\]",

@@ -59,24 +59,24 @@ def cp_value_and_grad(cp_size, num_householder, use_qk_l2norm, packed, chunk_siz
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
 
 
-def check_case(rng, cp_size, *, num_householder, use_qk_l2norm=False, lengths=None, batch=1, chunk_size=8):
+def check_case(rng, cp_size, *, num_householder, use_qk_l2norm_in_kernel=False, lengths=None, batch=1, chunk_size=8):
     """Run one case through the CP function and compare with the float64 references."""
     inputs = random_gdp_inputs(rng, batch=batch, tokens=TOKENS, heads=HEADS, key_dim=KEY_DIM, value_dim=VALUE_DIM,
                                num_householder=num_householder)
     output_grad = rng.normal(size=(batch, TOKENS, HEADS, VALUE_DIM))
     packed = lengths is not None
     seq_idx = jnp.asarray(seq_idx_from_lengths(lengths) if packed else np.zeros((1, TOKENS)), jnp.int32)
-    fn = cp_value_and_grad(cp_size, num_householder, use_qk_l2norm, packed, chunk_size)
+    fn = cp_value_and_grad(cp_size, num_householder, use_qk_l2norm_in_kernel, packed, chunk_size)
     (_, output), grads = fn(*(jnp.asarray(x, jnp.float32) for x in inputs), seq_idx,
                             jnp.asarray(output_grad, jnp.float32))
     cu = np.r_[0, np.cumsum(lengths)] if packed else None
     o_ref, _ = ref.naive_gated_delta_product(*inputs, num_householder=num_householder, cu_seqlens=cu,
-                                             use_qk_l2norm=use_qk_l2norm)
+                                             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     assert output.dtype == jnp.float32 and is_split_along_tokens(output)
     tol = gdp_tolerance(num_householder)
     assert_close("output", o_ref, output, tol)
     want = float64_reference_grads(inputs, output_grad, num_householder=num_householder,
-                                   use_qk_l2norm=use_qk_l2norm, lengths=lengths)
+                                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, lengths=lengths)
     for name, got, expected in zip(("dq", "dk", "dv", "dg", "dbeta"), grads, want):
         assert got.shape == expected.shape, name
         assert_close(name, expected, got, tol)
@@ -102,7 +102,7 @@ def test_every_packing_matches_float64_references(cp_size):
 def test_householder_counts_and_qk_l2norm(cp_size, num_householder, use_qk_l2norm, chunk_size):
     rng = np.random.default_rng(num_householder * 10 + cp_size)
     for name in ("document-spans-every-rank", "one-token-documents"):
-        check_case(rng, cp_size, num_householder=num_householder, use_qk_l2norm=use_qk_l2norm,
+        check_case(rng, cp_size, num_householder=num_householder, use_qk_l2norm_in_kernel=use_qk_l2norm,
                    lengths=PACKINGS[name], chunk_size=chunk_size)
 
 
@@ -150,6 +150,17 @@ def test_a_new_packing_reuses_the_compiled_program():
         assert_close(f"output {lengths}", o_ref, outputs[-1], gdp_tolerance(1))
     assert forward._cache_size() == 1
     assert rel_err(outputs[0], outputs[1]) > 100 * gdp_tolerance(1)  # the packing changed the result
+
+
+def test_no_gate_equals_a_zero_gate_under_cp():
+    rng = np.random.default_rng(9)
+    q, k, v, g, beta = (jnp.asarray(x, jnp.float32) for x in random_gdp_inputs(
+        rng, tokens=TOKENS, heads=HEADS, key_dim=KEY_DIM, value_dim=VALUE_DIM))
+    seq_idx = jnp.asarray(seq_idx_from_lengths([7, 17]), jnp.int32)
+    mesh = mesh_of(2)
+    without = gdp_chunkwise_context_parallel(q, k, v, None, beta, mesh=mesh, global_seq_idx=seq_idx)
+    zero = gdp_chunkwise_context_parallel(q, k, v, jnp.zeros_like(g), beta, mesh=mesh, global_seq_idx=seq_idx)
+    np.testing.assert_array_equal(np.asarray(without), np.asarray(zero))
 
 
 def test_shard_variant_runs_inside_a_callers_two_axis_shard_map():

@@ -73,7 +73,7 @@ def test_one_device_forward_matches_float64_recurrence(dtype, lengths, heads, ke
     o, final, _ = _backend().one_device_forward(_inputs(q, k, v, g, beta, nh, l2norm, cu), initial)
     ref_o, ref_final = naive_gated_delta_product(
         *(_host(x) for x in (q, k, v, g, beta)), num_householder=nh, initial_state=_host(initial),
-        cu_seqlens=None if cu is None else cu.cpu().numpy(), use_qk_l2norm=l2norm)
+        cu_seqlens=None if cu is None else cu.cpu().numpy(), use_qk_l2norm_in_kernel=l2norm)
     assert o.dtype == q.dtype and o.shape == q.shape[:3] + (value_dim,)
     assert rel_err(_host(o), ref_o) < TOLERANCE[dtype]
     assert rel_err(_host(final), ref_final) < 1e-4
@@ -128,11 +128,11 @@ def test_cp_shards_compose_to_the_whole_sequence(cp_size, lengths, nh, l2norm):
                                       num_householder=nh)
     shards, gathered, output = _cp_on_one_device(_backend(), q, k, v, g, beta, nh, l2norm, lengths, cp_size)
     ref_o, _ = naive_gated_delta_product(*(_host(x) for x in (q, k, v, g, beta)), num_householder=nh,
-                                         cu_seqlens=_cu(lengths).cpu().numpy(), use_qk_l2norm=l2norm)
+                                         cu_seqlens=_cu(lengths).cpu().numpy(), use_qk_l2norm_in_kernel=l2norm)
     assert rel_err(_host(output), ref_o) < 1e-4
     for r, shard in enumerate(shards):
         ref_summary = shard_forward_summary(*(_host(x) for x in shard[1:5]), num_householder=nh,
-                                            cu_seqlens=shard[5].cpu().numpy(), use_qk_l2norm=l2norm)
+                                            cu_seqlens=shard[5].cpu().numpy(), use_qk_l2norm_in_kernel=l2norm)
         assert rel_err(_host(gathered[r]), ref_summary) < 1e-4, f"summary of rank {r}"
 
 

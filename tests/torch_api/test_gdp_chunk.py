@@ -140,6 +140,71 @@ def test_one_device_matches_numpy_chunked_reference_at_scale_argument():
     check_close("final_state", final, final_ref, gdp_tolerance(45, 2, 9))
 
 
+class OneDeviceMethodsOnly(TorchGDPBackend):
+    """A backend from before sequence states: the op serves it through one_device_forward/backward
+    (as the CuTeDSL backend's forward is served today)."""
+
+    supports_sequence_states = False
+
+
+@pytest.mark.parametrize("lengths", [pytest.param([20, 1, 24], id="packed"), pytest.param(None, id="rows-B2")])
+def test_backend_without_sequence_states_runs_through_its_one_device_methods(lengths):
+    arrays = gdp_arrays(9, batch=1 if lengths else 2, tokens=45, num_householder=2)
+    cu = None if lengths is None else torch.tensor(cu_from_lengths(lengths))
+    rng = np.random.default_rng(10)
+    initial = torch.tensor(rng.normal(size=(3 if lengths else 2, 2, 8, 6)), dtype=torch.float32)
+    do = torch.tensor(rng.normal(size=(1 if lengths else 2, 45, 2, 6)), dtype=torch.float32)
+    results = []
+    for backend in (TorchGDPBackend(16), OneDeviceMethodsOnly(16)):
+        leaves = [x.requires_grad_() for x in to_torch(arrays)] + [initial.clone().requires_grad_()]
+        o, final = gated_delta_product(*leaves[:5], num_householder=2, cu_seqlens=cu, initial_state=leaves[5],
+                                       backend=backend)
+        ((o * do).sum() + final.square().sum()).backward()
+        results.append([o.detach(), final.detach()] + [leaf.grad for leaf in leaves])
+    tol = gdp_tolerance(45, 2, 8) * 2  # two float32 runs of the same chunked algorithm
+    for name, ours, theirs in zip(("o", "final") + tuple(f"d{n}" for n in NAMES) + ("dinitial",), *results):
+        check_close(name, theirs, ours.double().numpy(), tol)
+
+
+def test_no_gate_is_a_zero_gate_as_in_flash_linear_attention():
+    arrays = gdp_arrays(14, tokens=30, num_householder=2)
+    cu = torch.tensor(cu_from_lengths([12, 18]))
+    zero_gate = list(to_torch(arrays))
+    zero_gate[3] = torch.zeros_like(zero_gate[3])
+    o_ref, final_ref = gated_delta_product(*zero_gate, num_householder=2, cu_seqlens=cu)
+    q, k, v, _, beta = (x.requires_grad_() for x in to_torch(arrays))
+    o, final = gated_delta_product(q, k, v, None, beta, num_householder=2, cu_seqlens=cu)
+    assert torch.equal(o, o_ref) and torch.equal(final, final_ref)
+    (o.sum() + final.sum()).backward()
+    assert all(x.grad is not None for x in (q, k, v, beta))
+
+
+def test_empty_sequences_end_in_their_initial_state_and_change_nothing_else():
+    """cu_seqlens with empty sequences (as flash-linear-attention's varlen tests use): an empty
+    sequence's final state is its initial state, and its final-state gradient flows to it."""
+    arrays = gdp_arrays(15, tokens=30, num_householder=2)
+    rng = np.random.default_rng(16)
+    initial = rng.normal(size=(5, 2, 8, 6))
+    dfinal = rng.normal(size=(5, 2, 8, 6))
+    with_empty = cu_from_lengths([0, 12, 0, 18, 0])  # sequences 0, 2 and 4 are empty
+    expected = oracle(arrays, num_householder=2, cu_seqlens=with_empty, initial_state=initial,
+                      final_state_grad=dfinal, output_grad=np.ones((1, 30, 2, 6)))
+    leaves = [x.requires_grad_() for x in to_torch(arrays)]
+    init = torch.tensor(initial, dtype=torch.float32, requires_grad=True)
+    o, final = gated_delta_product(*leaves, num_householder=2, cu_seqlens=torch.tensor(with_empty), initial_state=init,
+                                   backend=TorchGDPBackend(8))
+    (o.sum() + (final * torch.tensor(dfinal, dtype=torch.float32)).sum()).backward()
+    empty = [0, 2, 4]
+    assert torch.equal(final[empty], init.detach()[empty])  # exactly: no step touches them
+    assert torch.equal(init.grad[empty], torch.tensor(dfinal, dtype=torch.float32)[empty])
+    tol = gdp_tolerance(30, 2, 8)
+    check_close("o", o, expected["o"], tol)
+    check_close("final_state", final, expected["final"], tol)
+    check_close("dinitial_state", init.grad, expected["dinitial"], tol)
+    for name, leaf in zip(NAMES, leaves):
+        check_close(f"d{name}", leaf.grad, expected[f"d{name}"], tol)
+
+
 def test_final_state_alone_backpropagates_through_every_input():
     arrays = gdp_arrays(4, tokens=40, num_householder=2)
     cu = cu_from_lengths([25, 15])
@@ -218,7 +283,7 @@ def test_forward_summaries_match_reference_shard_summary(lengths, rows, num_hous
         summary, _ = backend.cp_forward_prepare(inputs)
         assert isinstance(summary, CPForwardPackedSummary) and summary.packed.dtype == torch.float32
         expected = ref.shard_forward_summary(inputs.k, inputs.v, inputs.g, inputs.beta, num_householder=num_householder,
-                                             cu_seqlens=cu, use_qk_l2norm=l2norm, chunk_size=5)
+                                             cu_seqlens=cu, use_qk_l2norm_in_kernel=l2norm, chunk_size=5)
         assert summary.packed.shape == expected.shape
         value_dim = inputs.v.shape[-1]
         tol = gdp_tolerance(16, num_householder, 8)
@@ -298,9 +363,9 @@ def _valid_call_args():
                  id="key-dim-over-256"),
     pytest.param(lambda t, kw: t.update(v=t["v"].double()), "float32, bfloat16 or float16", id="float64-input"),
     pytest.param(lambda t, kw: t.update(q=t["q"].half()), "share one dtype", id="q-k-dtype-mismatch"),
-    pytest.param(lambda t, kw: kw.update(cu_seqlens=torch.tensor([0, 5, 5, 8])), "rise strictly",
-                 id="cu-seqlens-empty-sequence"),
-    pytest.param(lambda t, kw: kw.update(cu_seqlens=torch.tensor([0, 5, 7])), "rise strictly",
+    pytest.param(lambda t, kw: kw.update(cu_seqlens=torch.tensor([0, 5, 3, 8])), "nondecreasing",
+                 id="cu-seqlens-decreasing"),
+    pytest.param(lambda t, kw: kw.update(cu_seqlens=torch.tensor([0, 5, 7])), "from 0 to T = 8",
                  id="cu-seqlens-short-of-T"),
     pytest.param(lambda t, kw: kw.update(cu_seqlens=torch.tensor([0.0, 8.0])), "int32 or int64",
                  id="cu-seqlens-float"),

@@ -179,6 +179,23 @@ class UnpackedSummaryBackend(TorchGDPBackend):
         return super().cp_backward_apply(backward_context, following)
 
 
+def run_without_gate(rank, world, lengths):
+    """The op with g=None and with global_seq_idx (instead of metadata) against g = 0 with metadata."""
+    arrays = to_torch(gdp_arrays(77, tokens=world * LOCAL_LEN, heads=HEADS, key_dim=KEY_DIM, value_dim=VALUE_DIM))
+    tok = slice(rank * LOCAL_LEN, (rank + 1) * LOCAL_LEN)
+    q, k, v, g, beta = (x[:, tok].contiguous() for x in arrays)
+    ids = seq_idx_from_lengths(lengths)
+    metadata = build_packed_sequence_cp_metadata(ids, rank, world)
+    zero = gdp_chunkwise_context_parallel(q, k, v, torch.zeros_like(g), beta, cp_group=dist.group.WORLD,
+                                          metadata=metadata)
+    without = gdp_chunkwise_context_parallel(q, k, v, None, beta, cp_group=dist.group.WORLD, global_seq_idx=ids)
+    return bool(torch.equal(zero, without))
+
+
+def test_no_gate_and_global_seq_idx_give_the_zero_gate_with_metadata(gloo_pools):
+    assert all(gloo_pools(2).run(run_without_gate, [5, 14, 5]))
+
+
 def run_packed_and_unpacked_twice(rank, world, case):
     packed = [run_rank_case(rank, world, case) for _ in range(2)]
     unpacked = run_rank_case(rank, world, case, backend=UnpackedSummaryBackend(case["chunk_size"]))

@@ -27,13 +27,13 @@ from dataclasses import dataclass
 
 import torch
 
+from cp_linear.chunking import CHUNK_SIZE as CHUNK
 from cp_linear.protocol import CPForwardResult, CPSavedContext
 from cp_linear.summary import CPForwardPackedSummary, CPForwardUnpackedSummary
 from torch_api.gdp.chunk import TorchGDPBackend, make_cp_saved_context
 from torch_api.gdp.types import GDPInputs
 from torch_api.gdp.validation import check_gdp_inputs
 
-CHUNK = 64
 SUPPORTED_HEAD_DIMS = (64, 128)
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 INIT_ZERO, INIT_GIVEN, INIT_IDENTITY = 0, 1, 2
