@@ -172,4 +172,17 @@ def cu_seqlens_from_seq_idx(seq_idx: Array, max_sequences: int) -> Array:
     return xp.minimum(cu, xp.full(cu.shape, tokens, dtype=xp.int32, device=device))
 
 
-__all__ = ["CHUNK_SIZE", "ChunkLayout", "chunk_layout", "cu_seqlens_from_seq_idx", "max_chunks"]
+def max_shard_sequences(seq_idx, cp_size: int, *, floor: int = 1) -> int:
+    """Static bound on the sequences one shard holds, from concrete host ids [T] (nondecreasing):
+    the most any of the ``cp_size`` shards holds, at least ``floor``, rounded up to a power of two
+    (so that packings with similar counts share one compiled program) and capped at L."""
+    import numpy as np
+
+    ids = np.asarray(seq_idx).reshape(-1)
+    local_len = ids.shape[0] // cp_size
+    shards = ids[: local_len * cp_size].reshape(cp_size, local_len)
+    most = max(int(np.max(1 + np.count_nonzero(shards[:, 1:] != shards[:, :-1], axis=1))), int(floor), 1)
+    return min(local_len, 1 << (most - 1).bit_length())
+
+
+__all__ = ["CHUNK_SIZE", "ChunkLayout", "chunk_layout", "cu_seqlens_from_seq_idx", "max_chunks", "max_shard_sequences"]

@@ -40,11 +40,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cp_linear.chunking import cu_seqlens_from_seq_idx
+from cp_linear.chunking import cu_seqlens_from_seq_idx, max_shard_sequences
 from cp_linear.gdp import GDPInputs
 from cp_linear.plan import sequence_rank_range, validate_global_seq_idx
 from cp_linear.summary import as_packed_array, compose_backward_range, compose_forward_range
@@ -134,15 +133,6 @@ def packed_shard_metadata(global_seq_idx: jax.Array, rank, local_len: int, max_s
     return cu_seqlens_from_seq_idx(local, max_sequences), preceding_rank_start, following_rank_stop
 
 
-def max_local_sequences(ids: np.ndarray, cp_size: int) -> int:
-    """The most sequences any shard of the concrete ids [T] holds, rounded up to a power of two
-    (capped at L), so that packings with similar counts share one compiled program."""
-    local_len = ids.shape[0] // cp_size
-    shards = ids.reshape(cp_size, local_len)
-    most = int(np.max(1 + np.count_nonzero(shards[:, 1:] != shards[:, :-1], axis=1)))
-    return min(local_len, 1 << (most - 1).bit_length())
-
-
 def _resolve(q, backend, scale):
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return resolve_backend(backend), scale
@@ -225,7 +215,7 @@ def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, mesh, axis_name: str = "
         host_ids = host_value_or_none(global_seq_idx)
         if host_ids is not None:  # concrete ids are checked on the host; traced ones cannot be
             ids = validate_global_seq_idx(host_ids, cp_size)
-            bound = max_local_sequences(ids, cp_size)
+            bound = max_shard_sequences(ids, cp_size)
         if max_sequences is not None:
             bound = _check_max_sequences(max_sequences, tokens // cp_size)
         arrays += (global_seq_idx,)
