@@ -16,9 +16,10 @@ from flax import nnx
 from jax_api.layers.blocks import Linear, apply_rope, rope_angles
 from jax_api.layers.layout import resolve_layout
 from cp_linear.model_config import AttentionConfig, resolve_config
+from jax_api.layers.convert import StateTableMixin
 
 
-class BlockDiagAttention(nnx.Module):
+class BlockDiagAttention(StateTableMixin, nnx.Module):
     """Block-diagonal causal GQA attention; keyword arguments as ``AttentionConfig``.
 
     ``mode`` must match the layout's plan under CP ("auto" accepts the plan's own mode).

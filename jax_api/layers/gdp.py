@@ -21,6 +21,7 @@ from jax_api.layers.blocks import GatedRMSNorm, Linear, RMSNorm, ShortConvolutio
 from jax_api.layers.conv import conv_window
 from jax_api.layers.layout import resolve_layout
 from cp_linear.model_config import GDPConfig, resolve_config
+from jax_api.layers.convert import StateTableMixin
 
 
 def _init_decay(rngs: nnx.Rngs, heads: int) -> tuple[jax.Array, jax.Array]:
@@ -31,7 +32,7 @@ def _init_decay(rngs: nnx.Rngs, heads: int) -> tuple[jax.Array, jax.Array]:
     return a_log, dt + jnp.log(-jnp.expm1(-dt))
 
 
-class GatedDeltaProduct(nnx.Module):
+class GatedDeltaProduct(StateTableMixin, nnx.Module):
     """Gated DeltaProduct mixer; keyword arguments as ``GDPConfig``; ``rngs`` for the initial weights."""
 
     def __init__(self, config: GDPConfig | None = None, *, rngs: nnx.Rngs, backend=None, **kwargs):

@@ -21,6 +21,7 @@ from jax_api.layers.blocks import Embedding, GatedMLP, Linear, RMSNorm
 from jax_api.layers.gdp import GatedDeltaProduct
 from jax_api.layers.layout import TokenLayout, build_layout
 from cp_linear.model_config import DecoderConfig
+from jax_api.layers.convert import StateTableMixin
 
 
 class HybridBlock(nnx.Module):
@@ -39,7 +40,7 @@ class HybridBlock(nnx.Module):
         return h + self.mlp(self.mlp_norm(h))
 
 
-class HybridDecoder(nnx.Module):
+class HybridDecoder(StateTableMixin, nnx.Module):
     """``__call__(input_ids [B, L], *, layout=None, axis_name=None, doc_ids=None) -> logits [B, L, V]``.
 
     One device: ``doc_ids`` int [T] (0 = padding, B = 1) or a ``layout``; neither: each row one

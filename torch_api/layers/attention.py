@@ -19,10 +19,11 @@ import torch.nn as nn
 
 from torch_api.layers.blocks import apply_rope, rope_angles
 from cp_linear.model_config import AttentionConfig, resolve_config
+from torch_api.layers.convert import StateTableMixin
 from torch_api.layers.layout import resolve_layout
 
 
-class BlockDiagAttention(nn.Module):
+class BlockDiagAttention(StateTableMixin, nn.Module):
     """Block-diagonal causal GQA attention; keyword arguments as ``AttentionConfig``.
 
     ``forward(hidden_states [B, L, D], *, doc_ids=None, cu_seqlens=None, seq_idx=None,

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from torch_api.layers.blocks import GatedRMSNorm, RMSNorm, ShortConvolution
 from cp_linear.model_config import GDPConfig, resolve_config
+from torch_api.layers.convert import StateTableMixin
 from torch_api.layers.conv import conv_window
 from torch_api.layers.layout import resolve_layout
 
@@ -38,7 +39,7 @@ def _init_decay(heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     return a_log, dt + torch.log(-torch.expm1(-dt))
 
 
-class GatedDeltaProduct(nn.Module):
+class GatedDeltaProduct(StateTableMixin, nn.Module):
     """Gated DeltaProduct mixer; keyword arguments as ``GDPConfig`` (FLA's names and defaults).
 
     ``forward(hidden_states [B, L, D], *, cu_seqlens=None, seq_idx=None, cp_group=None,

@@ -19,6 +19,7 @@ from torch_api._dist import resolve_group
 from torch_api.layers.attention import BlockDiagAttention
 from torch_api.layers.blocks import GatedMLP, RMSNorm
 from cp_linear.model_config import DecoderConfig
+from torch_api.layers.convert import StateTableMixin
 from torch_api.layers.gdp import GatedDeltaProduct
 from torch_api.layers.layout import ShardLayout, build_shard_layout
 
@@ -40,7 +41,7 @@ class HybridBlock(nn.Module):
         return h + self.mlp(self.mlp_norm(h))
 
 
-class HybridDecoder(nn.Module):
+class HybridDecoder(StateTableMixin, nn.Module):
     """The hybrid decoder of ``DecoderConfig``.
 
     ``forward(input_ids [B, L], *, doc_ids=None, cp_group=None, layout=None) -> logits [B, L, V]``
