@@ -13,8 +13,9 @@ This module is imported by both frontends, so it must not import torch or jax.
 
 from __future__ import annotations
 
+import inspect
 import math
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 
 
 def resolve_config(config_class, config, kwargs: dict):
@@ -26,6 +27,30 @@ def resolve_config(config_class, config, kwargs: dict):
     return config
 
 
+REQUIRED = inspect.Parameter.empty
+
+
+def layer_signature(config_class, **options) -> inspect.Signature:
+    """``(config=None, *, <every field of config_class with its default>, <options>)``: what ``help()``
+    and ``inspect.signature`` show for a layer built from ``config_class`` (``options``: the layer's
+    own keyword arguments and defaults, ``REQUIRED`` for none)."""
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    params = [inspect.Parameter("config", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)]
+    params += [inspect.Parameter(f.name, keyword, default=REQUIRED if f.default is MISSING else f.default,
+                                 annotation=f.type) for f in fields(config_class)]
+    params += [inspect.Parameter(name, keyword, default=default) for name, default in options.items()]
+    return inspect.Signature(params)
+
+
+def document_layer_signature(layer_class, config_class, **options) -> None:
+    """Give ``layer_class`` (and its ``__init__``) the keyword signature of ``layer_signature``, so
+    that ``help()`` lists the config fields even where a metaclass hides ``__init__`` (Flax NNX)."""
+    signature = layer_signature(config_class, **options)
+    layer_class.__signature__ = signature
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    layer_class.__init__.__signature__ = signature.replace(parameters=[self_param, *signature.parameters.values()])
+
+
 def _positive_int(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int; received {value!r}")
@@ -33,7 +58,8 @@ def _positive_int(name: str, value) -> None:
 
 @dataclass(frozen=True)
 class GDPConfig:
-    """A Gated DeltaProduct mixer (flash-linear-attention's ``GatedDeltaProduct`` arguments).
+    """A Gated DeltaProduct mixer: flash-linear-attention's ``GatedDeltaProduct`` arguments with its
+    defaults (``fla/layers/gated_deltaproduct.py``), so ``GDPConfig(hidden_size=256)`` gives FLA's shapes.
 
     hidden_size       model width D
     head_dim          key head dim K (q and k heads)
@@ -45,9 +71,9 @@ class GDPConfig:
     allow_neg_eigval  beta = 2 sigmoid(b) instead of sigmoid(b)
     """
 
-    hidden_size: int
-    head_dim: int = 64
-    num_heads: int = 4
+    hidden_size: int = 2048
+    head_dim: int = 256
+    num_heads: int = 6
     num_v_heads: int | None = None
     expand_v: float = 2.0
     num_householder: int = 2
@@ -273,4 +299,5 @@ def check_state(expected: dict[str, tuple[int, ...]], received: dict[str, tuple[
         raise ValueError(f"{what} does not match the module's parameters: " + ", ".join(parts))
 
 
-__all__ = ["AttentionConfig", "DecoderConfig", "GDPConfig", "check_state", "parameter_shapes"]
+__all__ = ["AttentionConfig", "DecoderConfig", "GDPConfig", "REQUIRED", "check_state", "document_layer_signature",
+           "layer_signature", "parameter_shapes"]

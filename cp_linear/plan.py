@@ -148,7 +148,8 @@ def cu_seqlens_to_seq_idx(cu_seqlens) -> np.ndarray:
     sequence ids, the index of each token's sequence."""
     cu = to_host_int_array(cu_seqlens, "cu_seqlens")
     if cu.ndim != 1 or cu.shape[0] < 2 or cu[0] != 0 or np.any(np.diff(cu) < 0) or cu[-1] <= 0:
-        raise ValueError(f"cu_seqlens must be [0, ...] nondecreasing to T > 0 with ≥ 2 entries; received {cu.tolist()}")
+        raise ValueError(f"cu_seqlens must be [0, ...] nondecreasing to T > 0 with ≥ 2 entries; "
+                         f"received {cu.tolist()}")
     return np.repeat(np.arange(cu.shape[0] - 1), np.diff(cu)).reshape(1, -1)
 
 

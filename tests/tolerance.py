@@ -158,5 +158,6 @@ def assert_within(name: str, err: float, tol: float) -> None:
     assert err <= tol, f"{name}: relative error {err:.3e} exceeds the derived tolerance {tol:.3e}"
 
 
-__all__ = ["SAFETY", "assert_close", "assert_within", "attention_length", "cancellation", "decoder_length", "gdp_length",
-           "layer_length", "magnitude_cancellation", "rel_err", "summary_length", "token_cancellation", "tolerance", "unit_roundoff"]
+__all__ = ["SAFETY", "assert_close", "assert_within", "attention_length", "cancellation", "decoder_length",
+           "gdp_length", "layer_length", "magnitude_cancellation", "rel_err", "summary_length", "token_cancellation",
+           "tolerance", "unit_roundoff"]

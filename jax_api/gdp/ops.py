@@ -39,7 +39,8 @@ def resolve_backend(backend, *, sequence_states: bool = False):
                              f"{type(backend).__name__} has no {method}")
     if sequence_states and not getattr(backend, "supports_sequence_states", False):
         raise ValueError(f"the one-device op needs a backend with initial and final sequence states "
-                         f"(cp_linear.gdp.GDPInputs); {type(backend).__name__} does not declare supports_sequence_states")
+                         f"(cp_linear.gdp.GDPInputs); {type(backend).__name__} does not declare "
+                         "supports_sequence_states")
     return backend
 
 

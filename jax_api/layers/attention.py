@@ -15,7 +15,7 @@ from flax import nnx
 
 from jax_api.layers.blocks import Linear, apply_rope, rope_angles
 from jax_api.layers.layout import resolve_layout
-from cp_linear.model_config import AttentionConfig, resolve_config
+from cp_linear.model_config import AttentionConfig, REQUIRED, document_layer_signature, resolve_config
 from jax_api.layers.convert import StateTableMixin
 
 
@@ -34,8 +34,9 @@ class BlockDiagAttention(StateTableMixin, nnx.Module):
         self.v_proj = Linear(c.hidden_size, c.kv_heads * d, bias=c.qkv_bias, rngs=rngs)
         self.o_proj = Linear(c.num_heads * d, c.hidden_size, rngs=rngs)
 
-    def __call__(self, x: jax.Array, *, layout=None, axis_name: str | None = None, doc_ids=None, cu_seqlens=None,
-                 seq_idx=None) -> jax.Array:
+    def __call__(self, hidden_states: jax.Array, *, layout=None, axis_name: str | None = None, doc_ids=None,
+                 cu_seqlens=None, seq_idx=None) -> jax.Array:
+        x = hidden_states
         c, d = self.config, self.config.dim_per_head
         layout = resolve_layout(x, layout=layout, axis_name=axis_name, doc_ids=doc_ids, seq_idx=seq_idx,
                                 cu_seqlens=cu_seqlens)
@@ -60,5 +61,8 @@ class BlockDiagAttention(StateTableMixin, nnx.Module):
                                  scale=d**-0.5).astype(q.dtype)
         return self.o_proj(o.reshape(batch, length, c.num_heads * d))
 
+
+# help() and inspect.signature list every keyword argument (a metaclass hides __init__ from them)
+document_layer_signature(BlockDiagAttention, AttentionConfig, rngs=REQUIRED, mode="auto")
 
 __all__ = ["BlockDiagAttention"]

@@ -20,7 +20,7 @@ from flax import nnx
 from jax_api.layers.blocks import GatedRMSNorm, Linear, RMSNorm, ShortConvolution
 from jax_api.layers.conv import conv_window
 from jax_api.layers.layout import resolve_layout
-from cp_linear.model_config import GDPConfig, resolve_config
+from cp_linear.model_config import GDPConfig, REQUIRED, document_layer_signature, resolve_config
 from jax_api.layers.convert import StateTableMixin
 
 
@@ -71,8 +71,9 @@ class GatedDeltaProduct(StateTableMixin, nnx.Module):
         q_win, k_win, v_win = jnp.split(window, [q_ch, q_ch + k_ch], axis=-1)
         return self.q_conv1d(q_win, positions), self.k_conv1d(k_win, positions), self.v_conv1d(v_win, positions)
 
-    def __call__(self, x: jax.Array, *, layout=None, axis_name: str | None = None, cu_seqlens=None,
+    def __call__(self, hidden_states: jax.Array, *, layout=None, axis_name: str | None = None, cu_seqlens=None,
                  seq_idx=None) -> jax.Array:
+        x = hidden_states
         c, n = self.config, self.config.num_householder
         layout = resolve_layout(x, layout=layout, axis_name=axis_name, seq_idx=seq_idx, cu_seqlens=cu_seqlens)
         if x.shape[-1] != c.hidden_size:
@@ -115,5 +116,8 @@ class GatedDeltaProduct(StateTableMixin, nnx.Module):
             o = self.o_norm(o)
         return self.o_proj(o.reshape(batch, length, c.value_dim))
 
+
+# help() and inspect.signature list every keyword argument (a metaclass hides __init__ from them)
+document_layer_signature(GatedDeltaProduct, GDPConfig, rngs=REQUIRED, backend=None)
 
 __all__ = ["GatedDeltaProduct"]

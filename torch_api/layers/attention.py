@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from torch_api.layers.blocks import apply_rope, rope_angles
-from cp_linear.model_config import AttentionConfig, resolve_config
+from cp_linear.model_config import AttentionConfig, document_layer_signature, resolve_config
 from torch_api.layers.convert import StateTableMixin
 from torch_api.layers.layout import resolve_layout
 
@@ -27,7 +27,7 @@ class BlockDiagAttention(StateTableMixin, nn.Module):
     """Block-diagonal causal GQA attention; keyword arguments as ``AttentionConfig``.
 
     ``forward(hidden_states [B, L, D], *, doc_ids=None, cu_seqlens=None, seq_idx=None,
-    cp_group=None, cp_metadata=None) -> [B, L, D]``. ``doc_ids`` int [T] (0 = padding: those rows
+    cp_group=None, layout=None) -> [B, L, D]``. ``doc_ids`` int [T] (0 = padding: those rows
     output 0), ``seq_idx`` [1, T] or ``cu_seqlens`` [N + 1] (no padding) describe the global packed
     sequence (replicated under CP); none of them: each batch row is one causal document.
     ``mode`` picks the CP exchange ("auto", "allgather", "halo", "a2a"); ``kernel`` the local
@@ -46,9 +46,9 @@ class BlockDiagAttention(StateTableMixin, nn.Module):
         self.o_proj = nn.Linear(c.num_heads * d, c.hidden_size, bias=False)
 
     def forward(self, hidden_states: torch.Tensor, *, doc_ids=None, cu_seqlens=None, seq_idx=None, cp_group=None,
-                cp_metadata=None) -> torch.Tensor:
+                layout=None) -> torch.Tensor:
         c, d = self.config, self.config.dim_per_head
-        layout = resolve_layout(hidden_states, cp_metadata=cp_metadata, cp_group=cp_group, doc_ids=doc_ids,
+        layout = resolve_layout(hidden_states, layout=layout, cp_group=cp_group, doc_ids=doc_ids,
                                 seq_idx=seq_idx, cu_seqlens=cu_seqlens)
         layout.agree(layout.hidden_error(hidden_states, c.hidden_size), hidden_states, "BlockDiagAttention inputs")
 
@@ -74,5 +74,8 @@ class BlockDiagAttention(StateTableMixin, nn.Module):
             o = doc_causal_attention(q, k, v, layout.attention_layout(), kernel=kernel)
         return self.o_proj(o.reshape(batch, length, c.num_heads * d))
 
+
+# help() and inspect.signature list every keyword argument (a metaclass hides __init__ from them)
+document_layer_signature(BlockDiagAttention, AttentionConfig, mode="auto", kernel="auto")
 
 __all__ = ["BlockDiagAttention"]

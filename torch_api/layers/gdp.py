@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from torch_api.layers.blocks import GatedRMSNorm, RMSNorm, ShortConvolution
-from cp_linear.model_config import GDPConfig, resolve_config
+from cp_linear.model_config import GDPConfig, document_layer_signature, resolve_config
 from torch_api.layers.convert import StateTableMixin
 from torch_api.layers.conv import conv_window
 from torch_api.layers.layout import resolve_layout
@@ -43,12 +43,12 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
     """Gated DeltaProduct mixer; keyword arguments as ``GDPConfig`` (FLA's names and defaults).
 
     ``forward(hidden_states [B, L, D], *, cu_seqlens=None, seq_idx=None, cp_group=None,
-    cp_metadata=None) -> [B, L, D]``.
+    layout=None) -> [B, L, D]``.
 
     One device: ``cu_seqlens`` int [N + 1] or ``seq_idx`` int [1, T] for a packed batch (B = 1), or
     neither (each row one sequence). Under CP (``cp_group``): hidden_states is this rank's shard of
     L tokens and the ids describe the *global* packed sequence (replicated on every rank), or pass
-    ``cp_metadata`` = ``build_shard_layout(...)`` built once per step for all layers.
+    ``layout`` = ``build_shard_layout(...)`` built once per step for all layers.
     ``cp_check_inputs`` is handed to ``gdp_chunkwise_context_parallel(check_inputs=...)``.
     """
 
@@ -115,9 +115,9 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
         return o
 
     def forward(self, hidden_states: torch.Tensor, *, cu_seqlens=None, seq_idx=None, cp_group=None,
-                cp_metadata=None) -> torch.Tensor:
+                layout=None) -> torch.Tensor:
         c, n = self.config, self.config.num_householder
-        layout = resolve_layout(hidden_states, cp_metadata=cp_metadata, cp_group=cp_group, seq_idx=seq_idx,
+        layout = resolve_layout(hidden_states, layout=layout, cp_group=cp_group, seq_idx=seq_idx,
                                 cu_seqlens=cu_seqlens)
         error = layout.hidden_error(hidden_states, c.hidden_size)
         if error is None and layout.is_cp and c.use_short_conv and c.conv_size - 1 > layout.local_len:
@@ -150,5 +150,8 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
             o = self.o_norm(o)
         return self.o_proj(o.reshape(batch, length, c.value_dim))
 
+
+# help() and inspect.signature list every keyword argument (a metaclass hides __init__ from them)
+document_layer_signature(GatedDeltaProduct, GDPConfig, backend=None, cp_check_inputs=True)
 
 __all__ = ["GatedDeltaProduct"]

@@ -37,7 +37,7 @@ class HybridBlock(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.mlp_width)
 
     def forward(self, h: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
-        h = h + self.attn(self.attn_norm(h), cp_metadata=layout)
+        h = h + self.attn(self.attn_norm(h), layout=layout)
         return h + self.mlp(self.mlp_norm(h))
 
 
