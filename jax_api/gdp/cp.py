@@ -40,13 +40,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from cp_linear.chunking import cu_seqlens_from_seq_idx, max_shard_sequences
 from cp_linear.gdp import GDPInputs
 from cp_linear.plan import sequence_rank_range, validate_global_seq_idx
 from cp_linear.summary import as_packed_array, compose_backward_range, compose_forward_range
+from jax_api._mesh import place, run_mesh
 from jax_api.gdp.chunk import check_gdp_inputs, host_value_or_none
 from jax_api.gdp.ops import Residuals, gate_or_zeros, resolve_backend
 
@@ -219,7 +219,7 @@ def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, mesh, axis_name: str = "
         if max_sequences is not None:
             bound = _check_max_sequences(max_sequences, tokens // cp_size)
         arrays += (global_seq_idx,)
-    program = _global_program(mesh, axis_name, global_seq_idx is not None, bound, scale, num_householder,
+    program = _global_program(run_mesh(mesh), axis_name, global_seq_idx is not None, bound, scale, num_householder,
                               bool(use_qk_l2norm_in_kernel), backend)
     return program(*arrays)
 
@@ -229,8 +229,6 @@ def _global_program(mesh, axis_name: str, packed: bool, max_sequences: int | Non
                     num_householder: int, use_qk_l2norm_in_kernel: bool, backend):
     """jit(place inputs, then shard_map the per-shard function), built once per configuration so
     that eager calls reuse their compiled program too."""
-    token_sharding = NamedSharding(mesh, P(None, axis_name))
-    replicated = NamedSharding(mesh, P())
     options = dict(axis_name=axis_name, scale=scale, num_householder=num_householder,
                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, backend=backend, max_sequences=max_sequences)
 
@@ -242,8 +240,8 @@ def _global_program(mesh, axis_name: str, packed: bool, max_sequences: int | Non
     run = jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs, out_specs=P(None, axis_name))
 
     def program(*arrays):
-        placed = [jax.device_put(x, token_sharding) for x in arrays[:5]]
-        placed += [jax.device_put(x, replicated) for x in arrays[5:]]
+        placed = [place(x, mesh, P(None, axis_name)) for x in arrays[:5]]
+        placed += [place(x, mesh, P()) for x in arrays[5:]]
         return run(*placed)
 
     return jax.jit(program)
