@@ -19,7 +19,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from cp_linear.model_config import check_state, parameter_shapes
+from cp_linear.model_config import DecoderConfig, check_state, parameter_shapes
 
 
 def to_numpy(value) -> np.ndarray:
@@ -72,4 +72,48 @@ def checked_table(config, state, *, what: str) -> dict[str, np.ndarray]:
     return table
 
 
-__all__ = ["checked_table", "flat_table", "to_numpy"]
+def _decay_init(rng: np.random.Generator, heads: int) -> tuple[np.ndarray, np.ndarray]:
+    """A_log = log(A), A ~ U(0, 16), and dt_bias = softplus^-1(dt), dt ~ logU(1e-3, 0.1) floored at 1e-4
+    (flash-linear-attention's GatedDeltaProduct initialisation)."""
+    a_log = np.log(rng.uniform(0.0, 16.0, heads))
+    dt = np.maximum(np.exp(rng.uniform(size=heads) * (np.log(0.1) - np.log(1e-3)) + np.log(1e-3)), 1e-4)
+    return a_log, dt + np.log(-np.expm1(-dt))
+
+
+def initial_table(config, seed: int = 0, *, init_std: float | None = None) -> dict[str, np.ndarray]:
+    """Initial weights of the module built from ``config``, float32, drawn with numpy from ``seed``:
+    load them with either frontend's ``load_state_table`` and the torch and JAX models start equal.
+
+    The distributions are the layers' own: linear weights and biases U(-1/sqrt(in), 1/sqrt(in)) (as
+    ``torch.nn.Linear``), conv taps U(-1/sqrt(W), 1/sqrt(W)), norms one, A_log and dt_bias as FLA; a
+    decoder (and any ``init_std``) draws its projections, embeddings and head from N(0, init_std),
+    init_std = 0.02 by default, as ``HybridDecoder`` does.
+    """
+    if init_std is None and isinstance(config, DecoderConfig):
+        init_std = 0.02
+    rng = np.random.default_rng(seed)
+    shapes = parameter_shapes(config)
+    table: dict[str, np.ndarray] = {}
+    for name, shape in shapes.items():
+        owner, _, leaf = name.rpartition(".")
+        if leaf == "A_log":
+            table[name], table[f"{owner}.dt_bias" if owner else "dt_bias"] = _decay_init(rng, shape[0])
+        elif leaf == "dt_bias":
+            continue  # drawn with A_log
+        elif owner.endswith("norm"):
+            table[name] = np.ones(shape)
+        elif owner.endswith("conv1d"):
+            bound = 1.0 / np.sqrt(shapes[f"{owner}.weight"][-1])
+            table[name] = rng.uniform(-bound, bound, shape)
+        elif init_std is not None and leaf == "weight" and (owner.endswith("proj")
+                                                            or owner in ("embeddings", "lm_head")):
+            table[name] = rng.normal(0.0, init_std, shape)
+        elif owner == "embeddings":
+            table[name] = rng.normal(0.0, 1.0, shape)
+        else:  # a linear layer's weight [out, in] or bias [out]
+            bound = 1.0 / np.sqrt(shapes[f"{owner}.weight"][1])
+            table[name] = rng.uniform(-bound, bound, shape)
+    return {name: table[name].astype(np.float32) for name in shapes}
+
+
+__all__ = ["checked_table", "flat_table", "initial_table", "to_numpy"]

@@ -42,4 +42,5 @@ print("README snippet OK")
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                             timeout=600)
-    assert result.returncode == 0 and "README snippet OK" in result.stdout, result.stdout[-2000:] + result.stderr[-4000:]
+    assert result.returncode == 0 and "README snippet OK" in result.stdout, (result.stdout[-2000:]
+                                                                             + result.stderr[-4000:])
