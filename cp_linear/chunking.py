@@ -4,7 +4,7 @@ and without a host read in torch).
 
 Vocabulary
   step      GDP over T tokens is a gated delta rule over S = T * n_h steps: token t owns steps
-            t*n_h .. t*n_h + n_h - 1 (its gate sits on the first, q is read on the last; DESIGN.md §2
+            t*n_h .. t*n_h + n_h - 1 (its gate sits on the first, q is read on the last; docs/design.md §2
             in docs/design.md). Steps are numbered along the packed row.
   sequence  tokens ``[cu_seqlens[n], cu_seqlens[n + 1])``; an *empty* sequence (equal bounds) owns no
             step and no chunk, and its final state is its initial state.

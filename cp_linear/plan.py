@@ -111,7 +111,7 @@ def validate_global_seq_idx(global_seq_idx, cp_size: int) -> np.ndarray:
 
 
 def build_packed_sequence_cp_metadata(global_seq_idx, cp_rank: int, cp_size: int) -> PackedSequenceCPMetadata:
-    """Metadata of rank ``cp_rank`` for a packed batch split over ``cp_size`` ranks (DESIGN.md §2)."""
+    """Metadata of rank ``cp_rank`` for a packed batch split over ``cp_size`` ranks (docs/design.md §2)."""
     _check_cp(cp_rank, cp_size)
     ids = validate_global_seq_idx(global_seq_idx, cp_size)
     local_len = ids.shape[0] // cp_size
@@ -213,7 +213,7 @@ def validate_doc_ids(doc_ids, cp_size: int) -> np.ndarray:
 
 
 def build_blockdiag_plan(doc_ids, cp_size: int) -> BlockDiagPlan:
-    """Exchange plan for block-diagonal attention under CP (DESIGN.md §3), identical on every rank."""
+    """Exchange plan for block-diagonal attention under CP (docs/design.md §3), identical on every rank."""
     ids = validate_doc_ids(doc_ids, cp_size)
     total = ids.shape[0]
     local_len = total // cp_size

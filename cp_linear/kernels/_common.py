@@ -1,6 +1,6 @@
 """Device helpers shared by the GDP kernels (imported only when a kernel is compiled).
 
-Index conventions inside every kernel (DESIGN.md §2, flattened over the batch rows):
+Index conventions inside every kernel (docs/design.md §2, flattened over the batch rows):
 q [T_all, H, K], k [S_all, H, K], v [S_all, H, V], g [T_all, H], beta [S_all, H] with
 S_all = T_all * n_h interleaved steps; ``cu`` int32 [N + 1] token offsets of the N sequences.
 Sequence n covers steps [cu[n] n_h, cu[n+1] n_h); its chunk m covers the 64 steps from

@@ -1,6 +1,6 @@
 """K/V exchanges for block-diagonal attention under CP, run inside ``jax.shard_map``.
 
-Glossary (DESIGN.md §3)
+Glossary (docs/design.md §3)
   L              local length; rank ``r`` owns tokens ``[r*L, (r+1)*L)`` of the global sequence
   needed range   ``[s_first[r], real_end[r])``: the keys/values rank r attends to
   back[r]        ``r*L - s_first[r]``: needed tokens that live on earlier ranks

@@ -84,7 +84,7 @@ def host_value_or_none(x):
 
 
 def check_gdp_inputs(q, k, v, g, beta, num_householder: int, cu_seqlens=None) -> None:
-    """Raise ValueError unless shapes and dtypes follow DESIGN.md §2 (docs/design.md; trace-time checks).
+    """Raise ValueError unless shapes and dtypes follow docs/design.md §2 (docs/design.md; trace-time checks).
 
     q, k, v share one floating dtype; g and beta may use any floating dtype (often float32).
     """

@@ -146,7 +146,7 @@ def _packed_cu_seqlens(cu_seqlens, seq_idx, tokens: int, initial_state) -> jax.A
 def gated_delta_product(q, k, v, g, beta, *, scale: float | None = None, num_householder: int = 1,
                         cu_seqlens=None, seq_idx=None, initial_state=None, use_qk_l2norm_in_kernel: bool = False,
                         backend: Any = None):
-    """Gated DeltaProduct on one device (DESIGN.md §2 in docs/design.md), differentiable.
+    """Gated DeltaProduct on one device (docs/design.md §2), differentiable.
 
     q [B, T, H, K], k [B, T*n_h, H, K], v [B, T*n_h, H, V], g [B, T, H] (log decay; None = no
     gate), beta [B, T*n_h, H]. Packed batch (B = 1): ``cu_seqlens`` int [N + 1], nondecreasing

@@ -2,7 +2,7 @@
 in-document positions, causal within each packed document; same parameters and math as
 ``torch_api.layers.BlockDiagAttention``.
 
-``__call__(x [B, L, D], *, layout=None, axis_name=None, doc_ids=None, cu_seqlens=None,
+``__call__(hidden_states [B, L, D], *, layout=None, axis_name=None, doc_ids=None, cu_seqlens=None,
 seq_idx=None) -> [B, L, D]``: one device (axis_name None, the doc-masked softmax over all T
 tokens) or inside ``jax.shard_map`` (``jax_api.blockdiag_attention_shard`` with the layout's plan).
 """

@@ -1,7 +1,8 @@
 """``GatedDeltaProduct`` as a Flax NNX module: the same mixer, parameters and math as
 ``torch_api.layers.GatedDeltaProduct`` (see its docstring for the per-token formulas).
 
-``__call__(x [B, L, D], *, layout=None, axis_name=None, cu_seqlens=None, seq_idx=None) -> [B, L, D]``
+``__call__(hidden_states [B, L, D], *, layout=None, axis_name=None, cu_seqlens=None, seq_idx=None)
+-> [B, L, D]``
   one device   axis_name None; x holds all T tokens; packing from ``layout`` or the ids
   CP           call inside ``jax.shard_map`` over mesh axis ``axis_name`` with x this rank's
                L tokens and ``layout = build_layout(..., cp_size=cp)`` passed in replicated

@@ -1,4 +1,4 @@
-"""The Gated DeltaProduct recurrence token by token, in torch (DESIGN.md §2).
+"""The Gated DeltaProduct recurrence token by token, in torch (docs/design.md §2).
 
 Slow and obvious on purpose (the test oracle with autograd; ``cp_linear.reference`` is the float64
 numpy one): differentiable, runs in the input dtype (use float64 as the autograd

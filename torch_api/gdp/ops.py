@@ -77,7 +77,7 @@ class _GatedDeltaProduct(torch.autograd.Function):
 
 def gated_delta_product(q, k, v, g, beta, *, scale=None, num_householder=1, cu_seqlens=None,
                         initial_state=None, use_qk_l2norm_in_kernel=False, backend=None):
-    """Gated DeltaProduct on one device (DESIGN.md §2 in docs/design.md), differentiable.
+    """Gated DeltaProduct on one device (docs/design.md §2), differentiable.
 
     q [B, T, H, K], k [B, T*n_h, H, K], v [B, T*n_h, H, V], g [B, T, H] (log decay; None = no
     gate), beta [B, T*n_h, H]; fp32 / bf16 / fp16. cu_seqlens int [N + 1] for a packed batch
