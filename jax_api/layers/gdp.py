@@ -97,7 +97,7 @@ class GatedDeltaProduct(StateTableMixin, nnx.Module):
             a = self.a_proj(x).astype(jnp.float32) + self.dt_bias[...]
             g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a)
         else:
-            g = jnp.zeros((batch, length, c.value_heads), jnp.float32)
+            g = None  # no gate, as flash-linear-attention passes it
 
         options = dict(num_householder=n, use_qk_l2norm_in_kernel=True, backend=self.backend)
         if axis_name is not None:

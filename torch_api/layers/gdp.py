@@ -140,7 +140,7 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
         if c.use_forget_gate:
             g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias)
         else:
-            g = x.new_zeros(batch, length, c.value_heads, dtype=torch.float32)
+            g = None  # no gate, as flash-linear-attention passes it
 
         o = self._gated_delta_product(q, k, v, g, beta, layout)
         if c.use_output_gate:
