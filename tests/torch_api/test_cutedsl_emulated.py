@@ -1,0 +1,102 @@
+"""The CuTeDSL backend's host path (work layout, launches, folds, CP prepare/apply) on the CPU.
+
+Every kernel launch is carried out by ``cp_linear.kernels.emulation`` (the same algorithm in
+torch, rounding where the kernels round), so this checks everything around the kernels, and the
+blocked algorithm's precision, against the float64 reference without a GPU. The GPU tests
+(``test_cutedsl_backend.py``) check the kernels against the same emulation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import torch_api.gdp.cutedsl as cutedsl
+from cp_linear.kernels import launch as kl
+from cp_linear.kernels.emulation import run_emulated
+from cp_linear.reference import naive_gated_delta_product
+from tests.cp_linear.gdp_cases import rel_err
+from torch_api.gdp.types import GDPInputs
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    monkeypatch.setattr(kl._Launch, "run", run_emulated)
+    monkeypatch.setattr(cutedsl, "unsupported_reason", lambda inputs: None)
+    monkeypatch.setattr(cutedsl, "_sm_count", lambda device: 132)
+
+
+def _inputs(lengths, heads, key_dim, value_dim, n_h, seed, rows=1):
+    gen = torch.Generator().manual_seed(seed)
+    tokens = sum(lengths)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    q = r(rows, tokens, heads, key_dim).bfloat16()
+    k = r(rows, tokens * n_h, heads, key_dim).bfloat16()
+    v = r(rows, tokens * n_h, heads, value_dim).bfloat16()
+    g = torch.nn.functional.logsigmoid(r(rows, tokens, heads) + 3.0)
+    beta = torch.sigmoid(r(rows, tokens * n_h, heads))
+    return q, k, v, g, beta
+
+
+def _reference(q, k, v, g, beta, n_h, cu, initial=None):
+    as64 = lambda x: x.double().numpy()  # noqa: E731
+    o, final = naive_gated_delta_product(as64(q), as64(k), as64(v), as64(g), as64(beta), scale=q.shape[-1] ** -0.5,
+                                         num_householder=n_h, cu_seqlens=cu, use_qk_l2norm=True,
+                                         initial_state=None if initial is None else as64(initial))
+    return o, final
+
+
+# bf16 operands: the output's own bf16 rounding is ~1.7e-3; the blocked algorithm adds about as much
+OUTPUT_LIMIT = 6e-3
+STATE_LIMIT = 6e-3
+
+
+@pytest.mark.parametrize("n_h", [1, 2, 3])
+@pytest.mark.parametrize("segment_chunks", [None, 2])
+def test_one_device_forward_matches_float64(emulated, n_h, segment_chunks):
+    lengths = [150, 37, 301]
+    q, k, v, g, beta = _inputs(lengths, heads=2, key_dim=64, value_dim=64, n_h=n_h, seed=n_h)
+    cu = torch.tensor(np.cumsum([0] + lengths), dtype=torch.int32)
+    initial = torch.randn(len(lengths), 2, 64, 64, generator=torch.Generator().manual_seed(9)) * 0.1
+    inputs = GDPInputs(q, k, v, g, beta, scale=64 ** -0.5, num_householder=n_h, use_qk_l2norm_in_kernel=True,
+                       cu_seqlens=cu)
+    backend = cutedsl.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=segment_chunks)
+    o, final, _ = backend.one_device_forward(inputs, initial)
+    o_ref, final_ref = _reference(q, k, v, g, beta, n_h, cu.numpy(), initial)
+    assert rel_err(o.float().numpy(), o_ref) < OUTPUT_LIMIT
+    assert rel_err(final.numpy(), final_ref) < STATE_LIMIT
+
+
+@pytest.mark.parametrize("layout", ["spanning", "packed", "rows"])
+def test_cp_prepare_apply_over_two_shards_matches_one_device(emulated, layout):
+    n_h, heads, dim = 2, 2, 64
+    backend = cutedsl.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=2)
+    if layout == "rows":
+        q, k, v, g, beta = _inputs([256], heads, dim, dim, n_h, seed=3, rows=2)
+        cu_global, cu_local = None, [None, None]
+        o_ref = np.concatenate([_reference(q[i:i + 1], k[i:i + 1], v[i:i + 1], g[i:i + 1], beta[i:i + 1], n_h,
+                                           None)[0] for i in range(2)])
+    else:
+        lengths = [256] if layout == "spanning" else [60, 150, 46]
+        q, k, v, g, beta = _inputs(lengths, heads, dim, dim, n_h, seed=4)
+        cu_global = np.cumsum([0] + lengths)
+        # shard at token 128: spanning -> [128] | [128]; packed -> [60, 68] | [82, 46]
+        cu_local = [torch.tensor([0, 128] if layout == "spanning" else [0, 60, 128], dtype=torch.int32),
+                    torch.tensor([0, 128] if layout == "spanning" else [0, 82, 128], dtype=torch.int32)]
+        o_ref = _reference(q, k, v, g, beta, n_h, cu_global)[0]
+    half = q.shape[1] // 2
+    shards = []
+    for rank in range(2):
+        tok = slice(rank * half, (rank + 1) * half)
+        step = slice(rank * half * n_h, (rank + 1) * half * n_h)
+        shards.append(GDPInputs(q[:, tok], k[:, step], v[:, step], g[:, tok], beta[:, step], scale=dim ** -0.5,
+                                num_householder=n_h, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_local[rank]))
+    prepared = [backend.cp_forward_prepare(shard) for shard in shards]
+    out0 = backend.cp_forward_apply(prepared[0][1], None).output
+    preceding = prepared[0][0].packed[None]
+    out1 = backend.cp_forward_apply(prepared[1][1], preceding).output
+    o = torch.cat([out0, out1], dim=1).float().numpy()
+    assert rel_err(o, o_ref) < OUTPUT_LIMIT
+    if layout == "packed":  # the trailing sequence starts inside the shard: M = 0
+        assert torch.count_nonzero(prepared[0][0].packed[..., dim:]) == 0
