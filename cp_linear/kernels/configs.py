@@ -113,7 +113,62 @@ class SegmentFoldConfig:
         _check_head_dim("key_dim", self.key_dim)
 
 
-KERNEL_CONFIGS = (ChunkPrepConfig, ChunkScanConfig, SegmentFoldConfig)
+@dataclass(frozen=True)
+class ChunkGammaConfig:
+    """Backward segment summaries (``chunk_reverse.ChunkGammaKernel``): the rows [gamma^T ; M_b^T] of
+    dX_in = dX_out M_b + gamma from [0 ; I], chunks in reverse; gamma rows read dO, transition rows zero."""
+
+    dtype: str
+    key_dim: int
+    value_dim: int
+    query_tile: int
+
+    @property
+    def rows_per_cta(self) -> int:
+        return 128 if self.key_dim == 128 and self.value_dim == 128 else 64
+
+    def validate(self) -> None:
+        _check_tensor_core_dtype(self.dtype)
+        _check_head_dim("key_dim", self.key_dim)
+        _check_head_dim("value_dim", self.value_dim)
+        _check_query_tile(self.query_tile)
+
+
+@dataclass(frozen=True)
+class ChunkReverseConfig:
+    """The backward of one segment (``chunk_reverse.ChunkReverseKernel``): its chunk states recomputed
+    from the saved incoming state, then the chunks in reverse with the state gradient in registers,
+    writing dv, the scan's parts of dq and dk, and the gradients of the per-chunk prep outputs."""
+
+    dtype: str
+    key_dim: int
+    value_dim: int
+    query_tile: int
+
+    def validate(self) -> None:
+        _check_tensor_core_dtype(self.dtype)
+        _check_head_dim("key_dim", self.key_dim)
+        _check_head_dim("value_dim", self.value_dim)
+        _check_query_tile(self.query_tile)
+
+
+@dataclass(frozen=True)
+class ChunkPrepBackwardConfig:
+    """The backward of ``chunk_prep`` per chunk (``chunk_prep_backward``): dq, dk, dg, dbeta from the
+    gradients of Ta, Tb, P and the scalars, plus the scan's parts of dq and dk."""
+
+    dtype: str
+    key_dim: int
+    query_tile: int
+
+    def validate(self) -> None:
+        _check_tensor_core_dtype(self.dtype)
+        _check_head_dim("key_dim", self.key_dim)
+        _check_query_tile(self.query_tile)
+
+
+KERNEL_CONFIGS = (ChunkPrepConfig, ChunkScanConfig, SegmentFoldConfig, ChunkGammaConfig, ChunkReverseConfig,
+                  ChunkPrepBackwardConfig)
 
 
 def tensor_core_configs() -> list:

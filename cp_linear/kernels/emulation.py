@@ -132,7 +132,8 @@ def emulate_segment_fold(launch) -> None:
             eye_rows = rows - identity_row
             if eye_rows > 0:
                 X[:, identity_row:] = torch.eye(eye_rows, K)
-        for segment in range(int(launch.seq_first_segment[sequence]), int(launch.seq_first_segment[sequence + 1])):
+        order = range(int(launch.seq_first_segment[sequence]), int(launch.seq_first_segment[sequence + 1]))
+        for segment in (reversed(order) if int(launch.descending) else order):
             launch.incoming[segment] = X
             summary = launch.summaries[segment]
             E = torch.zeros(heads, rows, K)
@@ -144,13 +145,13 @@ def emulate_segment_fold(launch) -> None:
 
 def run_emulated(launch) -> None:
     """Carry out ``launch`` (a ``cp_linear.kernels.launch`` dataclass) in torch, in place."""
+    from cp_linear.kernels import emulation_backward as eb
     from cp_linear.kernels import launch as kl
 
-    if isinstance(launch, kl.ChunkPrepLaunch):
-        emulate_chunk_prep(launch)
-    elif isinstance(launch, kl.ChunkScanLaunch):
-        emulate_chunk_scan(launch)
-    elif isinstance(launch, kl.SegmentFoldLaunch):
-        emulate_segment_fold(launch)
-    else:
+    emulations = {kl.ChunkPrepLaunch: emulate_chunk_prep, kl.ChunkScanLaunch: emulate_chunk_scan,
+                  kl.SegmentFoldLaunch: emulate_segment_fold, kl.ChunkGammaLaunch: eb.emulate_chunk_gamma,
+                  kl.ChunkReverseLaunch: eb.emulate_chunk_reverse,
+                  kl.ChunkPrepBackwardLaunch: eb.emulate_chunk_prep_backward}
+    if type(launch) not in emulations:
         raise TypeError(f"no emulation for {type(launch).__name__}")
+    emulations[type(launch)](launch)

@@ -134,10 +134,98 @@ class SegmentFoldLaunch(_Launch):
     identity_row: Any = _scalar("int32")
     first_sequence: Any = _scalar("int32")
     write_final: Any = _scalar("int32")
+    descending: Any = _scalar("int32")  # fold each sequence's segments last to first (the backward)
+
+
+@dataclass
+class ChunkGammaLaunch(_Launch):
+    """Backward segment summaries into ``summaries`` [S, H, V + K, K] for segments flagged in ``seg_flags``."""
+
+    KERNEL: ClassVar[str] = "cp_linear.kernels.chunk_reverse:ChunkGammaKernel"
+    config: cfg.ChunkGammaConfig
+    k: Any = _spec(None, None, "key_dim", align=16)
+    q: Any = _spec(None, None, "key_dim", align=16)
+    do: Any = _spec(None, None, "value_dim", align=16)
+    ta: Any = _spec(None, None, 64, 64, align=16)
+    p: Any = _spec(None, None, "query_tile", 64, align=16)
+    scalars: Any = _spec(None, None, 4, 64, dtype="float32")
+    chunk_first_step: Any = _spec(None, dtype="int32")
+    chunk_steps: Any = _spec(None, dtype="int32")
+    seg_first_chunk: Any = _spec(None, dtype="int32")
+    seg_chunks: Any = _spec(None, dtype="int32")
+    seg_flags: Any = _spec(None, dtype="int32")
+    num_segments: Any = _spec(1, dtype="int32")
+    summaries: Any = _spec(None, None, "gamma_rows", "key_dim", dtype="float32")
+    num_householder: Any = _scalar("int32")
+
+
+@dataclass
+class ChunkReverseLaunch(_Launch):
+    """The backward of every segment: chunk states recomputed from ``state_in`` into ``chunk_states``,
+    then the reverse pass from ``grad_out``; writes ``grad_in`` and the per-step / per-chunk gradients.
+
+    d_scalars rows: 0 db, 1 dc, 2 dd (column 0), 3 unused."""
+
+    KERNEL: ClassVar[str] = "cp_linear.kernels.chunk_reverse:ChunkReverseKernel"
+    config: cfg.ChunkReverseConfig
+    k: Any = _spec(None, None, "key_dim", align=16)
+    v: Any = _spec(None, None, "value_dim", align=16)
+    q: Any = _spec(None, None, "key_dim", align=16)
+    do: Any = _spec(None, None, "value_dim", align=16)
+    ta: Any = _spec(None, None, 64, 64, align=16)
+    tb: Any = _spec(None, None, 64, 64, align=16)
+    p: Any = _spec(None, None, "query_tile", 64, align=16)
+    scalars: Any = _spec(None, None, 4, 64, dtype="float32")
+    chunk_first_step: Any = _spec(None, dtype="int32")
+    chunk_steps: Any = _spec(None, dtype="int32")
+    seg_first_chunk: Any = _spec(None, dtype="int32")
+    seg_chunks: Any = _spec(None, dtype="int32")
+    num_segments: Any = _spec(1, dtype="int32")
+    state_in: Any = _spec(None, None, "value_dim", "key_dim", dtype="float32")
+    grad_out: Any = _spec(None, None, "value_dim", "key_dim", dtype="float32")
+    chunk_states: Any = _spec(None, None, "value_dim", "key_dim", align=16)
+    grad_in: Any = _spec(None, None, "value_dim", "key_dim", dtype="float32")
+    dv: Any = _spec(None, None, "value_dim", dtype="float32")
+    dq_scan: Any = _spec(None, None, "key_dim", dtype="float32")
+    dk_scan: Any = _spec(None, None, "key_dim", dtype="float32")
+    d_ta: Any = _spec(None, None, 64, 64, dtype="float32")
+    d_tb: Any = _spec(None, None, 64, 64, dtype="float32")
+    d_p: Any = _spec(None, None, "query_tile", 64, dtype="float32")
+    d_scalars: Any = _spec(None, None, 4, 64, dtype="float32")
+    num_householder: Any = _scalar("int32")
+
+
+@dataclass
+class ChunkPrepBackwardLaunch(_Launch):
+    """dq, dk, dg, dbeta from the prep outputs' gradients plus the scan's parts of dq and dk."""
+
+    KERNEL: ClassVar[str] = "cp_linear.kernels.chunk_prep_backward:ChunkPrepBackwardKernel"
+    config: cfg.ChunkPrepBackwardConfig
+    q: Any = _spec(None, None, "key_dim", align=16)
+    k: Any = _spec(None, None, "key_dim", align=16)
+    g: Any = _spec(None, None, dtype="float32")
+    beta: Any = _spec(None, None, dtype="float32")
+    chunk_first_step: Any = _spec(None, dtype="int32")
+    chunk_steps: Any = _spec(None, dtype="int32")
+    num_chunks: Any = _spec(1, dtype="int32")
+    d_ta: Any = _spec(None, None, 64, 64, dtype="float32")
+    d_tb: Any = _spec(None, None, 64, 64, dtype="float32")
+    d_p: Any = _spec(None, None, "query_tile", 64, dtype="float32")
+    d_scalars: Any = _spec(None, None, 4, 64, dtype="float32")
+    dq_scan: Any = _spec(None, None, "key_dim", dtype="float32")
+    dk_scan: Any = _spec(None, None, "key_dim", dtype="float32")
+    dq: Any = _spec(None, None, "key_dim", dtype="float32")
+    dk: Any = _spec(None, None, "key_dim", dtype="float32")
+    dg: Any = _spec(None, None, dtype="float32")
+    dbeta: Any = _spec(None, None, dtype="float32")
+    scale: Any = _scalar("float32")
+    use_l2: Any = _scalar("int32")
+    num_householder: Any = _scalar("int32")
 
 
 LAUNCHES = {cfg.ChunkPrepConfig: ChunkPrepLaunch, cfg.ChunkScanConfig: ChunkScanLaunch,
-            cfg.SegmentFoldConfig: SegmentFoldLaunch}
+            cfg.SegmentFoldConfig: SegmentFoldLaunch, cfg.ChunkGammaConfig: ChunkGammaLaunch,
+            cfg.ChunkReverseConfig: ChunkReverseLaunch, cfg.ChunkPrepBackwardConfig: ChunkPrepBackwardLaunch}
 
 
 def _extent(config, entry):
@@ -145,6 +233,8 @@ def _extent(config, entry):
         return entry
     if entry == "query_tile" and config.query_tile == 0:  # mode "summary" reads no query tiles: any size
         return None
+    if entry == "gamma_rows":
+        return config.value_dim + config.key_dim
     if entry == "state_rows":
         return config.value_dim + config.key_dim if config.mode == "summary" else config.value_dim
     return getattr(config, entry)
@@ -218,16 +308,19 @@ class ForwardLayout:
     seg_chunks: Any  # int32 [max_segments]
     seg_flags: Any  # int32 [max_segments]
     num_segments: Any  # int32 [1]
+    seg_grad_flags: Any = None  # int32 [max_segments]: backward summaries (segments after a sequence's first)
 
 
 def forward_layout(cu_seqlens, *, total_tokens: int, num_householder: int, heads: int, row_blocks: int,
                    sm_count: int, segment_chunks: int | None = None, summary_sequence: int | None = None,
-                   ctas_per_sm: float = 2) -> ForwardLayout:
+                   ctas_per_sm: float = 2, grad_summary_sequence: int | None = None) -> ForwardLayout:
     """Chunk and segment tables from ``cu_seqlens`` (int [N + 1], on the device; any array namespace).
 
     ``total_tokens`` (T_all) and N = len(cu_seqlens) - 1 are host ints, so every table has a fixed
     size. ``summary_sequence``: also build summaries of every segment of that sequence (the CP
     trailing fragment), not only of segments that are followed by another one.
+    ``seg_grad_flags`` marks the backward summaries: every segment after its sequence's first, and
+    every segment of ``grad_summary_sequence`` (the CP leading fragment).
     """
     import array_api_compat
 
@@ -274,10 +367,14 @@ def forward_layout(cu_seqlens, *, total_tokens: int, num_householder: int, heads
     if summary_sequence is not None:
         followed = followed | (seg_seq == summary_sequence)
     seg_flags = xp.where(seg_real & followed, SUMMARY_FLAG, 0)
+    preceded = seg_index >= 1
+    if grad_summary_sequence is not None:
+        preceded = preceded | (seg_seq == grad_summary_sequence)
+    seg_grad_flags = xp.where(seg_real & preceded, SUMMARY_FLAG, 0)
     as32 = lambda x: xp.astype(x, i32)  # noqa: E731
     return ForwardLayout(
         num_householder=n_h, tokens_per_chunk=per_chunk, segment_chunks=segment_chunks, max_chunks=max_chunks,
         max_segments=max_segments, num_sequences=num_sequences, chunk_first_step=as32(chunk_first_step),
         chunk_steps=as32(chunk_steps), num_chunks=as32(num_chunks), seq_first_segment=as32(seq_first_segment),
         seq_segments=as32(seq_segments), seg_first_chunk=as32(seg_first_chunk), seg_chunks=as32(seg_chunks),
-        seg_flags=as32(seg_flags), num_segments=as32(num_segments))
+        seg_flags=as32(seg_flags), num_segments=as32(num_segments), seg_grad_flags=as32(seg_grad_flags))

@@ -9,8 +9,10 @@ The states are transposed row stacks X [R, K] (R = V for states, R = V + K for a
     for s in the sequence's segments:   incoming[s] = X;  X = X M_s^T + E_s^T
     final[n] = X                                     (when ``write_final``)
 
-The last segment's map is applied only when ``write_final`` asks for the end state (the output
-pass computes it otherwise). One CTA of 256 threads per (sequence, head, 16-row tile); each
+With ``descending`` the segments are taken last to first: the backward's state gradients, whose
+segment summaries [gamma^T ; M_b^T] (``chunk_reverse.ChunkGammaKernel``) have the same row form.
+The map of the segment taken last is applied only when ``write_final`` asks for the end state
+(the output or reverse pass computes it otherwise). One CTA of 256 threads per (sequence, head, 16-row tile); each
 thread owns K / 16 strided columns of the tile. M_s^T is staged in shared memory with 16-byte loads
 (every thread of the CTA reads all of it), then each thread runs its K-long dot products from
 there. Exact float32 arithmetic, no tensor cores: the fold is small next to the scan.
@@ -43,17 +45,17 @@ class SegmentFoldKernel:
                  init_count: Int32,  # sequences n < init_count start from init[n]
                  value_rows: Int32,  # V: rows of E^T in a summary
                  identity_row: Int32,  # zero init rows >= identity_row start as identity rows
-                 first_sequence: Int32, write_final: Int32, stream):
+                 first_sequence: Int32, write_final: Int32, descending: Int32, stream):
         rows = incoming.shape[2]
         self.kernel(summaries, seq_first_segment, init, incoming, final, init_count, value_rows, identity_row,
-                    first_sequence, write_final).launch(
+                    first_sequence, write_final, descending).launch(
             grid=(seq_first_segment.shape[0] - 1, summaries.shape[1], (rows + ROWS - 1) // ROWS),
             block=(THREADS, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, summaries: cute.Tensor, seq_first_segment: cute.Tensor, init: cute.Tensor,
                incoming: cute.Tensor, final: cute.Tensor, init_count: Int32, value_rows: Int32,
-               identity_row: Int32, first_sequence: Int32, write_final: Int32):
+               identity_row: Int32, first_sequence: Int32, write_final: Int32, descending: Int32):
         K = self.key_dim
         per_thread = K * ROWS // THREADS
         tidx, _, _ = cute.arch.thread_idx()
@@ -78,13 +80,16 @@ class SegmentFoldKernel:
                         value = Float32(1.0)
                 x[j] = value
             first = seq_first_segment[sequence]
-            stop = seq_first_segment[sequence + 1]
-            last_mapped = stop if write_final != 0 else stop - 1
-            for segment in range(first, stop):
+            count = seq_first_segment[sequence + 1] - first
+            mapped = count if write_final != 0 else count - 1
+            for position in range(count):
+                segment = first + position
+                if descending != 0:
+                    segment = first + count - 1 - position
                 if row_ok:
                     for j in cutlass.range_constexpr(per_thread):
                         incoming[segment, head, row, col0 + 16 * j] = x[j]
-                if segment < last_mapped:
+                if position < mapped:
                     # stage M^T (K x K float32) with 16-byte loads, and this tile's X rows
                     for chunk in cutlass.range_constexpr(K * K // 4 // THREADS):
                         flat = (chunk * THREADS + tidx) * 4

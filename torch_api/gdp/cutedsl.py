@@ -32,7 +32,7 @@ from cp_linear.kernels import launch as kl
 from cp_linear.protocol import CPForwardResult, CPSavedContext
 from cp_linear.summary import CPForwardPackedSummary, CPForwardUnpackedSummary, compose_forward
 from torch_api.gdp.chunk import TorchGDPBackend, make_cp_saved_context
-from torch_api.gdp.types import GDPInputs
+from torch_api.gdp.types import GDPInputGradients, GDPInputs
 from torch_api.gdp.validation import check_gdp_inputs
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -126,12 +126,15 @@ class CuTeDSLGatedDeltaProductCPBackend:
     sequence gives about ``ctas_per_sm`` output CTAs per SM). row_block: state rows per scan CTA
     (0: the measured choice of ``launch.scan_row_block``; 64 runs two 4-warp CTAs per SM where 128
     runs one 8-warp CTA). mma: "sync" (warp mma.sync, measured) or "wgmma" (Hopper warpgroup
-    MMA for the scan; compiled in CI, not yet measured on a GPU). The backward
+    MMA for the scan; compiled in CI, not yet measured on a GPU). backward: "torch" (the default:
+    ``TorchGDPBackend``'s recomputation) or "kernels" (the one-device backward on
+    ``chunk_reverse`` / ``chunk_prep_backward``; checked on the CPU through their emulation, not
+    yet run on a GPU). The backward
     half is ``TorchGDPBackend``'s recomputation until the backward kernels land.
     """
 
     def __init__(self, segment_chunks: int | None = None, recompute_chunk_num: int = 0, *, row_block: int = 0,
-                 ctas_per_sm: float = 2, fallback: bool = True, mma: str = "sync"):
+                 ctas_per_sm: float = 2, fallback: bool = True, mma: str = "sync", backward: str = "torch"):
         if segment_chunks is not None and (not isinstance(segment_chunks, int) or segment_chunks < 1):
             raise ValueError(f"segment_chunks must be a positive int or None; received {segment_chunks!r}")
         if row_block not in (0, 64, 128):
@@ -140,7 +143,10 @@ class CuTeDSLGatedDeltaProductCPBackend:
             raise ValueError(f"ctas_per_sm must be positive; received {ctas_per_sm!r}")
         if mma not in kcfg.MMA_KINDS:
             raise ValueError(f"mma must be one of {kcfg.MMA_KINDS}; received {mma!r}")
+        if backward not in ("torch", "kernels"):
+            raise ValueError(f"backward must be 'torch' or 'kernels'; received {backward!r}")
         self.mma = mma
+        self.backward = backward
         self.row_block = row_block
         self.ctas_per_sm = ctas_per_sm
         self.fallback = fallback
@@ -166,7 +172,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             warnings.warn(f"CuTeDSLGatedDeltaProductCPBackend runs TorchGDPBackend: {reason}", stacklevel=3)
         return False
 
-    def _shard(self, inputs: GDPInputs, *, cp_summary: bool) -> _Shard:
+    def _shard(self, inputs: GDPInputs, *, cp_summary: bool, summaries: bool = True) -> _Shard:
         q, k, v = _flat(inputs.q), _flat(inputs.k), _flat(inputs.v)
         device = q.device
         batch, tokens = inputs.q.shape[:2]
@@ -208,9 +214,9 @@ class CuTeDSLGatedDeltaProductCPBackend:
             chunk_first_step=layout.chunk_first_step, chunk_steps=layout.chunk_steps, num_chunks=layout.num_chunks,
             ta=shard.ta, tb=shard.tb, p=shard.p, scalars=shard.scalars, scale=float(inputs.scale),
             use_l2=int(bool(inputs.use_qk_l2norm_in_kernel)), num_householder=inputs.num_householder).run()
-        # mode "summary" reads neither state_in nor o: tiny placeholders of the right type
-        self._scan(shard, "summary", state_in=shard.summaries.new_empty(1, 1, value_dim, key_dim),
-                   state_out=shard.summaries, o=q.new_empty(1, 1, value_dim))
+        if summaries:  # mode "summary" reads neither state_in nor o: tiny placeholders of the right type
+            self._scan(shard, "summary", state_in=shard.summaries.new_empty(1, 1, value_dim, key_dim),
+                       state_out=shard.summaries, o=q.new_empty(1, 1, value_dim))
         return shard
 
     def _scan(self, shard: _Shard, mode: str, *, state_in, state_out, o) -> None:
@@ -236,7 +242,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
             kcfg.SegmentFoldConfig(key_dim), summaries=shard.summaries,
             seq_first_segment=shard.layout.seq_first_segment, init=init, incoming=incoming,
             final=incoming[:1] if final is None else final, init_count=init_count, value_rows=shard.value_dim,
-            identity_row=identity_row, first_sequence=first_sequence, write_final=int(final is not None)).run()
+            identity_row=identity_row, first_sequence=first_sequence, write_final=int(final is not None),
+            descending=0).run()
         return incoming
 
     def _output(self, shard: _Shard, incoming: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -326,16 +333,100 @@ class CuTeDSLGatedDeltaProductCPBackend:
         empty = (shard.layout.seq_segments == 0).view(-1, 1, 1, 1)
         start = initial_state if initial_state is not None else torch.zeros_like(final_state)
         final_state = torch.where(empty, start, final_state).contiguous()
+        tensors = (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.cu_seqlens, initial_state)
+        if self.backward == "kernels":  # the segments' incoming states: the reverse pass restarts from them
+            tensors = tensors + (incoming,)
         saved = CPSavedContext(
-            tensors=(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.cu_seqlens, initial_state),
+            tensors=tensors,
             metadata={"scale": float(inputs.scale), "num_householder": int(inputs.num_householder),
                       "use_qk_l2norm_in_kernel": bool(inputs.use_qk_l2norm_in_kernel),
                       "recompute_chunk_num": self.recompute_chunk_num})
         return output, final_state, saved
 
     def one_device_backward(self, output_grad, final_state_grad, saved_context: CPSavedContext):
-        """``TorchGDPBackend.one_device_backward`` (recomputes from the saved inputs)."""
-        return self._fallback.one_device_backward(output_grad, final_state_grad, saved_context)
+        """-> (GDPInputGradients, d initial state [N, H, K, V] float32): on the backward kernels when
+        the forward saved the segment states for them (``backward="kernels"``), else
+        ``TorchGDPBackend.one_device_backward`` (a recomputation from the saved inputs)."""
+        if len(saved_context.tensors) != 8:
+            return self._fallback.one_device_backward(output_grad, final_state_grad, saved_context)
+        q, k, v, g, beta, cu_seqlens, initial_state, incoming = saved_context.tensors
+        metadata = saved_context.metadata
+        inputs = GDPInputs(q, k, v, g, beta, metadata["scale"], metadata["num_householder"],
+                           metadata["use_qk_l2norm_in_kernel"], cu_seqlens)
+        shard = self._shard(inputs, cp_summary=False, summaries=False)
+        layout, heads, key_dim, value_dim = shard.layout, shard.heads, shard.key_dim, shard.value_dim
+        num_seqs = layout.num_sequences
+        do = torch.zeros_like(shard.q[..., :1].expand(-1, -1, value_dim)) if output_grad is None \
+            else _flat(output_grad.to(shard.q.dtype))
+        # the outgoing state gradient of every segment: backward summaries, folded last to first
+        grad_summaries = torch.empty_like(shard.summaries)
+        self._gamma(shard, do, grad_summaries)
+        init = None
+        if final_state_grad is not None:
+            init = final_state_grad.to(device=shard.q.device, dtype=torch.float32).transpose(-1, -2).contiguous()
+        grad_out = torch.empty(layout.max_segments, heads, value_dim, key_dim, dtype=torch.float32,
+                               device=shard.q.device)
+        kl.SegmentFoldLaunch(
+            kcfg.SegmentFoldConfig(key_dim), summaries=grad_summaries, seq_first_segment=layout.seq_first_segment,
+            init=grad_out[:1] if init is None else init, incoming=grad_out, final=grad_out[:1],
+            init_count=0 if init is None else num_seqs, value_rows=value_dim, identity_row=value_dim,
+            first_sequence=0, write_final=0, descending=1).run()
+        grads, grad_in = self._reverse(shard, do, incoming, grad_out)
+        # d initial state: the gradient entering each sequence's first segment (its own for empty ones)
+        first_segment = layout.seq_first_segment[:-1].long().clamp(max=layout.max_segments - 1)
+        d_initial = grad_in.index_select(0, first_segment).transpose(-1, -2)
+        empty = (layout.seq_segments == 0).view(-1, 1, 1, 1)
+        d_end = torch.zeros_like(d_initial) if final_state_grad is None else final_state_grad.float()
+        return grads, torch.where(empty, d_end, d_initial).contiguous()
+
+    def _gamma(self, shard: _Shard, do: torch.Tensor, summaries: torch.Tensor) -> None:
+        layout = shard.layout
+        kl.ChunkGammaLaunch(
+            kcfg.ChunkGammaConfig(shard.dtype, shard.key_dim, shard.value_dim, shard.query_tile),
+            k=shard.k, q=shard.q, do=do, ta=shard.ta, p=shard.p, scalars=shard.scalars,
+            chunk_first_step=layout.chunk_first_step, chunk_steps=layout.chunk_steps,
+            seg_first_chunk=layout.seg_first_chunk, seg_chunks=layout.seg_chunks, seg_flags=layout.seg_grad_flags,
+            num_segments=layout.num_segments, summaries=summaries,
+            num_householder=shard.inputs.num_householder).run()
+
+    def _reverse(self, shard: _Shard, do: torch.Tensor, incoming: torch.Tensor, grad_out: torch.Tensor):
+        """chunk_reverse then chunk_prep_backward -> (GDPInputGradients, dX at every segment start)."""
+        layout, inputs = shard.layout, shard.inputs
+        heads, key_dim, value_dim, tile = shard.heads, shard.key_dim, shard.value_dim, shard.query_tile
+        device, chunks = shard.q.device, layout.max_chunks
+        f32 = dict(dtype=torch.float32, device=device)
+        tokens_all, steps_all = shard.q.shape[0], shard.k.shape[0]
+        grad_in = torch.empty_like(grad_out)
+        dv = torch.empty(steps_all, heads, value_dim, **f32)
+        dq_scan = torch.empty(tokens_all, heads, key_dim, **f32)
+        dk_scan = torch.empty(steps_all, heads, key_dim, **f32)
+        d_ta = torch.empty(chunks, heads, 64, 64, **f32)
+        d_tb = torch.empty_like(d_ta)
+        d_p = torch.empty(chunks, heads, tile, 64, **f32)
+        d_scalars = torch.empty(chunks, heads, 4, 64, **f32)
+        kl.ChunkReverseLaunch(
+            kcfg.ChunkReverseConfig(shard.dtype, key_dim, value_dim, tile),
+            k=shard.k, v=shard.v, q=shard.q, do=do, ta=shard.ta, tb=shard.tb, p=shard.p, scalars=shard.scalars,
+            chunk_first_step=layout.chunk_first_step, chunk_steps=layout.chunk_steps,
+            seg_first_chunk=layout.seg_first_chunk, seg_chunks=layout.seg_chunks, num_segments=layout.num_segments,
+            state_in=incoming, grad_out=grad_out,
+            chunk_states=torch.empty(chunks, heads, value_dim, key_dim, dtype=shard.q.dtype, device=device),
+            grad_in=grad_in, dv=dv, dq_scan=dq_scan, dk_scan=dk_scan, d_ta=d_ta, d_tb=d_tb, d_p=d_p,
+            d_scalars=d_scalars, num_householder=inputs.num_householder).run()
+        dq, dk = torch.empty_like(dq_scan), torch.empty_like(dk_scan)
+        dg = torch.empty(tokens_all, heads, **f32)
+        dbeta = torch.empty(steps_all, heads, **f32)
+        kl.ChunkPrepBackwardLaunch(
+            kcfg.ChunkPrepBackwardConfig(shard.dtype, key_dim, tile),
+            q=shard.q, k=shard.k, g=_flat(inputs.g).float(), beta=_flat(inputs.beta).float(),
+            chunk_first_step=layout.chunk_first_step, chunk_steps=layout.chunk_steps, num_chunks=layout.num_chunks,
+            d_ta=d_ta, d_tb=d_tb, d_p=d_p, d_scalars=d_scalars, dq_scan=dq_scan, dk_scan=dk_scan, dq=dq, dk=dk,
+            dg=dg, dbeta=dbeta, scale=float(inputs.scale), use_l2=int(bool(inputs.use_qk_l2norm_in_kernel)),
+            num_householder=inputs.num_householder).run()
+        shaped = lambda x, like: x.view(like.shape).to(like.dtype)  # noqa: E731
+        grads = GDPInputGradients(shaped(dq, inputs.q), shaped(dk, inputs.k), shaped(dv, inputs.v),
+                                  shaped(dg, inputs.g), shaped(dbeta, inputs.beta))
+        return grads, grad_in
 
 
 def _packed_stack(preceding) -> torch.Tensor | None:
