@@ -92,9 +92,25 @@ class Recorder:
         kind = type(gpu).__name__.replace("Launch", "")
         mode = getattr(gpu.config, "mode", "")
         outputs = {"ChunkPrep": ("ta", "tb", "p", "scalars"), "SegmentFold": ("incoming",),
-                   "ChunkScan": ("state_out",) + (("o",) if mode == "output" else ())}[kind]
+                   "ChunkScan": ("state_out",) + (("o",) if mode == "output" else ()),
+                   "ChunkGamma": ("summaries",),
+                   "ChunkReverse": ("grad_in", "chunk_states", "dv", "dq_scan", "dk_scan", "d_ta", "d_tb", "d_p",
+                                    "d_scalars"),
+                   "ChunkPrepBackward": ("dq", "dk", "dg", "dbeta")}[kind]
         for name in outputs:
             a, b = getattr(gpu, name), getattr(emulated, name)
+            if kind == "ChunkGamma":
+                flags = gpu.seg_flags[:int(gpu.num_segments[0])].cpu() & 1
+                idx = torch.nonzero(flags).flatten()
+                if idx.numel() == 0:
+                    continue
+                a, b = a[idx.to(a.device)], b[idx]
+            if kind == "ChunkReverse" and name in ("grad_in",):
+                count = int(gpu.num_segments[0])
+                a, b = a[:count], b[:count]
+            if kind == "ChunkReverse" and name in ("chunk_states", "d_ta", "d_tb", "d_p", "d_scalars"):
+                count = int(gpu.chunk_steps.ne(0).sum())
+                a, b = a[:count], b[:count]
             if kind == "ChunkScan" and name == "state_out":
                 count = int(gpu.num_segments[0])
                 if mode == "summary":
@@ -166,6 +182,44 @@ def one_device_case(lengths, heads, key_dim, value_dim, n_h, dtype, segment_chun
     check(f"{tag} ours / FLA error ratio", ours / max(theirs, 1e-30), 1.0)
 
 
+def backward_case(lengths, heads, dim, n_h, segment_chunks):
+    """The kernel backward stage by stage against its emulation, then every gradient against float64."""
+    from cp_linear.kernels import backward_algorithm as ba
+    from torch_api import gated_delta_product
+
+    tag = f"[bwd {'+'.join(map(str, lengths))} H{heads} K=V={dim} nh{n_h} seg{segment_chunks}]"
+    q, k, v, g, beta = make_inputs(lengths, heads, dim, dim, n_h, torch.bfloat16, seed=7 + n_h)
+    cu = torch.tensor(np.cumsum([0] + lengths), dtype=torch.int32, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    do = torch.randn(1, sum(lengths), heads, dim, device="cuda", generator=gen).bfloat16()
+    dfinal = torch.randn(len(lengths), heads, dim, dim, device="cuda", generator=gen)
+    backend = cutedsl.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=segment_chunks, backward="kernels")
+
+    def grads():
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+        o, final = gated_delta_product(*leaves, num_householder=n_h, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
+                                       backend=backend)
+        torch.autograd.backward([o, final], [do, dfinal])
+        return [leaf.grad for leaf in leaves]
+
+    with Recorder(tag):
+        got = grads()
+    again = grads()
+    check(f"{tag} bitwise repeat (all gradients)", float(not all(torch.equal(a, b) for a, b in zip(got, again))), 0.0)
+    starts = np.cumsum([0] + lengths)
+    ref = [[] for _ in range(5)]
+    for n, (t0, t1) in enumerate(zip(starts[:-1], starts[1:])):
+        parts = [x[0].double().cpu() for x in (q[:, t0:t1], k[:, t0 * n_h:t1 * n_h], v[:, t0 * n_h:t1 * n_h],
+                                               g[:, t0:t1], beta[:, t0 * n_h:t1 * n_h])]
+        out = ba.sequence_backward(*parts, do[0, t0:t1].double().cpu(), dfinal[n].double().cpu(),
+                                   num_householder=n_h, scale=dim ** -0.5, use_l2=True)
+        for slot in range(5):
+            ref[slot].append(out[slot])
+    for name, grad, parts in zip(("dq", "dk", "dv", "dg", "dbeta"), got, ref):
+        expected = torch.cat(parts, 0)
+        check(f"{tag} {name} vs float64", rel(grad.reshape(expected.shape), expected), 1e-2 if name == "dg" else 5e-3)
+
+
 def cp_case(layout: str, n_h: int, dtype):
     heads, dim = 4, 128
     backend = cutedsl.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=4)
@@ -199,6 +253,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="one configuration per stage check")
     parser.add_argument("--cases", type=int, nargs="*", default=None, help="run only these one-device cases")
     parser.add_argument("--no-cp", action="store_true", help="skip the two-shard CP cases")
+    parser.add_argument("--backward", action="store_true", help="also check the backward kernels")
     args = parser.parse_args()
     torch.manual_seed(0)
     cases = [([700, 1300, 64, 33], 4, 128, 128, 2, torch.bfloat16, 8, True),
@@ -220,6 +275,13 @@ def main() -> int:
         except Exception:
             traceback.print_exc()
             FAILURES.append(f"exception in {case}")
+    if args.backward:
+        for case in (([700, 1300, 64], 2, 128, 2, 4), ([1024], 2, 128, 1, None), ([500, 548], 2, 64, 3, 3)):
+            try:
+                backward_case(*case)
+            except Exception:
+                traceback.print_exc()
+                FAILURES.append(f"exception in backward {case}")
     for layout in () if args.no_cp else ("spanning", "packed", "rows"):
         try:
             cp_case(layout, 2, torch.bfloat16)

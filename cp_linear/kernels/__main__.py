@@ -26,9 +26,19 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from cp_linear.kernels.configs import ChunkPrepConfig, ChunkScanConfig, all_forward_configs, describe
+from cp_linear.kernels.configs import (
+    ChunkGammaConfig,
+    ChunkPrepBackwardConfig,
+    ChunkPrepConfig,
+    ChunkReverseConfig,
+    ChunkScanConfig,
+    all_forward_configs,
+    ci_configs,
+    describe,
+)
 
-TENSOR_CORE_CONFIGS = (ChunkPrepConfig, ChunkScanConfig)  # segment_fold is float32 SIMT by design
+# segment_fold is float32 SIMT by design
+TENSOR_CORE_CONFIGS = (ChunkPrepConfig, ChunkScanConfig, ChunkGammaConfig, ChunkReverseConfig, ChunkPrepBackwardConfig)
 
 _PTXAS_PATTERNS = {
     "registers": re.compile(r"Used (\d+) registers"),
@@ -104,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ptxas", action="store_true", help="report registers and spills from ptxas -v")
     parser.add_argument("--only", default=None, help="compile only configs whose description contains TEXT")
     parser.add_argument("--dtype", default=None, help="compile only this input dtype (and the dtype-free kernels)")
+    parser.add_argument("--ci", action="store_true", help="only the configs CI compiles (configs.ci_configs)")
     parser.add_argument("--jobs", type=int, default=1, help="compile in N processes (default 1)")
     parser.add_argument("--library", default=None, help="export every kernel to DIR as a prebuilt library")
     parser.add_argument("--check-tensor-cores", action="store_true",
@@ -119,8 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         print("ptxas is not on PATH: no register report", file=sys.stderr)
 
     configs = all_forward_configs()
+    in_ci = set(ci_configs())
     chosen = [i for i, config in enumerate(configs) if (args.only is None or args.only in describe(config))
-              and (args.dtype is None or getattr(config, "dtype", args.dtype) == args.dtype)]
+              and (args.dtype is None or getattr(config, "dtype", args.dtype) == args.dtype)
+              and (not args.ci or config in in_ci)]
     print(f"compiling {len(chosen)} GDP kernel configs for {args.arch}", flush=True)
     started = time.perf_counter()
     failures = 0

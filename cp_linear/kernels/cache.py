@@ -10,7 +10,7 @@ A prebuilt kernel library skips compilation: ``python -m cp_linear.kernels --com
 DIR`` compiles every config (no GPU needed) and exports each as ``DIR/<config>-<hash>.so``;
 with ``CP_LINEAR_KERNEL_LIBRARY=DIR`` set, ``compiled`` loads the matching file instead of
 compiling. The hash covers the kernel sources and the DSL version, so a stale library is never
-used (the kernel is compiled instead); editing one kernel's module invalidates only that kernel.
+used (the kernel is compiled instead).
 
 cutlass is imported on first use only: ``import cp_linear.kernels`` stays light.
 """
@@ -47,27 +47,24 @@ def compile_kernel(config) -> Callable:
 
 
 LIBRARY_ENV = "CP_LINEAR_KERNEL_LIBRARY"
-_SOURCE_HASHES: dict[type, str] = {}
-_SHARED_SOURCES = ("_common.py", "_mma.py", "configs.py")
-
-
-def _kernel_module_file(config) -> str:
-    from cp_linear.kernels import launch
-
-    return launch.LAUNCHES[type(config)].KERNEL.split(":")[0].rsplit(".", 1)[1] + ".py"
+_SOURCE_HASH: list[str] = []
+# host-side modules: editing them cannot change a compiled kernel
+_HOST_SOURCES = {"__init__.py", "__main__.py", "cache.py", "launch.py", "emulation.py", "emulation_backward.py",
+                 "backward_algorithm.py"}
 
 
 def _source_hash(config) -> str:
-    """Hash of the kernel's module, the shared kernel helpers and the DSL version (the staleness key)."""
-    key = type(config)
-    if key not in _SOURCE_HASHES:
+    """Hash of the device-code modules (every kernel and its helpers) and the DSL version: the
+    staleness key of a prebuilt library. Kernels import each other's helpers, so one hash covers all."""
+    if not _SOURCE_HASH:
         from importlib.metadata import version
 
         digest = hashlib.sha256(version("nvidia-cutlass-dsl").encode())
-        for name in (_kernel_module_file(config),) + _SHARED_SOURCES:
-            digest.update(name.encode() + (Path(__file__).parent / name).read_bytes())
-        _SOURCE_HASHES[key] = digest.hexdigest()[:12]
-    return _SOURCE_HASHES[key]
+        for path in sorted(Path(__file__).parent.glob("*.py")):
+            if path.name not in _HOST_SOURCES:
+                digest.update(path.name.encode() + path.read_bytes())
+        _SOURCE_HASH.append(digest.hexdigest()[:12])
+    return _SOURCE_HASH[0]
 
 
 def artifact_name(config) -> str:

@@ -20,14 +20,14 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from cp_linear.kernels import _chunk_common as chunk_common
 from cp_linear.kernels import _mma
-from cp_linear.kernels._common import L2NORM_EPS, cutlass_dtype, smem_vector, zero_unless
+from cp_linear.kernels._common import cutlass_dtype, smem_vector
 from cp_linear.kernels.configs import CHUNK_SIZE, ChunkPrepConfig
 
 C = CHUNK_SIZE
 WARPS = 4
 THREADS = 32 * WARPS
-SOLVE_BLOCK = 16
 A_PITCH = C + 4  # float32 rows of the A / T tiles: 16-byte aligned, conflict-free column reads
 
 
@@ -80,54 +80,11 @@ class ChunkPrepKernel:
         if chunk < num_chunks[0]:
             first = chunk_first_step[chunk]
             steps = chunk_steps[chunk]
-            first_token = first // NH
             tokens = steps // NH
-            g_k = cute.local_tile(cute.domain_offset((first, 0), k[None, head, None]), (C, K), (0, 0))
-            g_q = cute.local_tile(cute.domain_offset((first_token, 0), q[None, head, None]), (C, K), (0, 0))
-            _mma.copy_rows_g2s(g2s, tidx, g_k, s_k, steps)
-            _mma.copy_rows_g2s(g2s, tidx, g_q, s_q, tokens)
-            cute.arch.cp_async_commit_group()
-
-            # Step gates (the token's gate on its first step) and betas; zero past the chunk.
-            if tidx < C:
-                step = first + cutlass.min(tidx, steps - 1)
-                s_beta[tidx] = zero_unless(tidx < steps, beta[step, head])
-                s_gate[tidx] = zero_unless((tidx < steps) & (tidx % NH == 0), g[step // NH, head])
-            cute.arch.cp_async_wait_group(0)
-            cute.arch.sync_threads()
-
-            # Inclusive cumulative gate G (warp 0, two steps per lane) and the row norms.
-            if tidx < 32:
-                g0 = s_gate[2 * tidx]
-                pair_total = g0 + s_gate[2 * tidx + 1]
-                scan = pair_total
-                for d in cutlass.range_constexpr(5):
-                    up = cute.arch.shuffle_sync_up(scan, 1 << d)
-                    if tidx >= (1 << d):
-                        scan = scan + up
-                s_gate[2 * tidx] = scan - pair_total + g0
-                s_gate[2 * tidx + 1] = scan
-            # threads [0, 64) take the key rows, [64, 128) the query rows; 16-byte reads (the swizzle
-            # permutes whole 8-element groups, so a group stays contiguous)
-            row = tidx % C
-            sumsq = Float32(0.0)
-            if tidx < C:
-                for c8 in cutlass.range_constexpr(K // 8):
-                    group = cute.local_tile(s_k, (1, 8), (row, c8)).load().to(Float32)
-                    for e in cutlass.range_constexpr(8):
-                        sumsq += group[e] * group[e]
-            else:
-                for c8 in cutlass.range_constexpr(K // 8):
-                    group = cute.local_tile(s_q, (1, 8), (row, c8)).load().to(Float32)
-                    for e in cutlass.range_constexpr(8):
-                        sumsq += group[e] * group[e]
-            norm = Float32(1.0)
-            if use_l2 != 0:
-                norm = cute.math.rsqrt(sumsq + Float32(L2NORM_EPS))
-            if tidx < C:
-                s_f[row] = zero_unless(row < steps, norm)
-            else:
-                s_fq[row] = zero_unless(row < tokens, norm)
+            chunk_common.load_chunk_inputs(g2s, tidx, q, k, g, beta, head, first, steps, NH, s_k, s_q, s_gate,
+                                           s_beta, K)
+            chunk_common.gate_cumsum(tidx, s_gate)
+            chunk_common.row_norms(tidx, s_k, s_q, s_f, s_fq, steps, tokens, use_l2, K)
             cute.arch.sync_threads()
 
             thr_mma = tiled_mma.get_slice(tidx)
@@ -162,24 +119,9 @@ class ChunkPrepKernel:
             cute.arch.sync_threads()
 
             # T = (I + A)^-1, one thread per column, 16 rows at a time in registers.
+            chunk_common.solve_unit_lower(tidx, s_a, s_x)
             if tidx < C:
                 column = tidx
-                x = cute.make_rmem_tensor(cute.make_layout((SOLVE_BLOCK,)), Float32)
-                for block in cutlass.range_constexpr(C // SOLVE_BLOCK):
-                    base = block * SOLVE_BLOCK
-                    for r in cutlass.range_constexpr(SOLVE_BLOCK):
-                        x[r] = zero_unless(base + r == column, Float32(1.0))
-                    for l in range(base):
-                        earlier = s_x[l, column]
-                        for r in cutlass.range_constexpr(SOLVE_BLOCK):
-                            x[r] -= s_a[base + r, l] * earlier
-                    for r in cutlass.range_constexpr(1, SOLVE_BLOCK):
-                        total = x[r]
-                        for jj in cutlass.range_constexpr(r):
-                            total -= s_a[base + r, base + jj] * x[jj]
-                        x[r] = total
-                    for r in cutlass.range_constexpr(SOLVE_BLOCK):
-                        s_x[base + r, column] = x[r]
                 a_scale = s_beta[column] * s_f[column] * cute.math.exp(s_gate[column])
                 b_scale = s_beta[column]
                 for i in cutlass.range(C, unroll=8):

@@ -196,9 +196,30 @@ def tensor_core_configs() -> list:
     return configs
 
 
+def backward_configs() -> list:
+    """Every config of the backward kernels (chunk_reverse, chunk_prep_backward)."""
+    configs: list = []
+    for dtype in TENSOR_CORE_DTYPES:
+        for key_dim in HEAD_DIMS:
+            for tile in QUERY_TILES:
+                configs.append(ChunkPrepBackwardConfig(dtype, key_dim, tile))
+                for value_dim in HEAD_DIMS:
+                    configs.append(ChunkGammaConfig(dtype, key_dim, value_dim, tile))
+                    configs.append(ChunkReverseConfig(dtype, key_dim, value_dim, tile))
+    return configs
+
+
 def all_forward_configs() -> list:
-    """Every config the forward uses, for ahead-of-time compilation (the CLI and CI)."""
-    return tensor_core_configs()
+    """Every kernel config (forward and backward), for ahead-of-time compilation (the CLI and CI)."""
+    return tensor_core_configs() + backward_configs()
+
+
+def ci_configs() -> list:
+    """The configs CI compiles: every bfloat16 forward config and the bfloat16 backward configs at
+    K = V in {64, 128} (the float16 and mixed-size ones differ only in types and extents)."""
+    return [config for config in all_forward_configs() if getattr(config, "dtype", "bfloat16") == "bfloat16"
+            and (not isinstance(config, (ChunkGammaConfig, ChunkReverseConfig, ChunkPrepBackwardConfig))
+                 or getattr(config, "value_dim", config.key_dim) == config.key_dim)]
 
 
 def describe(config) -> str:

@@ -95,7 +95,7 @@ def emulate_chunk_reverse(launch) -> None:
             launch.dk_scan[first:first + steps] = dk.permute(1, 0, 2)[:steps]
             launch.dq_scan[first // n_h:first // n_h + tokens] = (c[:, :, None] * R).permute(1, 0, 2)[:tokens]
             launch.d_tb[chunk] = dDb.transpose(1, 2) @ v.transpose(1, 2)
-            launch.d_ta[chunk] = -(dDb.transpose(1, 2) @ Yb)
+            launch.d_ta[chunk] = -(rnd(dDb.transpose(1, 2) @ Xb) @ k.transpose(1, 2))  # -(dD^T X) k^T
             launch.d_p[chunk] = do.transpose(1, 2) @ Db
             scalars = torch.zeros_like(sc)
             scalars[:, 0] = (D * M1).sum(1)

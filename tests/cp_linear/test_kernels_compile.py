@@ -1,10 +1,10 @@
 """Every CuTeDSL GDP kernel compiles for sm_90a on a machine without a GPU (runs in CI).
 
 Compiles through the CLI (``python -m cp_linear.kernels --compile --arch sm_90a
---check-tensor-cores --dtype bfloat16``) in a fresh process, two compile processes at a time, and
-checks that every config is listed as compiled and that the tensor-core kernels' PTX holds ``mma``
-instructions. The float16 configs differ from the bfloat16 ones only in the element type and are
-left out to keep CI under ten minutes; ``./dev compile`` compiles all of them.
+--check-tensor-cores --ci``) in a fresh process, two compile processes at a time, and checks that
+every CI config (``configs.ci_configs``: all bfloat16 forward configs, the bfloat16 backward ones at
+K = V) is listed as compiled and that the tensor-core kernels' PTX holds ``mma`` instructions. The
+configs left out differ only in element types and extents; ``./dev compile`` compiles all of them.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import pytest
 
 pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (the cuda extra)")
 
-from cp_linear.kernels import SegmentFoldConfig, all_forward_configs, describe  # noqa: E402
+from cp_linear.kernels import SegmentFoldConfig, describe  # noqa: E402
+from cp_linear.kernels.configs import ci_configs  # noqa: E402
 
 
 def test_import_of_kernels_package_loads_no_cutlass():
@@ -27,13 +28,14 @@ def test_import_of_kernels_package_loads_no_cutlass():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+@pytest.mark.timeout(1800)
 def test_every_kernel_config_compiles_for_sm90a_without_a_gpu():
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     result = subprocess.run(
         [sys.executable, "-m", "cp_linear.kernels", "--compile", "--arch", "sm_90a", "--check-tensor-cores",
-         "--dtype", "bfloat16", "--jobs", "2"],
-        capture_output=True, text=True, timeout=840, env=env)
-    configs = [config for config in all_forward_configs() if getattr(config, "dtype", "bfloat16") == "bfloat16"]
+         "--ci", "--jobs", "2"],
+        capture_output=True, text=True, timeout=1700, env=env)
+    configs = ci_configs()
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     compiled = [line for line in result.stdout.splitlines() if line.startswith("ok ")]
     for config in configs:

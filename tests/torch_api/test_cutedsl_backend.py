@@ -269,3 +269,75 @@ def test_unsupported_inputs_fall_back_to_torch_with_the_reason_or_raise(key_dim,
     ref_summary, ref_context = TorchGDPBackend().cp_forward_prepare(inputs)
     assert torch.equal(summary.packed, ref_summary.packed)
     assert torch.equal(output, TorchGDPBackend().cp_forward_apply(ref_context, None).output)
+
+
+def _kernel_backward_grads(backend, q, k, v, g, beta, do, dfinal, nh, cu, initial=None):
+    from torch_api import gated_delta_product
+
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+    init_leaf = None if initial is None else initial.clone().requires_grad_()
+    o, final = gated_delta_product(*leaves, num_householder=nh, cu_seqlens=cu, initial_state=init_leaf,
+                                   use_qk_l2norm_in_kernel=True, backend=backend)
+    torch.autograd.backward([o, final], [do, dfinal])
+    return [leaf.grad for leaf in leaves] + ([] if init_leaf is None else [init_leaf.grad])
+
+
+# the budget for bf16 gradients: 5e-3 rel L2 (1e-2 for g)
+GRAD_TOLERANCE = {"dq": 5e-3, "dk": 5e-3, "dv": 5e-3, "dg": 1e-2, "dbeta": 5e-3, "d_initial": 5e-3}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nh, segment_chunks", [(1, None), (2, 3), (3, 2)])
+def test_kernel_backward_matches_float64_gradients(nh, segment_chunks):
+    from cp_linear.kernels import backward_algorithm as ba
+    from torch_api.gdp.cutedsl import CuTeDSLGatedDeltaProductCPBackend
+
+    lengths, heads, dim = (400, 37, 600), 2, 128
+    rng = np.random.default_rng(31 + nh)
+    q, k, v, g, beta = _device_inputs(rng, torch.bfloat16, lengths=lengths, heads=heads, key_dim=dim,
+                                      value_dim=dim, num_householder=nh)
+    cu = _cu(lengths)
+    gen = torch.Generator(device="cuda").manual_seed(nh)
+    do = torch.randn(1, sum(lengths), heads, dim, device="cuda", generator=gen).bfloat16()
+    dfinal = torch.randn(len(lengths), heads, dim, dim, device="cuda", generator=gen)
+    initial = torch.randn(len(lengths), heads, dim, dim, device="cuda", generator=gen) * 0.1
+    backend = CuTeDSLGatedDeltaProductCPBackend(segment_chunks=segment_chunks, backward="kernels")
+    got = _kernel_backward_grads(backend, q, k, v, g, beta, do, dfinal, nh, cu, initial)
+    starts = np.cumsum([0] + list(lengths))
+    ref = [[] for _ in range(6)]
+    for n, (t0, t1) in enumerate(zip(starts[:-1], starts[1:])):
+        parts = [x[0].double().cpu() for x in (q[:, t0:t1], k[:, t0 * nh:t1 * nh], v[:, t0 * nh:t1 * nh],
+                                               g[:, t0:t1], beta[:, t0 * nh:t1 * nh])]
+        out = ba.sequence_backward(*parts, do[0, t0:t1].double().cpu(), dfinal[n].double().cpu(), num_householder=nh,
+                                   scale=dim ** -0.5, use_l2=True, initial_state=initial[n].double().cpu())
+        for slot in range(6):
+            ref[slot].append(out[slot])
+    expected = [torch.cat(parts, 0) for parts in ref[:5]] + [torch.stack(ref[5])]
+    for name, grad, want in zip(GRAD_TOLERANCE, got, expected):
+        assert rel_err(_host(grad).reshape(want.shape), want.numpy()) < GRAD_TOLERANCE[name], name
+
+
+@pytest.mark.gpu
+def test_kernel_backward_follows_its_emulation_and_repeats_bitwise(monkeypatch):
+    from cp_linear.kernels import launch as kl
+    from cp_linear.kernels.emulation import run_emulated
+    import torch_api.gdp.cutedsl as cutedsl
+
+    lengths, nh = (300, 700), 2
+    rng = np.random.default_rng(12)
+    q, k, v, g, beta = _device_inputs(rng, torch.bfloat16, lengths=lengths, heads=2, key_dim=128, value_dim=128,
+                                      num_householder=nh)
+    cu = _cu(lengths)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    do = torch.randn(1, sum(lengths), 2, 128, device="cuda", generator=gen).bfloat16()
+    dfinal = torch.randn(len(lengths), 2, 128, 128, device="cuda", generator=gen)
+    backend = cutedsl.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=3, backward="kernels")
+    first = _kernel_backward_grads(backend, q, k, v, g, beta, do, dfinal, nh, cu)
+    second = _kernel_backward_grads(backend, q, k, v, g, beta, do, dfinal, nh, cu)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    monkeypatch.setattr(kl._Launch, "run", run_emulated)
+    monkeypatch.setattr(cutedsl, "unsupported_reason", lambda inputs: None)
+    cpu = [x.cpu() for x in (q, k, v, g, beta, do, dfinal)]
+    emulated = _kernel_backward_grads(backend, *cpu[:5], cpu[5], cpu[6], nh, cu.cpu())
+    for name, got, want in zip(("dq", "dk", "dv", "dg", "dbeta"), first, emulated):
+        assert rel_err(_host(got), _host(want)) < 2e-3, name

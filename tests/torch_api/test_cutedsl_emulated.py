@@ -139,3 +139,47 @@ def test_kernel_backward_matches_float64_gradients(emulated, n_h, segment_chunks
     for name, leaf, expected in zip(("q", "k", "v", "g", "beta", "initial"), leaves, ref):
         got = leaf.grad.float().reshape(expected.shape).numpy()
         assert rel_err(got, expected.numpy()) < GRAD_LIMIT, name
+
+
+@pytest.mark.parametrize("layout", ["spanning", "packed", "rows"])
+def test_kernel_cp_backward_over_two_shards_matches_float64(emulated, layout):
+    from cp_linear.kernels import backward_algorithm as ba
+
+    n_h, heads, dim = 2, 2, 64
+    backend = cutedsl.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=2, backward="kernels")
+    rows = 2 if layout == "rows" else 1
+    lengths = {"spanning": [256], "packed": [60, 150, 46], "rows": [256]}[layout]
+    q, k, v, g, beta = _inputs(lengths, heads, dim, dim, n_h, seed=6, rows=rows)
+    cu_local = [None, None] if layout == "rows" else (
+        [torch.tensor([0, 128], dtype=torch.int32)] * 2 if layout == "spanning"
+        else [torch.tensor([0, 60, 128], dtype=torch.int32), torch.tensor([0, 82, 128], dtype=torch.int32)])
+    do = torch.randn(rows, sum(lengths), heads, dim, generator=torch.Generator().manual_seed(8)).bfloat16()
+    half = q.shape[1] // 2
+    shards = []
+    for rank in range(2):
+        tok = slice(rank * half, (rank + 1) * half)
+        step = slice(rank * half * n_h, (rank + 1) * half * n_h)
+        shards.append(GDPInputs(q[:, tok], k[:, step], v[:, step], g[:, tok], beta[:, step], scale=dim ** -0.5,
+                                num_householder=n_h, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_local[rank]))
+    prepared = [backend.cp_forward_prepare(shard) for shard in shards]
+    saved = [backend.cp_forward_apply(prepared[0][1], None).saved_context,
+             backend.cp_forward_apply(prepared[1][1], prepared[0][0].packed[None]).saved_context]
+    backward = [backend.cp_backward_prepare(do[:, r * half:(r + 1) * half], saved[r]) for r in range(2)]
+    grads = [backend.cp_backward_apply(backward[0][1], backward[1][0].packed[None]),
+             backend.cp_backward_apply(backward[1][1], None)]
+    got = {name: torch.cat([getattr(grads[r], name) for r in range(2)], dim=1)
+           for name in ("dq", "dk", "dv", "dg", "dbeta")}
+    # float64 reference, sequence by sequence (rows: each row is a sequence)
+    starts = np.cumsum([0] + lengths)
+    reference = {name: [] for name in got}
+    for row in range(rows):
+        for t0, t1 in zip(starts[:-1], starts[1:]):
+            parts = [x[row].double() for x in (q[:, t0:t1], k[:, t0 * n_h:t1 * n_h], v[:, t0 * n_h:t1 * n_h],
+                                               g[:, t0:t1], beta[:, t0 * n_h:t1 * n_h])]
+            out = ba.sequence_backward(*parts, do[row, t0:t1].double(), torch.zeros(heads, dim, dim, dtype=torch.float64),
+                                       num_householder=n_h, scale=dim ** -0.5, use_l2=True)
+            for name, grad in zip(reference, out[:5]):
+                reference[name].append((row, grad))
+    for name in got:
+        expected = torch.stack([torch.cat([grad for r, grad in reference[name] if r == row], 0) for row in range(rows)])
+        assert rel_err(got[name].float().numpy(), expected.numpy()) < GRAD_LIMIT, name

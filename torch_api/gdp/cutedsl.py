@@ -30,7 +30,14 @@ import torch
 from cp_linear.kernels import configs as kcfg
 from cp_linear.kernels import launch as kl
 from cp_linear.protocol import CPForwardResult, CPSavedContext
-from cp_linear.summary import CPForwardPackedSummary, CPForwardUnpackedSummary, compose_forward
+from cp_linear.summary import (
+    CPBackwardPackedSummary,
+    CPBackwardUnpackedSummary,
+    CPForwardPackedSummary,
+    CPForwardUnpackedSummary,
+    compose_backward,
+    compose_forward,
+)
 from torch_api.gdp.chunk import TorchGDPBackend, make_cp_saved_context
 from torch_api.gdp.types import GDPInputGradients, GDPInputs
 from torch_api.gdp.validation import check_gdp_inputs
@@ -96,6 +103,16 @@ class _Shard:
     @property
     def query_tile(self) -> int:
         return kcfg.query_tile(self.inputs.num_householder)
+
+
+@dataclass
+class CuTeDSLBackwardContext:
+    """Between ``cp_backward_prepare`` and ``cp_backward_apply``."""
+
+    shard: _Shard
+    do: torch.Tensor  # [T_all, H, V] input dtype
+    grad_summaries: torch.Tensor  # [S_max, H, V + K, K] float32: rows [gamma ; M_b] per segment
+    incoming: torch.Tensor  # [S_max, H, V, K] float32: the forward's segment incoming states
 
 
 @dataclass
@@ -172,7 +189,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
             warnings.warn(f"CuTeDSLGatedDeltaProductCPBackend runs TorchGDPBackend: {reason}", stacklevel=3)
         return False
 
-    def _shard(self, inputs: GDPInputs, *, cp_summary: bool, summaries: bool = True) -> _Shard:
+    def _shard(self, inputs: GDPInputs, *, cp_summary: bool, summaries: bool = True,
+               grad_summary_sequence: int | None = None) -> _Shard:
         q, k, v = _flat(inputs.q), _flat(inputs.k), _flat(inputs.v)
         device = q.device
         batch, tokens = inputs.q.shape[:2]
@@ -193,7 +211,11 @@ class CuTeDSLGatedDeltaProductCPBackend:
         layout = kl.forward_layout(cu, total_tokens=q.shape[0], num_householder=inputs.num_householder, heads=heads,
                                    row_blocks=value_dim // scan_rows, sm_count=_sm_count(device),
                                    segment_chunks=self.segment_chunks, summary_sequence=summary_sequence,
-                                   ctas_per_sm=self.ctas_per_sm)
+                                   ctas_per_sm=self.ctas_per_sm, grad_summary_sequence=grad_summary_sequence)
+        if grad_summary_sequence is not None and rows:  # every row leads: all its segments
+            layout.seg_grad_flags = torch.where(
+                torch.arange(layout.max_segments, device=device) < layout.num_segments, kl.SUMMARY_FLAG, 0
+            ).to(torch.int32)
         if cp_summary and rows:  # every row continues on the next rank: every segment needs a summary
             layout.seg_flags = torch.where(torch.arange(layout.max_segments, device=device) < layout.num_segments,
                                            kl.SUMMARY_FLAG, 0).to(torch.int32)
@@ -296,17 +318,68 @@ class CuTeDSLGatedDeltaProductCPBackend:
         saved_transition = transition if shard.rows else transition[0]
         saved = make_cp_saved_context(shard.inputs, saved_incoming, saved_transition)
         saved.metadata["recompute_chunk_num"] = self.recompute_chunk_num
+        if self.backward == "kernels":  # the segments' incoming states: the reverse pass restarts from them
+            saved = CPSavedContext(saved.tensors + (incoming,), saved.metadata)
         return CPForwardResult(output, saved)
 
-    # ------------------------------------------------------------------ backward: torch recomputation
+    # ------------------------------------------------------------------ backward protocol
 
     def cp_backward_prepare(self, output_grad: torch.Tensor, saved_context: CPSavedContext):
-        """``TorchGDPBackend.cp_backward_prepare`` (recomputes from the saved inputs)."""
-        return self._fallback.cp_backward_prepare(output_grad, saved_context)
+        """The leading fragment's packed [gamma | M^T] from a zero outgoing gradient: on the backward
+        kernels when the forward saved the segment states (``backward="kernels"``; gamma from the
+        backward summaries folded over the leading sequence, M^T the forward's), else
+        ``TorchGDPBackend.cp_backward_prepare``."""
+        if len(saved_context.tensors) != 9:
+            return self._fallback.cp_backward_prepare(output_grad, saved_context)
+        q, k, v, g, beta, cu_seqlens, _, transition, incoming = saved_context.tensors
+        metadata = saved_context.metadata
+        inputs = GDPInputs(q, k, v, g, beta, metadata["scale"], metadata["num_householder"],
+                           metadata["use_qk_l2norm_in_kernel"], cu_seqlens)
+        shard = self._shard(inputs, cp_summary=False, summaries=False, grad_summary_sequence=0)
+        layout, heads, key_dim, value_dim = shard.layout, shard.heads, shard.key_dim, shard.value_dim
+        do = _flat(output_grad.to(shard.q.dtype))
+        grad_summaries = torch.empty_like(shard.summaries)
+        self._gamma(shard, do, grad_summaries)
+        # rows: every row is a leading fragment; packed: sequence 0 is
+        gamma_rows = torch.empty(layout.num_sequences, heads, value_dim, key_dim, dtype=torch.float32,
+                                 device=shard.q.device)
+        unused = torch.empty(1, heads, value_dim, key_dim, dtype=torch.float32, device=shard.q.device)
+        kl.SegmentFoldLaunch(
+            kcfg.SegmentFoldConfig(key_dim), summaries=grad_summaries, seq_first_segment=layout.seq_first_segment,
+            init=unused, incoming=torch.empty(layout.max_segments, heads, value_dim, key_dim, dtype=torch.float32,
+                                              device=shard.q.device),
+            final=gamma_rows, init_count=0, value_rows=value_dim, identity_row=value_dim, first_sequence=0,
+            write_final=1, descending=1).run()
+        gamma = gamma_rows.transpose(-1, -2) if shard.rows else gamma_rows[0].transpose(-1, -2)
+        summary = torch.cat([gamma, transition.transpose(-1, -2)], dim=-1).contiguous()
+        context = CuTeDSLBackwardContext(shard, do, grad_summaries, incoming)
+        return CPBackwardPackedSummary(summary), context
 
     def cp_backward_apply(self, backward_context, following):
-        """``TorchGDPBackend.cp_backward_apply``."""
-        return self._fallback.cp_backward_apply(backward_context, following)
+        """Input gradients: the trailing sequence's outgoing gradient is the descending fold of the
+        following summaries; every segment's outgoing gradient comes from the backward fold, then the
+        reverse pass and the prep backward (or ``TorchGDPBackend.cp_backward_apply``)."""
+        if not isinstance(backward_context, CuTeDSLBackwardContext):
+            return self._fallback.cp_backward_apply(backward_context, following)
+        shard, ctx = backward_context.shard, backward_context
+        layout, heads, key_dim, value_dim = shard.layout, shard.heads, shard.key_dim, shard.value_dim
+        device = shard.q.device
+        count = layout.num_sequences
+        init = torch.zeros(count, heads, value_dim, key_dim, dtype=torch.float32, device=device)
+        stacked = None if following is None else _packed_backward_stack(following)
+        if stacked is not None and stacked.shape[0]:
+            outgoing = compose_backward(stacked)  # [H, K, V] (packed) or [B, H, K, V] (rows)
+            if shard.rows:
+                init = outgoing.transpose(-1, -2).contiguous()
+            else:
+                init[count - 1] = outgoing.transpose(-1, -2)
+        grad_out = torch.empty(layout.max_segments, heads, value_dim, key_dim, dtype=torch.float32, device=device)
+        kl.SegmentFoldLaunch(
+            kcfg.SegmentFoldConfig(key_dim), summaries=ctx.grad_summaries, seq_first_segment=layout.seq_first_segment,
+            init=init, incoming=grad_out, final=grad_out[:1], init_count=count, value_rows=value_dim,
+            identity_row=value_dim, first_sequence=0, write_final=0, descending=1).run()
+        grads, _ = self._reverse(shard, ctx.do, ctx.incoming, grad_out)
+        return grads
 
     # ------------------------------------------------------------------ one device
 
@@ -427,6 +500,17 @@ class CuTeDSLGatedDeltaProductCPBackend:
         grads = GDPInputGradients(shaped(dq, inputs.q), shaped(dk, inputs.k), shaped(dv, inputs.v),
                                   shaped(dg, inputs.g), shaped(dbeta, inputs.beta))
         return grads, grad_in
+
+
+def _packed_backward_stack(following) -> torch.Tensor | None:
+    """Stacked backward summaries [n, ..., K, V + K] float32 from any summary form (None when absent)."""
+    if isinstance(following, CPBackwardPackedSummary):
+        following = following.packed
+    elif isinstance(following, CPBackwardUnpackedSummary):
+        following = torch.cat([following.local_state_grad, following.transition.transpose(-1, -2)], dim=-1)
+    if not isinstance(following, torch.Tensor):
+        raise ValueError(f"following must be a tensor or a backward summary; received {type(following).__name__}")
+    return following.float().contiguous()
 
 
 def _packed_stack(preceding) -> torch.Tensor | None:
