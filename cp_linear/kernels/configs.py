@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-CHUNK_SIZE = 64  # steps per chunk at most (whole tokens: 64 // n_h of them); chunks start at sequence starts
+from cp_linear.chunking import CHUNK_SIZE  # steps per chunk at most (whole tokens: 64 // n_h of them); chunks start at sequence starts
 HEAD_DIMS = (64, 128)  # supported K and V
 
 

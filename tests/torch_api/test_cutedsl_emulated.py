@@ -42,7 +42,7 @@ def _inputs(lengths, heads, key_dim, value_dim, n_h, seed, rows=1):
 def _reference(q, k, v, g, beta, n_h, cu, initial=None):
     as64 = lambda x: x.double().numpy()  # noqa: E731
     o, final = naive_gated_delta_product(as64(q), as64(k), as64(v), as64(g), as64(beta), scale=q.shape[-1] ** -0.5,
-                                         num_householder=n_h, cu_seqlens=cu, use_qk_l2norm=True,
+                                         num_householder=n_h, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
                                          initial_state=None if initial is None else as64(initial))
     return o, final
 

@@ -11,9 +11,8 @@ import struct
 
 import torch
 
-from cp_linear.reference import check_gdp_shapes
+from cp_linear.gdp import MAX_KEY_DIM, check_gdp_shapes
 
-MAX_KEY_DIM = 256
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
 
@@ -52,7 +51,7 @@ def gdp_input_error(q, k, v, g, beta, *, num_householder, scale, cu_seqlens=None
         return f"inputs must live on one device; received {devices}"
     if not isinstance(scale, (int, float)) or not math.isfinite(scale):
         return f"scale must be a finite float; received {scale!r}"
-    if cu_seqlens is not None:
+    if cu_seqlens is not None:  # the values are read by the one-device op only (cp_linear.gdp.cu_seqlens_error)
         if not isinstance(cu_seqlens, torch.Tensor):
             return f"cu_seqlens must be a torch.Tensor; received {type(cu_seqlens).__name__}"
         if batch != 1:
@@ -61,14 +60,6 @@ def gdp_input_error(q, k, v, g, beta, *, num_householder, scale, cu_seqlens=None
             return f"cu_seqlens must be 1-D with at least 2 entries; received shape {tuple(cu_seqlens.shape)}"
         if cu_seqlens.dtype not in (torch.int32, torch.int64):
             return f"cu_seqlens must be int32 or int64; received {cu_seqlens.dtype}"
-    return None
-
-
-def cu_seqlens_value_error(cu_seqlens: torch.Tensor, tokens: int) -> str | None:
-    """Values of cu_seqlens: strictly increasing from 0 to T. Reads the (small) tensor on the host."""
-    values = cu_seqlens.tolist()
-    if values[0] != 0 or values[-1] != tokens or any(b <= a for a, b in zip(values, values[1:])):
-        return f"cu_seqlens must rise strictly from 0 to T = {tokens}; received {values}"
     return None
 
 
