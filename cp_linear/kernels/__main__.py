@@ -32,7 +32,7 @@ from cp_linear.kernels.configs import (
     ChunkPrepConfig,
     ChunkReverseConfig,
     ChunkScanConfig,
-    all_forward_configs,
+    all_configs,
     ci_configs,
     describe,
 )
@@ -89,7 +89,7 @@ def _compile_one(index: int, arch: str, library: str | None, ptxas: bool
     from cp_linear.kernels.cache import artifact_name, compile_kernel, export_kernel
 
     _use_private_dump_dir(arch)
-    config = all_forward_configs()[index]
+    config = all_configs()[index]
     started = time.perf_counter()
     try:
         if library and (Path(library) / f"{artifact_name(config)}.so").exists():
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.ptxas and not ptxas:
         print("ptxas is not on PATH: no register report", file=sys.stderr)
 
-    configs = all_forward_configs()
+    configs = all_configs()
     in_ci = set(ci_configs())
     chosen = [i for i, config in enumerate(configs) if (args.only is None or args.only in describe(config))
               and (args.dtype is None or getattr(config, "dtype", args.dtype) == args.dtype)

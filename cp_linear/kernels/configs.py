@@ -197,7 +197,7 @@ def tensor_core_configs() -> list:
 
 
 def backward_configs() -> list:
-    """Every config of the backward kernels (chunk_reverse, chunk_prep_backward)."""
+    """Every config of the backward kernels (chunk_gamma, chunk_reverse, chunk_prep_backward)."""
     configs: list = []
     for dtype in TENSOR_CORE_DTYPES:
         for key_dim in HEAD_DIMS:
@@ -209,7 +209,7 @@ def backward_configs() -> list:
     return configs
 
 
-def all_forward_configs() -> list:
+def all_configs() -> list:
     """Every kernel config (forward and backward), for ahead-of-time compilation (the CLI and CI)."""
     return tensor_core_configs() + backward_configs()
 
@@ -220,7 +220,7 @@ def ci_configs() -> list:
     K = 64. The float16 and mixed-size configs differ only in types and extents; the GPU session
     compiles the whole library."""
     chosen, variants_seen, small_seen = [], set(), set()
-    for config in all_forward_configs():
+    for config in all_configs():
         if getattr(config, "dtype", "bfloat16") != "bfloat16":
             continue
         key_dim, value_dim = config.key_dim, getattr(config, "value_dim", config.key_dim)
