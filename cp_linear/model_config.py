@@ -23,7 +23,9 @@ def resolve_config(config_class, config, kwargs: dict):
     if config is None:
         return config_class(**kwargs)
     if kwargs:
-        raise ValueError(f"pass either a {config_class.__name__} or keyword arguments; received both ({sorted(kwargs)})")
+        raise ValueError(
+            f"pass either a {config_class.__name__} or keyword arguments; received both ({sorted(kwargs)})"
+        )
     return config
 
 
