@@ -10,6 +10,7 @@ from cp_linear._lazy import lazy_exports
 
 _EXPORTS = {
     "JaxGDPBackend": "jax_api.gdp.chunk",
+    "CuTeDSLGatedDeltaProductCPBackend": "jax_api.gdp.cutedsl",
     "gated_delta_product": "jax_api.gdp.ops",
     "gdp_chunkwise_context_parallel": "jax_api.gdp.cp",
     "gdp_chunkwise_context_parallel_shard": "jax_api.gdp.cp",
