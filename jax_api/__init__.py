@@ -12,6 +12,7 @@ _EXPORTS = {
     "GDPInputs": "cp_linear.gdp",
     "GDPInputGradients": "cp_linear.gdp",
     "JaxGDPBackend": "jax_api.gdp.chunk",
+    "CuTeDSLGatedDeltaProductCPBackend": "jax_api.gdp.cutedsl",
     "gated_delta_product": "jax_api.gdp.ops",
     "gdp_chunkwise_context_parallel": "jax_api.gdp.cp",
     "gdp_chunkwise_context_parallel_shard": "jax_api.gdp.cp",

@@ -417,19 +417,26 @@ class JaxGDPBackend:
     def cp_forward_apply(self, local_context: JaxGDPLocalContext, preceding) -> CPForwardResult:
         shard, initial = local_context.shard, local_context.initial
         inputs = shard.inputs
+        saved = self.saved_context(inputs, preceding)
+        output, final = shard.apply(local_context.terms, saved.tensors[6], initial)
+        output = output.astype(inputs.q.dtype)
+        return CPForwardResult((output, final) if inputs.output_final_state else output, saved)
+
+    def saved_context(self, inputs: GDPInputs, preceding) -> CPSavedContext:
+        """What ``cp_forward_apply`` saves for ``cp_backward_prepare``: the inputs and the state entering
+        the shard's first chunk (``preceding`` folded from the initial state of the sequence that chunk
+        belongs to). A backend whose backward is this one saves the same (the CuTeDSL kernels' default)."""
+        shard, initial = _Shard(inputs, self.chunk_size), _initial(inputs)
         start = None if initial is None else shard.summary_form(shard.entering(initial, shard.where))
         if start is not None and _stack_count(preceding) > 0:
             raise ValueError("initial_state serves one device (no preceding summaries); under CP the incoming "
                              "state comes from the preceding ranks")
         incoming = compose_forward(preceding, start).astype(jnp.float32)
-        output, final = shard.apply(local_context.terms, incoming, initial)
-        output = output.astype(inputs.q.dtype)
-        saved = CPSavedContext(
+        return CPSavedContext(
             tensors=(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.cu_seqlens, incoming, initial),
             metadata={"scale": inputs.scale, "num_householder": inputs.num_householder,
                       "use_qk_l2norm_in_kernel": inputs.use_qk_l2norm_in_kernel,
                       "output_final_state": inputs.output_final_state})
-        return CPForwardResult((output, final) if inputs.output_final_state else output, saved)
 
     def cp_backward_prepare(self, output_grad, saved_context: CPSavedContext
                             ) -> tuple[CPBackwardPackedSummary, JaxGDPBackwardContext]:

@@ -79,7 +79,8 @@ def _context_parallel_fwd(q, k, v, g, beta, cu_seqlens, preceding_rank_start, fo
     summary, local = backend.cp_forward_prepare(inputs)
     gathered = jax.lax.all_gather(as_packed_array(summary), axis_name)  # [cp, (B,) H, K, V + K]
     rank = jax.lax.axis_index(axis_name)
-    incoming = compose_forward_range(gathered, preceding_rank_start, rank)
+    with jax.default_matmul_precision("highest"):  # float32 folds on GPUs too (no TF32), as torch
+        incoming = compose_forward_range(gathered, preceding_rank_start, rank)
     output, saved = backend.cp_forward_apply(local, _as_single_summary(incoming))
     return output, Residuals.of(saved, following_rank_stop)
 
@@ -89,7 +90,8 @@ def _context_parallel_bwd(axis_name, backend, scale, num_householder, use_qk_l2n
     summary, context = backend.cp_backward_prepare(output_grad, residuals.saved_context())
     gathered = jax.lax.all_gather(as_packed_array(summary), axis_name)
     rank = jax.lax.axis_index(axis_name)
-    outgoing_grad = compose_backward_range(gathered, rank + 1, residuals.extra)
+    with jax.default_matmul_precision("highest"):
+        outgoing_grad = compose_backward_range(gathered, rank + 1, residuals.extra)
     grads = backend.cp_backward_apply(context, _as_single_summary(outgoing_grad))
     return (*grads[:5], None, None, None)  # cu_seqlens and rank bounds are integer metadata
 
@@ -133,9 +135,9 @@ def packed_shard_metadata(global_seq_idx: jax.Array, rank, local_len: int, max_s
     return cu_seqlens_from_seq_idx(local, max_sequences), preceding_rank_start, following_rank_stop
 
 
-def _resolve(q, backend, scale):
+def _resolve(q, k, v, num_householder, backend, scale):
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return resolve_backend(backend), scale
+    return resolve_backend(backend, q=q, k=k, v=v, num_householder=num_householder), scale
 
 
 # --------------------------------------------------------------------------- public functions
@@ -157,11 +159,13 @@ def gdp_chunkwise_context_parallel_shard(q, k, v, g, beta, *, axis_name: str = "
     summaries in the backward).
 
     The ids cannot be checked here (they are traced); the global entry point checks concrete ids.
+    ``backend``: any backend of the four-function protocol; None picks the CuTeDSL kernels on a
+    Hopper GPU for bf16/fp16 inputs with K, V in {64, 128}, else ``JaxGDPBackend()``.
     """
     cp_size = _axis_size(axis_name)
     g = gate_or_zeros(g, q)
     check_gdp_inputs(q, k, v, g, beta, num_householder)
-    backend, scale = _resolve(q, backend, scale)
+    backend, scale = _resolve(q, k, v, num_householder, backend, scale)
     batch, local_len = q.shape[:2]
     if global_seq_idx is None:
         cu_seqlens = None
@@ -204,7 +208,7 @@ def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, mesh, axis_name: str = "
     cp_size = mesh.shape[axis_name]
     g = gate_or_zeros(g, q)
     check_gdp_inputs(q, k, v, g, beta, num_householder)
-    backend, scale = _resolve(q, backend, scale)
+    backend, scale = _resolve(q, k, v, num_householder, backend, scale)
     batch, tokens = q.shape[:2]
     if tokens % cp_size:
         raise ValueError(f"T = {tokens} must be divisible by the size of mesh axis {axis_name!r} ({cp_size})")

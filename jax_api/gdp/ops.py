@@ -29,10 +29,18 @@ from jax_api.gdp.chunk import JaxGDPBackend, check_gdp_inputs, host_value_or_non
 _PROTOCOL = ("cp_forward_prepare", "cp_forward_apply", "cp_backward_prepare", "cp_backward_apply")
 
 
-def resolve_backend(backend, *, sequence_states: bool = False):
-    """``backend`` (``JaxGDPBackend()`` when None), checked for the four functions (and, for the
-    one-device op, the sequence states of ``cp_linear.gdp.GDPInputs``)."""
-    backend = JaxGDPBackend() if backend is None else backend
+def resolve_backend(backend, *, sequence_states: bool = False, q=None, k=None, v=None, num_householder: int = 1):
+    """``backend``, checked for the four functions (and, for the one-device op, the sequence states of
+    ``cp_linear.gdp.GDPInputs``). None picks one for ``q``, ``k``, ``v``: the CuTeDSL kernels
+    (``jax_api.gdp.cutedsl.CuTeDSLGatedDeltaProductCPBackend``) where they run these inputs (a Hopper
+    GPU as JAX's default backend, bf16/fp16, K and V in {64, 128}), else ``JaxGDPBackend()``."""
+    if backend is None:
+        if q is None:
+            backend = JaxGDPBackend()
+        else:
+            from jax_api.gdp.cutedsl import auto_backend
+
+            backend = auto_backend(q, k, v, num_householder)
     for method in _PROTOCOL:
         if not callable(getattr(backend, method, None)):
             raise ValueError(f"backend must implement the four-function CP protocol; "
@@ -154,11 +162,13 @@ def gated_delta_product(q, k, v, g, beta, *, scale: float | None = None, num_hou
     traced one needs ``initial_state`` to fix N); otherwise each row is one sequence (N = B).
     initial_state [N, H, K, V] (zeros when None).
     Returns (o [B, T, H, V] in q's dtype, final_state float32 [N, H, K, V]). ``backend``: any
-    backend of the four-function protocol with sequence states; None means ``JaxGDPBackend()``.
+    backend of the four-function protocol with sequence states; None picks the CuTeDSL kernels on a
+    Hopper GPU for bf16/fp16 inputs with K, V in {64, 128}, else ``JaxGDPBackend()``
+    (``resolve_backend``).
     """
     g = gate_or_zeros(g, q)
     check_gdp_inputs(q, k, v, g, beta, num_householder)
-    backend = resolve_backend(backend, sequence_states=True)
+    backend = resolve_backend(backend, sequence_states=True, q=q, k=k, v=v, num_householder=num_householder)
     batch, tokens, heads, key_dim = q.shape
     value_dim = v.shape[-1]
     scale = key_dim**-0.5 if scale is None else float(scale)

@@ -34,7 +34,10 @@ def _init_decay(rngs: nnx.Rngs, heads: int) -> tuple[jax.Array, jax.Array]:
 
 
 class GatedDeltaProduct(StateTableMixin, nnx.Module):
-    """Gated DeltaProduct mixer; keyword arguments as ``GDPConfig``; ``rngs`` for the initial weights."""
+    """Gated DeltaProduct mixer; keyword arguments as ``GDPConfig``; ``rngs`` for the initial weights.
+
+    ``backend``: a GDP backend of the four-function protocol, or None: the CuTeDSL kernels where they
+    run the activations (a Hopper GPU, bf16/fp16, head sizes 64 or 128), else ``JaxGDPBackend``."""
 
     def __init__(self, config: GDPConfig | None = None, *, rngs: nnx.Rngs, backend=None, **kwargs):
         self.config = config = resolve_config(GDPConfig, config, kwargs)
