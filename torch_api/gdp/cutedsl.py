@@ -31,11 +31,13 @@ one output pass — no second state pass. The kernel backward mirrors it:
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 from dataclasses import dataclass, replace
 
 import torch
 
+from cp_linear.kernel_support import capability_reason, config_reason
 from cp_linear.kernels import configs as kcfg
 from cp_linear.kernels import launch as kl
 from cp_linear.protocol import CPForwardResult, CPSavedContext
@@ -68,6 +70,73 @@ def unsupported_reason(inputs: GDPInputs) -> str | None:
     if inputs.k.dtype != inputs.q.dtype or inputs.v.dtype != inputs.q.dtype:
         return "q, k and v must share one dtype"
     return None
+
+
+# --------------------------------------------------------------------------- the automatic choice
+
+
+_PLATFORM_REASONS: dict[tuple[str, int | None], str | None] = {}
+_AUTO_WARNED: set[str] = set()
+
+
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) of a CUDA device; one function so that tests can fake a GPU."""
+    return torch.cuda.get_device_capability(device)
+
+
+def kernel_platform_reason(device) -> str | None:
+    """Why the kernels cannot run on ``device`` (None when they can): a Hopper (sm_90) CUDA GPU with
+    nvidia-cutlass-dsl installed (the ``cuda`` extra). Cached per device."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"the kernels need a CUDA device; received {device.type}"
+    key = (device.type, device.index)
+    if key not in _PLATFORM_REASONS:
+        reason = capability_reason(*device_capability(device))
+        if reason is None and importlib.util.find_spec("cutlass") is None:
+            reason = "the kernels need the nvidia-cutlass-dsl package (pip install 'cp_linear[cuda]')"
+        _PLATFORM_REASONS[key] = reason
+    return _PLATFORM_REASONS[key]
+
+
+def auto_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_householder: int) -> str | None:
+    """Why ``backend=None`` does not pick the kernels for these inputs (None when it does): the
+    platform (``kernel_platform_reason``) and the configuration (``cp_linear.kernel_support``:
+    bf16/fp16, K and V in {64, 128}, n_h in {1, 2, 3})."""
+    reason = kernel_platform_reason(q.device)
+    if reason is None:
+        names = [str(t.dtype).removeprefix("torch.") for t in (q, k, v)]
+        reason = config_reason(names, q.shape[-1], v.shape[-1], num_householder)
+    return reason
+
+
+def auto_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_householder: int):
+    """The backend the torch ops and layers use when none is given: ``CuTeDSLGatedDeltaProductCPBackend``
+    on a Hopper GPU for a configuration the kernels take, else ``TorchGDPBackend``. On a GPU that could
+    run the kernels, an unsupported configuration warns once with the one-line reason; elsewhere (a
+    CPU, another GPU) the reference is the only choice and nothing is said."""
+    reason = auto_reason(q, k, v, num_householder)
+    if reason is None:
+        return _auto_instance("cutedsl")
+    if kernel_platform_reason(q.device) is None and reason not in _AUTO_WARNED and not _compiling():
+        _AUTO_WARNED.add(reason)
+        warnings.warn(f"backend=None runs TorchGDPBackend: {reason}", stacklevel=3)
+    return _auto_instance("reference")
+
+
+_AUTO_INSTANCES: dict[str, object] = {}
+
+
+def _auto_instance(name: str):
+    """One shared instance per automatic choice (the CuTeDSL backend keeps its compile caches)."""
+    if name not in _AUTO_INSTANCES:
+        _AUTO_INSTANCES[name] = CuTeDSLGatedDeltaProductCPBackend() if name == "cutedsl" else TorchGDPBackend()
+    return _AUTO_INSTANCES[name]
+
+
+def _compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and compiler.is_compiling())
 
 
 def _sm_count(device: torch.device) -> int:

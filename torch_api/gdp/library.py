@@ -1,0 +1,308 @@
+"""``torch.library`` custom ops for the GDP ops: fake (meta) kernels and registered autograd, so that
+``torch.compile(fullgraph=True)`` traces a model through them without graph breaks.
+
+Ops (namespace ``cp_linear``; every output a fresh contiguous tensor):
+
+  gdp_forward      one device    (q, k, v, g, beta, cu_seqlens?, initial_state?)
+                                 -> (o [B, T, H, V], final_state f32 [N, H, K, V],
+                                     incoming f32, transition f32)
+  gdp_backward                   (do, d_final_state, inputs, incoming, transition)
+                                 -> (dq, dk, dv, dg, dbeta, d_initial_state f32 ([0] without one))
+  gdp_cp_forward   one CP rank   (q, k, v, g, beta, cu_seqlens?, rank_range) -> (o, incoming, transition)
+  gdp_cp_backward                (do, inputs, rank_range, incoming, transition) -> (dq, dk, dv, dg, dbeta)
+
+``incoming`` ([H, K, V] packed, [B, H, K, V] rows) and ``transition`` ([H, K, K] / [B, H, K, K]) are
+the two tensors of the backend's saved context that are not inputs (``torch_api.gdp.chunk.
+make_cp_saved_context``): the forward returns them so that autograd saves them, and the backward
+rebuilds the context from them and the inputs. Backends whose saved context has that layout go
+through these ops (``TorchGDPBackend``, ``CuTeDSLGatedDeltaProductCPBackend(backward="torch")``);
+other backends keep the eager ``autograd.Function`` path (``has_op_layout``).
+
+The CP ops run their all-gather inside (the fake kernels need none). ``rank_range`` int [2] =
+(preceding_rank_start, following_rank_stop) lives on the device: summaries of ranks outside the
+range are replaced by the identity (``[0 | I]``) instead of being sliced away, so a new packing of
+the same shapes changes tensor values only — no recompilation, no host read, replayable in a CUDA
+graph. Backends are named by strings (``backend_name``), the process group by its ``group_name``.
+Cross-rank agreement happens before an op is called (``torch_api.gdp.cp``, ``ShardLayout.agree``),
+never inside one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from cp_linear.protocol import CPSavedContext
+from torch_api._dist import all_gather_single
+from torch_api.gdp.types import GDPInputs, float32_region
+
+_BACKENDS: dict[str, object] = {}
+
+
+# --------------------------------------------------------------------------- backends and groups by name
+
+
+def has_op_layout(backend) -> bool:
+    """True when ``backend``'s saved context is ``make_cp_saved_context``'s (inputs + incoming +
+    transition), which the custom ops rebuild in the backward."""
+    from torch_api.gdp.chunk import TorchGDPBackend
+    from torch_api.gdp.cutedsl import CuTeDSLGatedDeltaProductCPBackend
+
+    if type(backend) is TorchGDPBackend:
+        return True
+    return isinstance(backend, CuTeDSLGatedDeltaProductCPBackend) and backend.backward == "torch"
+
+
+def backend_name(backend) -> str:
+    """A string naming ``backend`` for the ops (the instance stays registered for the process)."""
+    name = f"{type(backend).__name__}@{id(backend):x}"
+    _BACKENDS.setdefault(name, backend)
+    return name
+
+
+def _backend(name: str):
+    return _BACKENDS[name]
+
+
+def _group(name: str) -> dist.ProcessGroup:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def _inputs(q, k, v, g, beta, cu_seqlens, scale, num_householder, l2norm, initial_state=None, final=False):
+    return GDPInputs(q, k, v, g, beta, scale, num_householder, l2norm, cu_seqlens, initial_state, final)
+
+
+def _state_shapes(q, v, packed: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of the saved incoming state and transition: [H, K, V], [H, K, K] (packed) or with B."""
+    batch, _, heads, key_dim = q.shape
+    lead = (heads, key_dim) if packed else (batch, heads, key_dim)
+    return (*lead, v.shape[-1]), (*lead, key_dim)
+
+
+def _fresh(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x`` as an op output: contiguous, at storage offset 0 (what the fake kernels promise)."""
+    x = x if dtype is None else x.to(dtype)
+    if x.is_contiguous() and x.storage_offset() == 0:
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+def _saved_extras(saved: CPSavedContext) -> tuple[torch.Tensor, torch.Tensor]:
+    incoming, transition = saved.tensors[6], saved.tensors[7]
+    return _fresh(incoming, torch.float32), _fresh(transition, torch.float32)
+
+
+def _grads(grads, q, k, v, g, beta) -> tuple[torch.Tensor, ...]:
+    return tuple(_fresh(grad, x.dtype) for grad, x in
+                 zip((grads.dq, grads.dk, grads.dv, grads.dg, grads.dbeta), (q, k, v, g, beta)))
+
+
+@contextlib.contextmanager
+def _autograd_inside():
+    """Autograd back on inside an op's real kernel: the dispatcher runs the kernel below the autograd
+    keys, but the reference backward takes each chunk's gradients with ``torch.autograd.grad`` over a
+    recomputation (``torch_api.gdp.chunk``)."""
+    with torch._C._PreserveDispatchKeyGuard():  # restores the exclude set on exit
+        for key in _AUTOGRAD_KEYS:
+            torch._C._dispatch_tls_set_dispatch_key_excluded(key, False)
+        with torch.enable_grad():
+            yield
+
+
+_AUTOGRAD_KEYS = tuple(getattr(torch._C.DispatchKey, name) for name in (
+    "ADInplaceOrView", "AutogradFunctionality", "AutogradOther", "AutogradNestedTensor", "AutogradCPU",
+    "AutogradCUDA") if hasattr(torch._C.DispatchKey, name))
+
+
+# --------------------------------------------------------------------------- one device
+
+
+@torch.library.custom_op("cp_linear::gdp_forward", mutates_args=())
+def gdp_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                cu_seqlens: torch.Tensor | None, initial_state: torch.Tensor | None, scale: float,
+                num_householder: int, use_qk_l2norm_in_kernel: bool, backend: str
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    impl = _backend(backend)
+    inputs = _inputs(q, k, v, g, beta, cu_seqlens, scale, num_householder, use_qk_l2norm_in_kernel,
+                     initial_state, True)
+    with float32_region(q.device):
+        summary, local = impl.cp_forward_prepare(inputs)
+        (output, final_state), saved = impl.cp_forward_apply(local, _empty_stack(summary))
+    return (_fresh(output), _fresh(final_state, torch.float32), *_saved_extras(saved))
+
+
+@gdp_forward.register_fake
+def _(q, k, v, g, beta, cu_seqlens, initial_state, scale, num_householder, use_qk_l2norm_in_kernel, backend):
+    batch, tokens, heads, key_dim = q.shape
+    sequences = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    incoming, transition = _state_shapes(q, v, cu_seqlens is not None)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    return (q.new_empty((batch, tokens, heads, v.shape[-1])), q.new_empty((sequences, heads, key_dim, v.shape[-1]),
+                                                                          **f32),
+            q.new_empty(incoming, **f32), q.new_empty(transition, **f32))
+
+
+@torch.library.custom_op("cp_linear::gdp_backward", mutates_args=())
+def gdp_backward(do: torch.Tensor | None, d_final_state: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                 initial_state: torch.Tensor | None, incoming: torch.Tensor, transition: torch.Tensor, scale: float,
+                 num_householder: int, use_qk_l2norm_in_kernel: bool, backend: str
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from torch_api.gdp.chunk import make_cp_saved_context
+
+    impl = _backend(backend)
+    inputs = _inputs(q, k, v, g, beta, cu_seqlens, scale, num_householder, use_qk_l2norm_in_kernel,
+                     initial_state, True)
+    saved = make_cp_saved_context(inputs, incoming, transition)
+    with float32_region(q.device), _autograd_inside():
+        summary, context = impl.cp_backward_prepare((do, d_final_state), saved)
+        grads = impl.cp_backward_apply(context, _empty_stack(summary))
+    d_initial = q.new_empty(0, dtype=torch.float32) if initial_state is None else grads.dinitial_state.float()
+    return (*_grads(grads, q, k, v, g, beta), _fresh(d_initial))
+
+
+@gdp_backward.register_fake
+def _(do, d_final_state, q, k, v, g, beta, cu_seqlens, initial_state, incoming, transition, scale,
+      num_householder, use_qk_l2norm_in_kernel, backend):
+    d_initial = (q.new_empty(0, dtype=torch.float32) if initial_state is None
+                 else initial_state.new_empty(initial_state.shape, dtype=torch.float32))
+    return (*(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v, g, beta)), d_initial)
+
+
+def _setup_gdp(ctx, inputs, output):
+    q, k, v, g, beta, cu_seqlens, initial_state, scale, num_householder, l2norm, backend = inputs
+    _, _, incoming, transition = output
+    ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, initial_state, incoming, transition)
+    ctx.options = (scale, num_householder, l2norm, backend)
+    ctx.initial_dtype = None if initial_state is None else initial_state.dtype
+    ctx.set_materialize_grads(False)
+
+
+def _gdp_autograd(ctx, do, d_final_state, _d_incoming, _d_transition):
+    if do is None and d_final_state is None:
+        return (None,) * 11
+    q, k, v, g, beta, cu_seqlens, initial_state, incoming, transition = ctx.saved_tensors
+    dq, dk, dv, dg, dbeta, d_initial = gdp_backward(do, d_final_state, q, k, v, g, beta, cu_seqlens, initial_state,
+                                                    incoming, transition, *ctx.options)
+    d_initial = None if ctx.initial_dtype is None else d_initial.to(ctx.initial_dtype)
+    return dq, dk, dv, dg, dbeta, None, d_initial, None, None, None, None
+
+
+gdp_forward.register_autograd(_gdp_autograd, setup_context=_setup_gdp)
+
+
+# --------------------------------------------------------------------------- one CP rank
+
+
+def _gather(summary: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    flat = summary.new_empty(world * summary.numel())
+    all_gather_single(flat, summary.contiguous().view(-1), group=group)
+    return flat.view(world, *summary.shape)
+
+
+def _identity_like(stack: torch.Tensor) -> torch.Tensor:
+    """``[0 | I]`` shaped like ``stack`` [n, ..., K, V + K]: the summary that changes nothing."""
+    key_dim = stack.shape[-2]
+    identity = torch.zeros_like(stack)
+    identity[..., stack.shape[-1] - key_dim:] = torch.eye(key_dim, dtype=stack.dtype, device=stack.device)
+    return identity
+
+
+def _masked_stack(gathered: torch.Tensor, first: int, stop: int, keep_from, keep_to) -> torch.Tensor:
+    """``gathered[first:stop]`` with the entries of ranks outside [keep_from, keep_to) (device
+    scalars) replaced by the identity: static shapes, no host read."""
+    stack = gathered[first:stop]
+    ranks = torch.arange(first, stop, device=stack.device)
+    keep = (ranks >= keep_from) & (ranks < keep_to)
+    keep = keep.view(-1, *([1] * (stack.dim() - 1)))
+    return torch.where(keep, stack, _identity_like(stack))
+
+
+def _packed(summary) -> torch.Tensor:
+    from cp_linear.summary import as_packed_array
+
+    return as_packed_array(summary)
+
+
+def _empty_stack(summary) -> torch.Tensor:
+    packed = _packed(summary)
+    return packed.new_empty((0, *packed.shape))
+
+
+@torch.library.custom_op("cp_linear::gdp_cp_forward", mutates_args=())
+def gdp_cp_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   cu_seqlens: torch.Tensor | None, rank_range: torch.Tensor, scale: float, num_householder: int,
+                   use_qk_l2norm_in_kernel: bool, backend: str, group_name: str
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    impl, group = _backend(backend), _group(group_name)
+    rank = dist.get_rank(group)
+    inputs = _inputs(q, k, v, g, beta, cu_seqlens, scale, num_householder, use_qk_l2norm_in_kernel)
+    range_ = rank_range.to(q.device)
+    with float32_region(q.device):
+        summary, local = impl.cp_forward_prepare(inputs)
+        gathered = _gather(_packed(summary), group)
+        preceding = _masked_stack(gathered, 0, rank, range_[0], rank)
+        output, saved = impl.cp_forward_apply(local, preceding)
+    return (_fresh(output), *_saved_extras(saved))
+
+
+@gdp_cp_forward.register_fake
+def _(q, k, v, g, beta, cu_seqlens, rank_range, scale, num_householder, use_qk_l2norm_in_kernel, backend,
+      group_name):
+    incoming, transition = _state_shapes(q, v, cu_seqlens is not None)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    return (q.new_empty((*q.shape[:3], v.shape[-1])), q.new_empty(incoming, **f32), q.new_empty(transition, **f32))
+
+
+@torch.library.custom_op("cp_linear::gdp_cp_backward", mutates_args=())
+def gdp_cp_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                    beta: torch.Tensor, cu_seqlens: torch.Tensor | None, rank_range: torch.Tensor,
+                    incoming: torch.Tensor, transition: torch.Tensor, scale: float, num_householder: int,
+                    use_qk_l2norm_in_kernel: bool, backend: str, group_name: str
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from torch_api.gdp.chunk import make_cp_saved_context
+
+    impl, group = _backend(backend), _group(group_name)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    inputs = _inputs(q, k, v, g, beta, cu_seqlens, scale, num_householder, use_qk_l2norm_in_kernel)
+    saved = make_cp_saved_context(inputs, incoming, transition)
+    range_ = rank_range.to(q.device)
+    with float32_region(q.device), _autograd_inside():
+        summary, context = impl.cp_backward_prepare(do, saved)
+        gathered = _gather(_packed(summary), group)
+        following = _masked_stack(gathered, rank + 1, world, rank + 1, range_[1])
+        grads = impl.cp_backward_apply(context, following)
+    return _grads(grads, q, k, v, g, beta)
+
+
+@gdp_cp_backward.register_fake
+def _(do, q, k, v, g, beta, cu_seqlens, rank_range, incoming, transition, scale, num_householder,
+      use_qk_l2norm_in_kernel, backend, group_name):
+    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v, g, beta))
+
+
+def _setup_cp(ctx, inputs, output):
+    q, k, v, g, beta, cu_seqlens, rank_range, scale, num_householder, l2norm, backend, group_name = inputs
+    _, incoming, transition = output
+    ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, rank_range, incoming, transition)
+    ctx.options = (scale, num_householder, l2norm, backend, group_name)
+
+
+def _cp_autograd(ctx, do, _d_incoming, _d_transition):
+    q, k, v, g, beta, cu_seqlens, rank_range, incoming, transition = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros((*q.shape[:3], v.shape[-1]), dtype=q.dtype, device=q.device)
+    grads = gdp_cp_backward(do.contiguous(), q, k, v, g, beta, cu_seqlens, rank_range, incoming, transition,
+                            *ctx.options)
+    return (*grads, None, None, None, None, None, None, None)
+
+
+gdp_cp_forward.register_autograd(_cp_autograd, setup_context=_setup_cp)
+
+
+__all__ = ["backend_name", "gdp_backward", "gdp_cp_backward", "gdp_cp_forward", "gdp_forward", "has_op_layout"]
