@@ -218,11 +218,16 @@ def blockdiag_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_i
     if error is not None or signature not in routing._agreed:
         agree_or_raise(routing.group, error, signature, what="blockdiag_attention inputs")
         routing._agreed.add(signature)
-    window = exchange_window(routing, stack_kv(k, v))
-    exchange = routing.exchange
-    keys = window[exchange.key_start - exchange.window_start:exchange.key_stop - exchange.window_start]
-    k_window, v_window = unstack_kv(keys)
-    return doc_causal_attention(q, k_window, v_window, routing.layout, scale=scale, kernel=kernel_name)
+    return run_blockdiag_op(q, k, v, routing, scale=scale, kernel=kernel_name)
 
 
-__all__ = ["BlockDiagRouting", "blockdiag_attention", "exchange_window", "prepare_blockdiag"]
+def run_blockdiag_op(q, k, v, routing: BlockDiagRouting, *, scale: float | None, kernel: str) -> torch.Tensor:
+    """The op after validation and agreement: ``cp_linear::blockdiag_attention`` (exchange inside,
+    autograd registered; ``torch_api.attention.library``). ``kernel`` resolved ("sdpa" or "flex")."""
+    from torch_api.attention.library import routing_name
+
+    return torch.ops.cp_linear.blockdiag_attention(q, k, v, routing_name(routing),
+                                                   0.0 if scale is None else float(scale), kernel)
+
+
+__all__ = ["BlockDiagRouting", "blockdiag_attention", "exchange_window", "prepare_blockdiag", "run_blockdiag_op"]

@@ -38,6 +38,7 @@ from cp_linear.summary import (
     validate_packed_summary,
 )
 from torch_api._dist import agree_or_raise, all_gather_single, group_rank_and_size, resolve_group
+from torch_api.gdp.library import has_op_layout
 from torch_api.gdp.types import GDPInputGradients, GDPInputs, float32_region
 from torch_api.gdp.validation import dtype_code, float_bits, gdp_input_error, nonfinite_error
 
@@ -284,6 +285,19 @@ def _metadata_error(metadata, rank: int, world: int, q: torch.Tensor) -> str | N
     return None
 
 
+def run_cp_op(q, k, v, g, beta, *, cu_seqlens, rank_range, group, backend, scale: float, num_householder: int,
+              use_qk_l2norm_in_kernel: bool) -> torch.Tensor:
+    """The CP op after validation and agreement: ``cp_linear::gdp_cp_forward`` (collectives inside,
+    autograd registered). rank_range int [2] = (preceding_rank_start, following_rank_stop), on any
+    device (the layers pass a cached device tensor)."""
+    from torch_api.gdp.library import backend_name
+
+    output, _, _ = torch.ops.cp_linear.gdp_cp_forward(q, k, v, g, beta, cu_seqlens, rank_range, scale,
+                                                      num_householder, use_qk_l2norm_in_kernel,
+                                                      backend_name(backend), group.group_name)
+    return output
+
+
 def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, cp_group, global_seq_idx=None,
                                    metadata: PackedSequenceCPMetadata | None = None, scale=None, num_householder=1,
                                    use_qk_l2norm_in_kernel=False, backend=None, check_inputs: bool = True):
@@ -303,15 +317,17 @@ def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, cp_group, global_seq_idx
     raise the same ValueError for any local failure (bad shapes, metadata for another rank or
     cp_size, K > 256, a backend error, a non-float32 summary) or cross-rank disagreement. With
     False, the same local checks run (no NaN/Inf check) and raise on the failing rank only; there
-    is no extra collective. Default backend: ``TorchGDPBackend()``.
+    is no extra collective; the op then runs as the ``cp_linear::gdp_cp_forward`` custom op (for the
+    reference and CuTeDSL backends), which ``torch.compile(fullgraph=True)`` traces and CUDA graphs
+    capture: no host read, no agreement. The layers call it that way after agreeing once per batch
+    (``ShardLayout.agree``). backend: an instance, or None / "auto" (the CuTeDSL kernels on a Hopper
+    GPU for a configuration they take, else ``TorchGDPBackend``), "reference", "cutedsl".
     """
-    from torch_api.gdp.chunk import TorchGDPBackend
-
-    from torch_api.gdp.ops import gate_or_zeros
+    from torch_api.gdp.ops import gate_or_zeros, resolve_backend
 
     group = resolve_group(cp_group)
     rank, world = group_rank_and_size(group)
-    backend = TorchGDPBackend() if backend is None else backend
+    backend = resolve_backend(backend, q, k, v, num_householder)
     if scale is None and isinstance(q, torch.Tensor) and q.dim() == 4:
         scale = q.shape[-1] ** -0.5
     gate_given = g is not None
@@ -338,6 +354,11 @@ def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, cp_group, global_seq_idx
         signature = [*q.shape, v.shape[-1], num_householder, dtype_code(q.dtype), dtype_code(g.dtype),
                      dtype_code(beta.dtype), int(bool(use_qk_l2norm_in_kernel)), float_bits(scale),
                      int(metadata is not None), world]
+    if error is None and not check_inputs and has_op_layout(backend):
+        rank_range = torch.tensor([preceding.start, following.stop], dtype=torch.int32)
+        return run_cp_op(q, k, v, g if gate_given else g.detach(), beta, cu_seqlens=cu_seqlens, rank_range=rank_range,
+                         group=group, backend=backend, scale=float(scale), num_householder=num_householder,
+                         use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel))
     call = _CPCall(backend, group, preceding, following, float(scale) if error is None else 0.0, num_householder,
                    bool(use_qk_l2norm_in_kernel), cu_seqlens, bool(check_inputs), error, tuple(signature))
     if error is not None and not all(isinstance(x, torch.Tensor) for x in (q, k, v, g, beta)):

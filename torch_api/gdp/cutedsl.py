@@ -115,6 +115,8 @@ def auto_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_househol
     on a Hopper GPU for a configuration the kernels take, else ``TorchGDPBackend``. On a GPU that could
     run the kernels, an unsupported configuration warns once with the one-line reason; elsewhere (a
     CPU, another GPU) the reference is the only choice and nothing is said."""
+    if not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in (q, k, v)):
+        return _auto_instance("reference")  # the op reports the bad input
     reason = auto_reason(q, k, v, num_householder)
     if reason is None:
         return _auto_instance("cutedsl")

@@ -73,9 +73,7 @@ def gated_delta_product(q, k, v, g, beta, *, scale=None, num_householder=1, cu_s
     validation; initial_state [N, H, K, V] (zeros when None).
     Returns (o [B, T, H, V], final_state float32 [N, H, K, V]). K ≤ 256.
     """
-    from torch_api.gdp.chunk import TorchGDPBackend
-
-    backend = TorchGDPBackend() if backend is None else backend
+    backend = resolve_backend(backend, q, k, v, num_householder)
     for method in ("cp_forward_prepare", "cp_forward_apply", "cp_backward_prepare", "cp_backward_apply"):
         if not callable(getattr(backend, method, None)):
             raise ValueError(f"backend {type(backend).__name__} has no {method}(); gated_delta_product runs the "
@@ -102,8 +100,42 @@ def gated_delta_product(q, k, v, g, beta, *, scale=None, num_householder=1, cu_s
         raise ValueError(error)
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(q.device)
-    options = dict(scale=float(scale), num_householder=num_householder,
-                   use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel), cu_seqlens=cu_seqlens)
-    output, final_state = _GatedDeltaProduct.apply(backend, options, q, k, v, g if gate_given else g.detach(), beta,
-                                                   initial_state)
-    return output, final_state
+    return run_gated_delta_product(q, k, v, g if gate_given else g.detach(), beta, backend=backend, scale=float(scale),
+                                   num_householder=num_householder, cu_seqlens=cu_seqlens,
+                                   initial_state=initial_state, use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel))
+
+
+def run_gated_delta_product(q, k, v, g, beta, *, backend, scale: float, num_householder: int, cu_seqlens=None,
+                            initial_state=None, use_qk_l2norm_in_kernel: bool = False):
+    """The op after validation (the layers call it with inputs they built): the ``cp_linear::gdp_forward``
+    custom op for backends with its saved-context layout (traceable by ``torch.compile``), the eager
+    ``autograd.Function`` for any other backend. g must be a tensor. -> (o, final_state)."""
+    from torch_api.gdp.library import backend_name, has_op_layout
+
+    if has_op_layout(backend):
+        output, final_state, _, _ = torch.ops.cp_linear.gdp_forward(
+            q, k, v, g, beta, cu_seqlens, initial_state, scale, num_householder, use_qk_l2norm_in_kernel,
+            backend_name(backend))
+        return output, final_state
+    options = dict(scale=scale, num_householder=num_householder, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                   cu_seqlens=cu_seqlens)
+    return _GatedDeltaProduct.apply(backend, options, q, k, v, g, beta, initial_state)
+
+
+BACKEND_NAMES = ("auto", "reference", "cutedsl")
+
+
+def resolve_backend(backend, q, k, v, num_householder: int):
+    """The backend an op runs: ``backend`` as given (an instance), or by name — None / "auto": the
+    CuTeDSL kernels on a Hopper GPU for a configuration they take, else the reference
+    (``torch_api.gdp.cutedsl.auto_backend``); "reference": ``TorchGDPBackend``; "cutedsl": the kernels
+    (falling back to the reference with a one-line warning where they cannot run)."""
+    if backend is None or isinstance(backend, str):
+        from torch_api.gdp.cutedsl import _auto_instance, auto_backend
+
+        if backend in (None, "auto"):
+            return auto_backend(q, k, v, num_householder)
+        if backend not in BACKEND_NAMES:
+            raise ValueError(f"backend must be a backend instance or one of {BACKEND_NAMES}; received {backend!r}")
+        return _auto_instance(backend)
+    return backend

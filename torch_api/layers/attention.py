@@ -60,10 +60,16 @@ class BlockDiagAttention(StateTableMixin, nn.Module):
         cos, sin = rope_angles(layout.positions(x.device), d, c.rope_theta)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if layout.is_cp:
-            from torch_api.attention.blockdiag import blockdiag_attention
+            from torch_api.attention.blockdiag import run_blockdiag_op
+            from torch_api.attention.kernel import resolve_kernel
 
-            o = blockdiag_attention(q, k, v, layout.attention_routing(self.mode), cp_group=layout.group,
-                                    mode=self.mode, kernel=self.kernel)
+            # agreed once per batch by layout.agree; the routing and the kernel come from replicated
+            # ids and the same hardware, so their errors are the same on every rank
+            routing = layout.attention_routing(self.mode)
+            kernel, error = resolve_kernel(self.kernel, q.device, d, True)
+            if routing.error or error:
+                raise ValueError(f"BlockDiagAttention: {routing.error or error}")
+            o = run_blockdiag_op(q, k, v, routing, scale=None, kernel=kernel)
         else:
             from torch_api.attention.kernel import doc_causal_attention, resolve_kernel
 

@@ -49,10 +49,15 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
     neither (each row one sequence). Under CP (``cp_group``): hidden_states is this rank's shard of
     L tokens and the ids describe the *global* packed sequence (replicated on every rank), or pass
     ``layout`` = ``build_shard_layout(...)`` built once per step for all layers.
-    ``cp_check_inputs`` is handed to ``gdp_chunkwise_context_parallel(check_inputs=...)``.
+    ``backend``: an instance or a name; None picks the CuTeDSL kernels on a Hopper GPU for a
+    configuration they take, else ``TorchGDPBackend`` (``torch_api.gdp.ops.resolve_backend``).
+    Under CP the layer agrees with the other ranks once per batch (``ShardLayout.agree``) and runs
+    the GDP custom op without further checks; ``cp_check_inputs=True`` (debugging) runs
+    ``gdp_chunkwise_context_parallel(check_inputs=True)`` instead: NaN/Inf checks and one agreement
+    per call and direction.
     """
 
-    def __init__(self, config: GDPConfig | None = None, *, backend=None, cp_check_inputs: bool = True, **kwargs):
+    def __init__(self, config: GDPConfig | None = None, *, backend=None, cp_check_inputs: bool = False, **kwargs):
         super().__init__()
         self.config = config = resolve_config(GDPConfig, config, kwargs)
         self.backend = backend
@@ -100,18 +105,27 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
         if torch.is_autocast_enabled(device_type):
             dtype = torch.get_autocast_dtype(device_type)
             q, k, v, beta = (t.to(dtype) for t in (q, k, v, beta))
-        if layout.is_cp:
+        from torch_api.gdp.library import has_op_layout
+        from torch_api.gdp.ops import gate_or_zeros, resolve_backend, run_gated_delta_product
+
+        n = self.config.num_householder
+        backend = resolve_backend(self.backend, q, k, v, n)
+        if layout.is_cp and (self.cp_check_inputs or not has_op_layout(backend)):
             from torch_api.gdp.cp import gdp_chunkwise_context_parallel
 
             return gdp_chunkwise_context_parallel(
-                q, k, v, g, beta, cp_group=layout.group, metadata=layout.gdp_metadata,
-                num_householder=self.config.num_householder, use_qk_l2norm_in_kernel=True, backend=self.backend,
-                check_inputs=self.cp_check_inputs)
-        from torch_api.gdp.ops import gated_delta_product
+                q, k, v, g, beta, cp_group=layout.group, metadata=layout.gdp_metadata, num_householder=n,
+                use_qk_l2norm_in_kernel=True, backend=backend, check_inputs=self.cp_check_inputs)
+        g = g if g is not None else gate_or_zeros(g, q)
+        scale = q.shape[-1] ** -0.5
+        if layout.is_cp:  # agreed once per batch by layout.agree; no host read, no collective but the op's
+            from torch_api.gdp.cp import run_cp_op
 
-        o, _ = gated_delta_product(q, k, v, g, beta, num_householder=self.config.num_householder,
-                                   cu_seqlens=layout.cu_seqlens(q.device), use_qk_l2norm_in_kernel=True,
-                                   backend=self.backend)
+            cu_seqlens, rank_range = layout.gdp_arrays(q.device)
+            return run_cp_op(q, k, v, g, beta, cu_seqlens=cu_seqlens, rank_range=rank_range, group=layout.group,
+                             backend=backend, scale=scale, num_householder=n, use_qk_l2norm_in_kernel=True)
+        o, _ = run_gated_delta_product(q, k, v, g, beta, backend=backend, scale=scale, num_householder=n,
+                                       cu_seqlens=layout.cu_seqlens(q.device), use_qk_l2norm_in_kernel=True)
         return o
 
     def forward(self, hidden_states: torch.Tensor, *, cu_seqlens=None, seq_idx=None, cp_group=None,
@@ -152,6 +166,6 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
 
 
 # help() and inspect.signature list every keyword argument (a metaclass hides __init__ from them)
-document_layer_signature(GatedDeltaProduct, GDPConfig, backend=None, cp_check_inputs=True)
+document_layer_signature(GatedDeltaProduct, GDPConfig, backend=None, cp_check_inputs=False)
 
 __all__ = ["GatedDeltaProduct"]

@@ -73,6 +73,32 @@ class ShardLayout:
             return None
         return self._cached(("cu", device), lambda: torch.from_numpy(self.packed.cu_seqlens()).to(device))
 
+    def gdp_arrays(self, device) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(local cu_seqlens int32 [N + 1] or None when unpacked, rank_range int32 [2] =
+        (preceding_rank_start, following_rank_stop)) on ``device``, built once: what the GDP CP
+        custom op reads (``torch_api.gdp.library``)."""
+        def build():
+            meta = self.gdp_metadata
+            if meta is None:
+                return None, torch.tensor([0, self.cp_size], dtype=torch.int32, device=device)
+            cu = torch.as_tensor(meta.local_cu_seqlens, dtype=torch.int32).to(device)
+            span = torch.tensor([meta.preceding_rank_start, meta.following_rank_stop], dtype=torch.int32)
+            return cu, span.to(device)
+
+        return self._cached(("gdp", device), build)
+
+    def materialize(self, device) -> "ShardLayout":
+        """Build every device tensor the layers read (positions, GDP arrays, attention tables) now, on
+        ``device``; call it before a compiled or CUDA-graph-captured step so that the traced code only
+        reads them. Returns self."""
+        device = torch.device(device)
+        self.positions(device)
+        if self.is_cp:
+            self.gdp_arrays(device)
+        else:
+            self.cu_seqlens(device)
+        return self
+
     def attention_routing(self, mode: str):
         """Helper-built ``BlockDiagRouting`` of this rank (CP only), one per exchange mode."""
         from torch_api.attention.blockdiag import prepare_blockdiag

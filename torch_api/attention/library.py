@@ -1,0 +1,96 @@
+"""``cp_linear::blockdiag_attention``: block-diagonal attention of one CP rank as a ``torch.library``
+custom op (fake kernel, registered autograd), so that ``torch.compile(fullgraph=True)`` traces a
+model through it without graph breaks.
+
+The op takes q [B, L, Hq, D], k / v [B, L, Hkv, D] and the *name* of a ``BlockDiagRouting``
+(``routing_name``; the routing holds the host plan and the exchange's index tensors) and returns
+[B, L, Hq, D]. It runs the routing's exchange (collectives inside; the fake kernel needs none) and
+the local doc-causal kernel. The backward op recomputes the exchange and the local attention with
+autograd and differentiates them (the reverse exchange runs inside): the forward saves nothing but
+its inputs, at the price of one more forward exchange in the backward. The cross-rank agreement
+runs before the op (``blockdiag_attention``, ``ShardLayout.agree``), never inside it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from torch_api.gdp.library import _autograd_inside
+
+_ROUTINGS: OrderedDict = OrderedDict()
+_KEEP = 64  # routings kept by name: a step's layers share one; older steps' graphs have finished
+
+
+def routing_name(routing) -> str:
+    """A string naming ``routing`` for the op (the most recent ``_KEEP`` routings stay registered)."""
+    name = f"routing@{id(routing):x}"
+    _ROUTINGS[name] = routing
+    _ROUTINGS.move_to_end(name)
+    while len(_ROUTINGS) > _KEEP:
+        _ROUTINGS.popitem(last=False)
+    return name
+
+
+def _attend(q, k, v, routing, scale, kernel):
+    from torch_api.attention.blockdiag import exchange_window
+    from torch_api.attention.exchange import stack_kv, unstack_kv
+    from torch_api.attention.kernel import doc_causal_attention
+
+    window = exchange_window(routing, stack_kv(k, v))
+    exchange = routing.exchange
+    keys = window[exchange.key_start - exchange.window_start:exchange.key_stop - exchange.window_start]
+    k_window, v_window = unstack_kv(keys)
+    return doc_causal_attention(q, k_window, v_window, routing.layout, scale=scale, kernel=kernel)
+
+
+def _scale(scale: float, q: torch.Tensor) -> float:
+    return q.shape[-1] ** -0.5 if scale <= 0 else scale
+
+
+@torch.library.custom_op("cp_linear::blockdiag_attention", mutates_args=())
+def blockdiag_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, routing: str, scale: float,
+                           kernel: str) -> torch.Tensor:
+    """scale <= 0 means D**-0.5."""
+    with torch.no_grad():
+        out = _attend(q, k, v, _ROUTINGS[routing], _scale(scale, q), kernel)
+    return out.contiguous() if out.storage_offset() == 0 else out.clone(memory_format=torch.contiguous_format)
+
+
+@blockdiag_attention_op.register_fake
+def _(q, k, v, routing, scale, kernel):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("cp_linear::blockdiag_attention_backward", mutates_args=())
+def blockdiag_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, routing: str,
+                                 scale: float, kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    with _autograd_inside():
+        leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+        out = _attend(*leaves, _ROUTINGS[routing], _scale(scale, q), kernel)
+        grads = torch.autograd.grad(out, leaves, do, allow_unused=True)
+    return tuple(torch.zeros_like(x, memory_format=torch.contiguous_format) if grad is None
+                 else grad.clone(memory_format=torch.contiguous_format) for grad, x in zip(grads, (q, k, v)))
+
+
+@blockdiag_attention_backward.register_fake
+def _(do, q, k, v, routing, scale, kernel):
+    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, routing, scale, kernel = inputs
+    ctx.save_for_backward(q, k, v)
+    ctx.options = (routing, scale, kernel)
+
+
+def _backward(ctx, do):
+    q, k, v = ctx.saved_tensors
+    dq, dk, dv = blockdiag_attention_backward(do.contiguous(), q, k, v, *ctx.options)
+    return dq, dk, dv, None, None, None
+
+
+blockdiag_attention_op.register_autograd(_backward, setup_context=_setup)
+
+__all__ = ["blockdiag_attention_op", "routing_name"]
