@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from cp_linear.gdp import GDPInputGradients, GDPInputs
+from cp_linear.kernel_support import AUTO_HOUSEHOLDERS
 from cp_linear.kernels import configs as kcfg
 from cp_linear.kernels import launch as kl
 from cp_linear.protocol import CPForwardResult, CPSavedContext
@@ -101,8 +102,9 @@ def unsupported_reason(q, k, v, num_householder: int) -> str | None:
 
 def auto_backend(q, k, v, num_householder: int):
     """The backend the JAX ops use when none is given: the kernels where they can run these inputs
-    (a Hopper GPU, bf16/fp16, K and V in {64, 128}), else ``JaxGDPBackend``."""
-    if unsupported_reason(q, k, v, num_householder) is None:
+    (a Hopper GPU, bf16/fp16, K and V in {64, 128}, n_h in ``cp_linear.kernel_support.AUTO_HOUSEHOLDERS``
+    as in torch), else ``JaxGDPBackend``."""
+    if unsupported_reason(q, k, v, num_householder) is None and num_householder in AUTO_HOUSEHOLDERS:
         return CuTeDSLGatedDeltaProductCPBackend()
     return JaxGDPBackend()
 

@@ -78,37 +78,46 @@ class _AllGatherKV(torch.autograd.Function):
         return grad_kv, None
 
 
+def left_halo_forward(kv: torch.Tensor, halo_len: int, group) -> torch.Tensor:
+    """The left-halo exchange without autograd: kv [L, *rest] -> [halo_len + L, *rest]."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    local_len = kv.shape[0]
+    window = kv.new_empty((halo_len + local_len, *kv.shape[1:]))
+    window[halo_len:].copy_(kv)
+    if halo_len:
+        if rank == 0:
+            window[:halo_len].zero_()
+        has_right, has_left = rank + 1 < world, rank > 0
+        # window[local_len:] is the last halo_len local tokens (the copy above)
+        _exchange_with_neighbours(group, window[local_len:] if has_right else None, rank + 1,
+                                  window[:halo_len] if has_left else None, rank - 1)
+    return window
+
+
+def left_halo_backward(grad_window: torch.Tensor, halo_len: int, group) -> torch.Tensor:
+    """The reverse exchange: grad_window [halo_len + L, *rest] -> grad kv [L, *rest]."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    grad_kv = grad_window[halo_len:].clone(memory_format=torch.contiguous_format)
+    if halo_len:
+        local_len = grad_kv.shape[0]
+        has_right, has_left = rank + 1 < world, rank > 0
+        from_right = grad_kv.new_empty((halo_len, *grad_kv.shape[1:])) if has_right else None
+        to_left = grad_window[:halo_len].contiguous() if has_left else None
+        _exchange_with_neighbours(group, to_left, rank - 1, from_right, rank + 1)
+        if from_right is not None:
+            grad_kv[local_len - halo_len:] += from_right
+    return grad_kv
+
+
 class _LeftHaloKV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, kv, halo_len, group):
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
         ctx.group, ctx.halo_len = group, halo_len
-        local_len = kv.shape[0]
-        window = kv.new_empty((halo_len + local_len, *kv.shape[1:]))
-        window[halo_len:].copy_(kv)
-        if halo_len:
-            if rank == 0:
-                window[:halo_len].zero_()
-            has_right, has_left = rank + 1 < world, rank > 0
-            # window[local_len:] is the last halo_len local tokens (the copy above)
-            _exchange_with_neighbours(group, window[local_len:] if has_right else None, rank + 1,
-                                      window[:halo_len] if has_left else None, rank - 1)
-        return window
+        return left_halo_forward(kv, halo_len, group)
 
     @staticmethod
     def backward(ctx, grad_window):
-        group, halo_len = ctx.group, ctx.halo_len
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        grad_kv = grad_window[halo_len:].clone(memory_format=torch.contiguous_format)
-        if halo_len:
-            local_len = grad_kv.shape[0]
-            has_right, has_left = rank + 1 < world, rank > 0
-            from_right = grad_kv.new_empty((halo_len, *grad_kv.shape[1:])) if has_right else None
-            to_left = grad_window[:halo_len].contiguous() if has_left else None
-            _exchange_with_neighbours(group, to_left, rank - 1, from_right, rank + 1)
-            if from_right is not None:
-                grad_kv[local_len - halo_len:] += from_right
-        return grad_kv, None, None
+        return left_halo_backward(grad_window, ctx.halo_len, ctx.group), None, None
 
 
 class _NeededKVAllToAll(torch.autograd.Function):

@@ -93,4 +93,49 @@ def _backward(ctx, do):
 
 blockdiag_attention_op.register_autograd(_backward, setup_context=_setup)
 
-__all__ = ["blockdiag_attention_op", "routing_name"]
+# --------------------------------------------------------------------------- the conv's left halo
+
+
+def _group(name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+@torch.library.custom_op("cp_linear::left_halo", mutates_args=())
+def left_halo_op(x: torch.Tensor, halo_len: int, group_name: str) -> torch.Tensor:
+    """x [L, *rest] (token-major) -> [halo_len + L, *rest]: the left neighbour's last ``halo_len``
+    tokens (zeros on rank 0), then x (``torch_api.attention.exchange.left_halo_forward``)."""
+    from torch_api.attention.exchange import left_halo_forward
+
+    return left_halo_forward(x.contiguous(), halo_len, _group(group_name))
+
+
+@left_halo_op.register_fake
+def _(x, halo_len, group_name):
+    return x.new_empty((halo_len + x.shape[0], *x.shape[1:]))
+
+
+@torch.library.custom_op("cp_linear::left_halo_backward", mutates_args=())
+def left_halo_backward_op(grad_window: torch.Tensor, halo_len: int, group_name: str) -> torch.Tensor:
+    from torch_api.attention.exchange import left_halo_backward
+
+    return left_halo_backward(grad_window.contiguous(), halo_len, _group(group_name))
+
+
+@left_halo_backward_op.register_fake
+def _(grad_window, halo_len, group_name):
+    return grad_window.new_empty((grad_window.shape[0] - halo_len, *grad_window.shape[1:]))
+
+
+def _halo_setup(ctx, inputs, output):
+    ctx.options = inputs[1:]
+
+
+def _halo_backward(ctx, grad_window):
+    return left_halo_backward_op(grad_window, *ctx.options), None, None
+
+
+left_halo_op.register_autograd(_halo_backward, setup_context=_halo_setup)
+
+__all__ = ["blockdiag_attention_op", "left_halo_op", "routing_name"]

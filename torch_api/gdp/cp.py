@@ -285,7 +285,7 @@ def _metadata_error(metadata, rank: int, world: int, q: torch.Tensor) -> str | N
     return None
 
 
-def run_cp_op(q, k, v, g, beta, *, cu_seqlens, rank_range, group, backend, scale: float, num_householder: int,
+def run_cp_op(q, k, v, g, beta, *, cu_seqlens, rank_range, group_name: str, backend, scale: float, num_householder: int,
               use_qk_l2norm_in_kernel: bool) -> torch.Tensor:
     """The CP op after validation and agreement: ``cp_linear::gdp_cp_forward`` (collectives inside,
     autograd registered). rank_range int [2] = (preceding_rank_start, following_rank_stop), on any
@@ -294,7 +294,7 @@ def run_cp_op(q, k, v, g, beta, *, cu_seqlens, rank_range, group, backend, scale
 
     output, _, _ = torch.ops.cp_linear.gdp_cp_forward(q, k, v, g, beta, cu_seqlens, rank_range, scale,
                                                       num_householder, use_qk_l2norm_in_kernel,
-                                                      backend_name(backend), group.group_name)
+                                                      backend_name(backend), group_name)
     return output
 
 
@@ -357,7 +357,7 @@ def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, cp_group, global_seq_idx
     if error is None and not check_inputs and has_op_layout(backend):
         rank_range = torch.tensor([preceding.start, following.stop], dtype=torch.int32)
         return run_cp_op(q, k, v, g if gate_given else g.detach(), beta, cu_seqlens=cu_seqlens, rank_range=rank_range,
-                         group=group, backend=backend, scale=float(scale), num_householder=num_householder,
+                         group_name=group.group_name, backend=backend, scale=float(scale), num_householder=num_householder,
                          use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel))
     call = _CPCall(backend, group, preceding, following, float(scale) if error is None else 0.0, num_householder,
                    bool(use_qk_l2norm_in_kernel), cu_seqlens, bool(check_inputs), error, tuple(signature))

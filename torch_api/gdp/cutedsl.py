@@ -84,6 +84,13 @@ def device_capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
+def dsl_reason() -> str | None:
+    """Why the DSL cannot compile the kernels here (None when nvidia-cutlass-dsl is installed)."""
+    if importlib.util.find_spec("cutlass") is None:
+        return "the kernels need the nvidia-cutlass-dsl package (pip install 'cp_linear[cuda]')"
+    return None
+
+
 def kernel_platform_reason(device) -> str | None:
     """Why the kernels cannot run on ``device`` (None when they can): a Hopper (sm_90) CUDA GPU with
     nvidia-cutlass-dsl installed (the ``cuda`` extra). Cached per device."""
@@ -92,38 +99,37 @@ def kernel_platform_reason(device) -> str | None:
         return f"the kernels need a CUDA device; received {device.type}"
     key = (device.type, device.index)
     if key not in _PLATFORM_REASONS:
-        reason = capability_reason(*device_capability(device))
-        if reason is None and importlib.util.find_spec("cutlass") is None:
-            reason = "the kernels need the nvidia-cutlass-dsl package (pip install 'cp_linear[cuda]')"
-        _PLATFORM_REASONS[key] = reason
+        _PLATFORM_REASONS[key] = capability_reason(*device_capability(device)) or dsl_reason()
     return _PLATFORM_REASONS[key]
 
 
-def auto_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_householder: int) -> str | None:
-    """Why ``backend=None`` does not pick the kernels for these inputs (None when it does): the
-    platform (``kernel_platform_reason``) and the configuration (``cp_linear.kernel_support``:
-    bf16/fp16, K and V in {64, 128}, n_h in {1, 2, 3})."""
-    reason = kernel_platform_reason(q.device)
+def choose_backend_name(device, dtypes, key_dim: int, value_dim: int, num_householder: int
+                        ) -> tuple[str, str | None]:
+    """("cutedsl", None) where the kernels run these inputs, else ("reference", the one-line reason):
+    the platform (``kernel_platform_reason``) and the configuration (``cp_linear.kernel_support``:
+    bf16/fp16, K and V in {64, 128}, n_h in {1, 2, 3}). On a device that could run the kernels, an
+    unsupported configuration warns once per reason; elsewhere (a CPU, another GPU) nothing is said."""
+    platform = kernel_platform_reason(device)
+    if platform is not None:
+        return "reference", platform
+    names = [str(dtype).removeprefix("torch.") for dtype in dtypes]
+    reason = config_reason(names, key_dim, value_dim, num_householder)
     if reason is None:
-        names = [str(t.dtype).removeprefix("torch.") for t in (q, k, v)]
-        reason = config_reason(names, q.shape[-1], v.shape[-1], num_householder)
-    return reason
+        return "cutedsl", None
+    if reason not in _AUTO_WARNED and not _compiling():
+        _AUTO_WARNED.add(reason)
+        warnings.warn(f"backend=None runs TorchGDPBackend: {reason}", stacklevel=4)
+    return "reference", reason
 
 
 def auto_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_householder: int):
     """The backend the torch ops and layers use when none is given: ``CuTeDSLGatedDeltaProductCPBackend``
-    on a Hopper GPU for a configuration the kernels take, else ``TorchGDPBackend``. On a GPU that could
-    run the kernels, an unsupported configuration warns once with the one-line reason; elsewhere (a
-    CPU, another GPU) the reference is the only choice and nothing is said."""
+    on a Hopper GPU for a configuration the kernels take, else ``TorchGDPBackend``
+    (``choose_backend_name``)."""
     if not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in (q, k, v)):
         return _auto_instance("reference")  # the op reports the bad input
-    reason = auto_reason(q, k, v, num_householder)
-    if reason is None:
-        return _auto_instance("cutedsl")
-    if kernel_platform_reason(q.device) is None and reason not in _AUTO_WARNED and not _compiling():
-        _AUTO_WARNED.add(reason)
-        warnings.warn(f"backend=None runs TorchGDPBackend: {reason}", stacklevel=3)
-    return _auto_instance("reference")
+    name, _ = choose_backend_name(q.device, (q.dtype, k.dtype, v.dtype), q.shape[-1], v.shape[-1], num_householder)
+    return _auto_instance(name)
 
 
 _AUTO_INSTANCES: dict[str, object] = {}

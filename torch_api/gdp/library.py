@@ -91,6 +91,21 @@ def _fresh(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     return x.clone(memory_format=torch.contiguous_format)
 
 
+def _unaliased(outputs, inputs) -> tuple[torch.Tensor, ...]:
+    """``outputs`` with any tensor that shares storage with an input or an earlier output cloned:
+    a custom op's outputs may alias neither."""
+    seen = {x.untyped_storage().data_ptr() for x in inputs if isinstance(x, torch.Tensor) and x.numel()}
+    result = []
+    for out in outputs:
+        pointer = out.untyped_storage().data_ptr()
+        if out.numel() and pointer in seen:
+            out = out.clone(memory_format=torch.contiguous_format)
+            pointer = out.untyped_storage().data_ptr()
+        seen.add(pointer)
+        result.append(out)
+    return tuple(result)
+
+
 def _saved_extras(saved: CPSavedContext) -> tuple[torch.Tensor, torch.Tensor]:
     incoming, transition = saved.tensors[6], saved.tensors[7]
     return _fresh(incoming, torch.float32), _fresh(transition, torch.float32)
@@ -132,7 +147,8 @@ def gdp_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     with float32_region(q.device):
         summary, local = impl.cp_forward_prepare(inputs)
         (output, final_state), saved = impl.cp_forward_apply(local, _empty_stack(summary))
-    return (_fresh(output), _fresh(final_state, torch.float32), *_saved_extras(saved))
+    return _unaliased((_fresh(output), _fresh(final_state, torch.float32), *_saved_extras(saved)),
+                      (q, k, v, g, beta, cu_seqlens, initial_state))
 
 
 @gdp_forward.register_fake
@@ -162,7 +178,8 @@ def gdp_backward(do: torch.Tensor | None, d_final_state: torch.Tensor | None, q:
         summary, context = impl.cp_backward_prepare((do, d_final_state), saved)
         grads = impl.cp_backward_apply(context, _empty_stack(summary))
     d_initial = q.new_empty(0, dtype=torch.float32) if initial_state is None else grads.dinitial_state.float()
-    return (*_grads(grads, q, k, v, g, beta), _fresh(d_initial))
+    return _unaliased((*_grads(grads, q, k, v, g, beta), _fresh(d_initial)),
+                      (do, d_final_state, q, k, v, g, beta, cu_seqlens, initial_state, incoming, transition))
 
 
 @gdp_backward.register_fake
@@ -248,7 +265,7 @@ def gdp_cp_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         gathered = _gather(_packed(summary), group)
         preceding = _masked_stack(gathered, 0, rank, range_[0], rank)
         output, saved = impl.cp_forward_apply(local, preceding)
-    return (_fresh(output), *_saved_extras(saved))
+    return _unaliased((_fresh(output), *_saved_extras(saved)), (q, k, v, g, beta, cu_seqlens, rank_range))
 
 
 @gdp_cp_forward.register_fake
@@ -277,7 +294,8 @@ def gdp_cp_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         gathered = _gather(_packed(summary), group)
         following = _masked_stack(gathered, rank + 1, world, rank + 1, range_[1])
         grads = impl.cp_backward_apply(context, following)
-    return _grads(grads, q, k, v, g, beta)
+    return _unaliased(_grads(grads, q, k, v, g, beta),
+                      (do, q, k, v, g, beta, cu_seqlens, rank_range, incoming, transition))
 
 
 @gdp_cp_backward.register_fake

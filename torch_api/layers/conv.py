@@ -4,7 +4,7 @@ Token t of a shard reads tokens t - W + 1 .. t (W = conv_size). Tap s (reading t
 kept only when ``s <= position[t]``, i.e. when token t - s belongs to the same sequence; so a
 sequence never sees its predecessor, whether the boundary lies inside a shard or exactly on a
 rank boundary. Under CP the W - 1 tokens before the shard come from the previous rank through one
-differentiable neighbour exchange (``torch_api.attention.exchange.left_halo_kv``; its backward
+differentiable neighbour exchange (the ``cp_linear::left_halo`` custom op over ``torch_api.attention.exchange.left_halo_forward``; its backward
 returns the halo's gradient to the sender); rank 0 gets zeros::
 
     rank r-1  ... a5 a6 a7 | rank r  a8 a9 b0 b1      (document a continues, b starts at r*L + 2)
@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from torch_api.attention.exchange import left_halo_kv
 
 
 def conv_window(x: torch.Tensor, halo_len: int, group=None) -> torch.Tensor:
@@ -30,8 +29,13 @@ def conv_window(x: torch.Tensor, halo_len: int, group=None) -> torch.Tensor:
         return x
     if group is None:
         return F.pad(x, (0, 0, halo_len, 0))
+    if not 0 <= halo_len <= x.shape[1]:
+        raise ValueError(f"halo_len must be in [0, L = {x.shape[1]}]; received {halo_len}")
+    from torch_api.attention.library import left_halo_op
+
+    group_name = group if isinstance(group, str) else group.group_name
     token_major = x.transpose(0, 1)  # [L, B, C]: the exchange moves whole tokens along dim 0
-    return left_halo_kv(token_major, halo_len, group).transpose(0, 1)
+    return left_halo_op(token_major, int(halo_len), group_name).transpose(0, 1)
 
 
 def masked_causal_conv(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

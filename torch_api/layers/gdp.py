@@ -93,7 +93,7 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
         if not c.use_short_conv:
             return F.silu(q), F.silu(k), F.silu(v)
         # one halo exchange for all three projections
-        window = conv_window(torch.cat((q, k, v), dim=-1), c.conv_size - 1, layout.group)
+        window = conv_window(torch.cat((q, k, v), dim=-1), c.conv_size - 1, layout.group_name)
         positions = layout.positions(x.device)
         q_win, k_win, v_win = window.split(c.conv_channels, dim=-1)
         return self.q_conv1d(q_win, positions), self.k_conv1d(k_win, positions), self.v_conv1d(v_win, positions)
@@ -122,7 +122,7 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
             from torch_api.gdp.cp import run_cp_op
 
             cu_seqlens, rank_range = layout.gdp_arrays(q.device)
-            return run_cp_op(q, k, v, g, beta, cu_seqlens=cu_seqlens, rank_range=rank_range, group=layout.group,
+            return run_cp_op(q, k, v, g, beta, cu_seqlens=cu_seqlens, rank_range=rank_range, group_name=layout.group_name,
                              backend=backend, scale=scale, num_householder=n, use_qk_l2norm_in_kernel=True)
         o, _ = run_gated_delta_product(q, k, v, g, beta, backend=backend, scale=scale, num_householder=n,
                                        cu_seqlens=layout.cu_seqlens(q.device), use_qk_l2norm_in_kernel=True)

@@ -37,6 +37,7 @@ class ShardLayout:
             raise ValueError(f"packed must be a PackedLayout; received {type(packed).__name__}")
         self.packed = packed
         self.group = None if cp_group is None else resolve_group(cp_group)
+        self.group_name = None if self.group is None else self.group.group_name
         if self.group is None:
             self.cp_rank, self.cp_size = 0, 1
         else:
@@ -87,11 +88,19 @@ class ShardLayout:
 
         return self._cached(("gdp", device), build)
 
-    def materialize(self, device) -> "ShardLayout":
-        """Build every device tensor the layers read (positions, GDP arrays, attention tables) now, on
-        ``device``; call it before a compiled or CUDA-graph-captured step so that the traced code only
-        reads them. Returns self."""
+    def materialize(self, device, *, hidden_shape=None, dtype=None) -> "ShardLayout":
+        """Build every device tensor the layers read (positions, GDP arrays) on ``device`` now and,
+        under CP with ``hidden_shape`` ([B, L, D] of the layer inputs) and ``dtype``, run the
+        cross-rank agreement for that signature: call it once per batch before a compiled or
+        CUDA-graph-captured step, whose traced code then only reads them (no collective but the
+        layers' own, no host read). Returns self."""
         device = torch.device(device)
+        if self.is_cp and hidden_shape is not None:
+            shape = list(hidden_shape)
+            error = None
+            if len(shape) != 3 or shape[1] != self.local_len:
+                error = f"hidden_shape must be [B, L={self.local_len}, D]; received {shape}"
+            self._agree_signature(error, shape, dtype, device, "layer inputs")
         self.positions(device)
         if self.is_cp:
             self.gdp_arrays(device)
@@ -136,20 +145,29 @@ class ShardLayout:
         step with the same signature skip it. An error for an already agreed signature comes from
         the module itself (identical on every rank of a replicated model) and raises locally.
         """
-        if not self.is_cp:
+        if not self.is_cp or _compiling():
+            # under torch.compile the agreement ran eagerly (``materialize``); shapes are static here
             if error:
                 raise ValueError(f"{what}: {error}")
             return
         shape = list(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else [-1, -1, -1]
-        dtype = _DTYPE_IDS.get(getattr(hidden_states, "dtype", None), 0)
-        signature = (*shape, dtype, *self.packed.fingerprint(), self.cp_size,
-                     zlib.crc32(str(getattr(hidden_states, "device", "")).split(":")[0].encode()) & 0xFFFF)
+        self._agree_signature(error, shape, getattr(hidden_states, "dtype", None),
+                              getattr(hidden_states, "device", ""), what)
+
+    def _agree_signature(self, error, shape, dtype, device, what: str) -> None:
+        signature = (*shape, _DTYPE_IDS.get(dtype, 0), *self.packed.fingerprint(), self.cp_size,
+                     zlib.crc32(str(device).split(":")[0].encode()) & 0xFFFF)
         if signature in self._agreed:
             if error:
                 raise ValueError(f"{what}: {error}")
             return
         agree_or_raise(self.group, error, signature, what=what)
         self._agreed.add(signature)
+
+
+def _compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and compiler.is_compiling())
 
 
 def build_shard_layout(*, total_len: int, doc_ids=None, seq_idx=None, cu_seqlens=None, cp_group=None) -> ShardLayout:
