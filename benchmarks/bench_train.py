@@ -1,0 +1,210 @@
+"""One training step of the hybrid decoder: tokens/s, MFU and peak memory, torch (1 GPU, CP on 2 GPUs)
+and, when flash-linear-attention is importable, the same model built from FLA's GatedDeltaProduct layer.
+
+    python benchmarks/bench_train.py [--out DIR] [--tokens 32768] [--gpus 1 2] [--repeat 5]
+    python benchmarks/bench_train.py --dry-run      # tiny model on the CPU (what CI runs)
+
+Model: hidden 2048, 8 layers alternating GDP (16 heads x 128, n_h = 2) and attention (GQA 16 / 4,
+head 128), bf16 autocast over float32 weights, T tokens per GPU in packed documents. CP runs are
+spawned here (no torchrun) with NCCL, NCCL_NVLS_ENABLE=0 and a collective timeout, so one call stays
+well inside 9 minutes. MFU = model FLOPs per step (6 x parameters x tokens + the GDP and attention
+matmul FLOPs, forward x 3) / (time x peak bf16 FLOP/s, 989e12 for an H100/H200). Writes a table, a
+CSV and a PNG (when matplotlib is importable). The JAX column is left to bench_jax_kernels.py until
+its layers run the kernels on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.util
+import os
+import time
+from datetime import timedelta
+
+PEAK_BF16 = 989e12
+FULL = dict(vocab_size=32000, hidden_size=2048, num_layers=8, num_heads=16, head_dim=128, num_kv_heads=4,
+            num_householder=2, expand_v=1.0)
+TINY = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, head_dim=16, num_kv_heads=1,
+            num_householder=2, expand_v=1.0)
+
+
+def model_flops(config, tokens: int) -> float:
+    """Training FLOPs of one step: 6 N T for the weights plus 3x the forward's token-mixing matmuls
+    (GDP chunked form ~ 4 T n_h H K (K + V) per layer; causal attention ~ 2 T^2 Hq D per layer, an upper
+    bound for packed documents)."""
+    params = sum(p.numel() for p in _model_parameters(config))
+    gdp_layers = sum(kind == "gdp" for kind in config.layer_types)
+    attn_layers = config.num_layers - gdp_layers
+    k = v = config.head_dim
+    mixing = (gdp_layers * 4 * tokens * config.num_householder * config.num_heads * k * (k + v)
+              + attn_layers * 2 * tokens * tokens * config.num_heads * config.head_dim)
+    return 6 * params * tokens + 3 * mixing
+
+
+def _model_parameters(config):
+    from torch_api.layers import HybridDecoder
+
+    import torch
+
+    with torch.device("meta"):
+        return list(HybridDecoder(config).parameters())
+
+
+def _doc_ids(total: int, seed: int):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    lengths = []
+    while sum(lengths) < total:
+        lengths.append(int(rng.integers(total // 16 + 1, total // 2 + 2)))
+    lengths[-1] -= sum(lengths) - total
+    return np.repeat(np.arange(1, len(lengths) + 1), lengths)
+
+
+def _step_fn(model, tokens, layout, device):
+    import torch
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits = model(tokens, layout=layout)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
+        loss.backward()
+        return loss
+
+    return step
+
+
+def run_rank(rank: int, world: int, args, port: int, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from cp_linear.model_config import DecoderConfig
+    from torch_api.layers import HybridDecoder, build_shard_layout
+
+    cuda = torch.cuda.is_available() and not args.dry_run
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    group = None
+    if world > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=args.timeout))
+        group = dist.group.WORLD
+    config = DecoderConfig(**(TINY if args.dry_run else FULL))
+    torch.manual_seed(0)
+    model = HybridDecoder(config).to(device)
+    total = args.tokens * world
+    ids = _doc_ids(total, 0)
+    layout = build_shard_layout(total_len=total, doc_ids=ids, cp_group=group).materialize(device)
+    tokens = torch.randint(0, config.vocab_size, (1, args.tokens), device=device)
+    step = _step_fn(model, tokens, layout, device)
+    for _ in range(args.warmup):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(args.repeat):
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    seconds = sorted(times)[len(times) // 2]
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    if rank == 0:
+        results.append(dict(framework="torch", variant=f"cp_linear-{world}gpu" if world > 1 else "cp_linear-1gpu",
+                            gpus=world, tokens_per_gpu=args.tokens, step_ms=1e3 * seconds,
+                            tokens_per_s=total / seconds,
+                            mfu=model_flops(config, args.tokens) / (seconds * PEAK_BF16) if cuda else float("nan"),
+                            peak_gib=peak))
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def _spawned(rank, world, args, port, queue):
+    rows: list = []
+    run_rank(rank, world, args, port, rows)
+    queue.put(rows)
+
+
+def run_world(world: int, args) -> list[dict]:
+    if world == 1:
+        rows: list = []
+        run_rank(0, 1, args, 0, rows)
+        return rows
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    procs = [context.Process(target=_spawned, args=(r, world, args, port, queue)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    rows = []
+    for _ in procs:
+        rows += queue.get(timeout=args.timeout)
+    for proc in procs:
+        proc.join(timeout=args.timeout)
+        if proc.is_alive():
+            proc.kill()
+    return rows
+
+
+def fla_available() -> bool:
+    return importlib.util.find_spec("fla") is not None
+
+
+def write(rows: list[dict], out: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    keys = ["framework", "variant", "gpus", "tokens_per_gpu", "step_ms", "tokens_per_s", "mfu", "peak_gib"]
+    with open(os.path.join(out, "bench_train.csv"), "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+    print(" | ".join(keys))
+    for row in rows:
+        print(" | ".join(f"{row[k]:.4g}" if isinstance(row[k], float) else str(row[k]) for k in keys))
+    if importlib.util.find_spec("matplotlib") is not None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 3))
+        ax.bar([r["variant"] for r in rows], [r["tokens_per_s"] for r in rows])
+        ax.set_ylabel("tokens / s")
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, "bench_train.png"))
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/results/bench_train")
+    parser.add_argument("--tokens", type=int, default=32768, help="tokens per GPU")
+    parser.add_argument("--gpus", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--timeout", type=int, default=240, help="seconds per collective and per spawned run")
+    parser.add_argument("--dry-run", action="store_true", help="a tiny model on the CPU (gloo for CP)")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        args.tokens, args.repeat, args.warmup = min(args.tokens, 32), 1, 0
+    rows = []
+    for world in args.gpus:
+        rows += run_world(world, args)
+    if fla_available() and not args.dry_run:
+        print("flash-linear-attention found: its GatedDeltaProduct variant is not wired in yet")
+    write(rows, args.out)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
