@@ -19,8 +19,8 @@ Launch plan of one shard (the torch backend's, launch for launch)::
                                    the preceding summaries; the others from their initial state)
               chunk_scan output    outputs and every segment's end state
 
-The backward is ``JaxGDPBackend``'s (a float32 recomputation from the saved inputs: the default,
-as torch's default is ``TorchGDPBackend``), or with ``backward="kernels"`` the backward kernels::
+The backward runs the backward kernels (the default, ``backward="kernels"``, as in torch), or
+``JaxGDPBackend``'s float32 recomputation from the saved inputs with ``backward="jax"``::
 
     prepare   chunk_prep, chunk_gamma    backward summaries [gamma ; M_b] per segment
               segment_fold (descending)  the leading sequence's gamma
@@ -193,10 +193,10 @@ class CuTeDSLGatedDeltaProductCPBackend:
 
     Options as the torch backend's: ``segment_chunks`` (chunks per segment; None sizes segments so
     that one long sequence gives about ``ctas_per_sm`` output CTAs per SM), ``row_block`` (state rows
-    per scan CTA, 0: ``launch.scan_row_block``'s measured choice), ``mma`` ("sync" or "wgmma"),
-    ``fallback`` (False: raise on inputs the kernels do not take). ``backward``: "jax" (default:
-    ``JaxGDPBackend``'s recomputation from the saved inputs) or "kernels" (the backward kernels from
-    the segments' saved incoming states). ``sm_count``: SMs to size segments for (None: the
+    per scan CTA, 0: ``launch.scan_row_block``'s measured choice), ``mma`` ("auto", "sync" or "wgmma"),
+    ``fallback`` (False: raise on inputs the kernels do not take). ``backward``: "kernels" (default:
+    the backward kernels from the segments' saved incoming states, checked on an H200 as the torch
+    backend's) or "jax" (``JaxGDPBackend``'s recomputation from the saved inputs). ``sm_count``: SMs to size segments for (None: the
     device's). ``cuda_graph``: let XLA capture the custom calls in its command buffers.
     Frozen and hashable: an argument of ``jax.jit`` / ``custom_vjp`` like ``JaxGDPBackend``.
     """
@@ -205,8 +205,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
     row_block: int = 0
     ctas_per_sm: float = 2
     fallback: bool = True
-    mma: str = "sync"
-    backward: str = "jax"
+    mma: str = "auto"
+    backward: str = "kernels"
     sm_count: int | None = None
     cuda_graph: bool = False
     _warned: set = field(default_factory=set, compare=False, hash=False, repr=False)
@@ -220,8 +220,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
             raise ValueError(f"row_block must be 0 (automatic), 64 or 128; received {self.row_block!r}")
         if not self.ctas_per_sm > 0:
             raise ValueError(f"ctas_per_sm must be positive; received {self.ctas_per_sm!r}")
-        if self.mma not in kcfg.MMA_KINDS:
-            raise ValueError(f"mma must be one of {kcfg.MMA_KINDS}; received {self.mma!r}")
+        if self.mma != "auto" and self.mma not in kcfg.MMA_KINDS:
+            raise ValueError(f"mma must be 'auto' or one of {kcfg.MMA_KINDS}; received {self.mma!r}")
         if self.backward not in ("jax", "kernels"):
             raise ValueError(f"backward must be 'jax' or 'kernels'; received {self.backward!r}")
         if self.sm_count is not None and (not isinstance(self.sm_count, int) or self.sm_count < 1):
@@ -295,13 +295,17 @@ class CuTeDSLGatedDeltaProductCPBackend:
                                             state_rows=value_dim + key_dim, o_shape=(1, 1, value_dim))
         return shard
 
+    def _scan_mma(self, shard: _Shard) -> str:
+        return self.mma if self.mma != "auto" else kl.scan_mma(shard.dtype, shard.key_dim, shard.value_dim)
+
     def _scan(self, shard: _Shard, mode: str, *, state_in, state_rows: int, o_shape: tuple):
         """chunk_scan -> (state_out [S_max, H, state_rows, K] float32, o of ``o_shape``)."""
         layout, heads = shard.layout, shard.heads
         tile = shard.query_tile if mode == "output" else 0
         out = self._launch(
             kl.ChunkScanLaunch,
-            kcfg.ChunkScanConfig(shard.dtype, shard.key_dim, shard.value_dim, mode, tile, shard.row_block, self.mma),
+            kcfg.ChunkScanConfig(shard.dtype, shard.key_dim, shard.value_dim, mode, tile, shard.row_block,
+                                  self._scan_mma(shard)),
             dict(k=shard.k, v=shard.v, q=shard.q, ta=shard.ta, tb=shard.tb, p=shard.p, scalars=shard.scalars,
                  **shard.tables("chunk_first_step", "chunk_steps", "seg_first_chunk", "seg_chunks", "seg_flags",
                                 "num_segments"), state_in=state_in),
