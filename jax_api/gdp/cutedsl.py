@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import warnings
 from dataclasses import dataclass, field
 
 import jax
@@ -49,9 +48,8 @@ from cp_linear.kernels import launch as kl
 from cp_linear.protocol import CPForwardResult, CPSavedContext
 from cp_linear.summary import (
     CPBackwardPackedSummary,
-    CPBackwardUnpackedSummary,
     CPForwardPackedSummary,
-    CPForwardUnpackedSummary,
+    as_packed_array,
     compose_backward,
     compose_forward,
 )
@@ -123,16 +121,9 @@ def _flat(x: jax.Array) -> jax.Array:
 
 
 @dataclass
-class _Shard:
-    """One shard flattened over its batch rows, its work layout and the per-chunk prep results."""
+class _Shard(kl.KernelShard):
+    """``kl.KernelShard`` with the per-chunk prep results."""
 
-    inputs: GDPInputs
-    rows: bool  # each batch row is one sequence (no cu_seqlens)
-    q: jax.Array  # [T_all, H, K]
-    k: jax.Array  # [S_all, H, K]
-    v: jax.Array  # [S_all, H, V]
-    layout: kl.ForwardLayout
-    row_block: int
     trailing: jax.Array | None  # int32 []: the last nonempty sequence (packed shards)
     ta: jax.Array = None  # [C_max, H, 64, 64]
     tb: jax.Array = None
@@ -141,47 +132,15 @@ class _Shard:
     summaries: jax.Array = None  # [S_max, H, V + K, K] float32 ([E^T ; M^T] per segment)
 
     @property
-    def heads(self) -> int:
-        return self.q.shape[1]
-
-    @property
-    def key_dim(self) -> int:
-        return self.q.shape[2]
-
-    @property
-    def value_dim(self) -> int:
-        return self.v.shape[2]
-
-    @property
     def dtype(self) -> str:
         return _DTYPE_NAMES[jnp.dtype(self.q.dtype)]
-
-    @property
-    def query_tile(self) -> int:
-        return kcfg.query_tile(self.inputs.num_householder)
 
     def tables(self, *names: str) -> dict[str, jax.Array]:
         return {name: getattr(self.layout, name) for name in names}
 
 
-@dataclass
-class CuTeDSLForwardContext:
-    """Between ``cp_forward_prepare`` and ``cp_forward_apply``."""
-
-    shard: _Shard
-    summary: jax.Array  # [1 or B, H, K, V + K] float32
-    initial: jax.Array | None  # float32 [N, H, K, V] (inputs.initial_state), or None
-
-
-@dataclass
-class CuTeDSLBackwardContext:
-    """Between ``cp_backward_prepare`` and ``cp_backward_apply`` (kernel backward)."""
-
-    shard: _Shard
-    do: jax.Array  # [T_all, H, V] input dtype
-    grad_summaries: jax.Array  # [S_max, H, V + K, K] float32: rows [gamma ; M_b] per segment
-    incoming: jax.Array  # [S_max, H, V, K] float32: the forward's segment incoming states
-    end_grads: jax.Array  # [N, H, V, K] float32: dL/d final state of each sequence (zeros: none)
+CuTeDSLForwardContext = kl.KernelForwardContext
+CuTeDSLBackwardContext = kl.KernelBackwardContext
 
 
 # --------------------------------------------------------------------------- the backend
@@ -235,15 +194,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
         """True when the kernels take ``inputs``; else warn once per reason (or raise without fallback)."""
         check_gdp_inputs(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.num_householder,
                          inputs.cu_seqlens)
-        reason = unsupported_reason(inputs.q, inputs.k, inputs.v, inputs.num_householder)
-        if reason is None:
-            return True
-        if not self.fallback:
-            raise ValueError(f"CuTeDSLGatedDeltaProductCPBackend: {reason}")
-        if reason not in self._warned:
-            self._warned.add(reason)
-            warnings.warn(f"CuTeDSLGatedDeltaProductCPBackend runs JaxGDPBackend: {reason}", stacklevel=3)
-        return False
+        return kl.kernels_take(unsupported_reason(inputs.q, inputs.k, inputs.v, inputs.num_householder),
+                               fallback=self.fallback, warned=self._warned, fallback_name="JaxGDPBackend")
 
     # ------------------------------------------------------------------ launches
 
@@ -370,12 +322,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         stacked = _packed_stack(preceding)
         leading_count = summary.shape[0] if shard.rows else 1
         if stacked is not None and stacked.shape[0]:
-            if initial is not None:
-                raise ValueError("initial_state serves one device (no preceding summaries); under CP the incoming "
-                                 "state comes from the preceding ranks")
-            expected = (stacked.shape[0], *summary.shape) if shard.rows else (stacked.shape[0], *summary.shape[1:])
-            if tuple(stacked.shape) != expected:
-                raise ValueError(f"preceding summaries must have shape {expected}; received {tuple(stacked.shape)}")
+            kl.check_preceding_summaries(stacked.shape, summary.shape, rows=shard.rows, has_initial=initial is not None)
             with jax.default_matmul_precision("highest"):
                 leading_state = compose_forward(stacked.reshape(stacked.shape[0], *summary.shape))  # [n, H, K, V]
             init, init_count = jnp.swapaxes(leading_state, -1, -2), leading_count
@@ -517,12 +464,9 @@ def _last_nonempty(cu: jax.Array) -> jax.Array:
 
 def _initial_states(inputs: GDPInputs) -> jax.Array | None:
     """float32 [N, H, K, V] of ``inputs.initial_state`` (shape checked), or None."""
+    kl.check_initial_state_shape(inputs)
     if inputs.initial_state is None:
         return None
-    expected = inputs.state_shape
-    if tuple(inputs.initial_state.shape) != expected:
-        raise ValueError(f"initial_state must be [N, H, K, V] = {expected}; received "
-                         f"{tuple(inputs.initial_state.shape)}")
     return jax.lax.stop_gradient(inputs.initial_state).astype(_F32)
 
 
@@ -539,10 +483,7 @@ def _packed_stack(preceding) -> jax.Array | None:
     """Stacked forward summaries [n, ..., K, V + K] float32 from any summary form (None when absent)."""
     if preceding is None:
         return None
-    if isinstance(preceding, CPForwardPackedSummary):
-        preceding = preceding.packed
-    elif isinstance(preceding, CPForwardUnpackedSummary):
-        preceding = jnp.concatenate([preceding.state_update, preceding.transition], axis=-1)
+    preceding = as_packed_array(preceding)
     if not hasattr(preceding, "shape") or not hasattr(preceding, "dtype"):
         raise ValueError(f"preceding must be an array or a forward summary; received {type(preceding).__name__}")
     if preceding.dtype != _F32:
@@ -554,11 +495,7 @@ def _packed_backward_stack(following) -> jax.Array | None:
     """Stacked backward summaries [n, ..., K, V + K] float32 from any summary form (None when absent)."""
     if following is None:
         return None
-    if isinstance(following, CPBackwardPackedSummary):
-        following = following.packed
-    elif isinstance(following, CPBackwardUnpackedSummary):
-        following = jnp.concatenate([following.local_state_grad, jnp.swapaxes(following.transition, -1, -2)],
-                                    axis=-1)
+    following = as_packed_array(following)
     if not hasattr(following, "shape") or not hasattr(following, "dtype"):
         raise ValueError(f"following must be an array or a backward summary; received {type(following).__name__}")
     return following.astype(_F32)

@@ -34,6 +34,7 @@ from jax_api.gdp.chunk import JaxGDPBackend  # noqa: E402
 from jax_api.gdp.cp import gdp_chunkwise_context_parallel  # noqa: E402
 from jax_api.gdp.ops import gated_delta_product, resolve_backend  # noqa: E402
 from tests.cp_linear.gdp_cases import rel_err, seq_idx_from_lengths  # noqa: E402
+from tests.cutedsl_inputs import emulation_inputs  # noqa: E402
 from tests.jax_api.kernel_emulation import LAUNCH_COUNTS, register_emulated_kernels  # noqa: E402
 from tests.jax_api.test_gdp_chunk import float64_reference_grads  # noqa: E402
 from torch_api.gdp.types import GDPInputs  # noqa: E402
@@ -54,16 +55,7 @@ def emulated(monkeypatch):
     monkeypatch.setattr(tcd, "_sm_count", lambda device: 132)
 
 
-def _inputs(lengths, heads, key_dim, value_dim, n_h, seed, rows=1):
-    gen = torch.Generator().manual_seed(seed)
-    tokens = sum(lengths)
-    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    q = r(rows, tokens, heads, key_dim).bfloat16()
-    k = r(rows, tokens * n_h, heads, key_dim).bfloat16()
-    v = r(rows, tokens * n_h, heads, value_dim).bfloat16()
-    g = torch.nn.functional.logsigmoid(r(rows, tokens, heads) + 3.0)
-    beta = torch.sigmoid(r(rows, tokens * n_h, heads))
-    return q, k, v, g, beta
+_inputs = emulation_inputs
 
 
 def _jax(t: torch.Tensor) -> jax.Array:

@@ -43,9 +43,8 @@ from cp_linear.kernels import launch as kl
 from cp_linear.protocol import CPForwardResult, CPSavedContext
 from cp_linear.summary import (
     CPBackwardPackedSummary,
-    CPBackwardUnpackedSummary,
     CPForwardPackedSummary,
-    CPForwardUnpackedSummary,
+    as_packed_array,
     compose_backward,
     compose_forward,
 )
@@ -155,61 +154,22 @@ def _sm_count(device: torch.device) -> int:
 
 
 @dataclass
-class _Shard:
-    """One shard flattened over its batch rows, its work layout and the per-chunk prep results."""
+class _Shard(kl.KernelShard):
+    """``kl.KernelShard`` with the per-chunk prep results."""
 
-    inputs: GDPInputs
-    rows: bool  # each batch row is one sequence (no cu_seqlens)
-    q: torch.Tensor  # [T_all, H, K]
-    k: torch.Tensor  # [S_all, H, K]
-    v: torch.Tensor  # [S_all, H, V]
-    layout: kl.ForwardLayout
     ta: torch.Tensor  # [C_max, H, 64, 64]
     tb: torch.Tensor
     p: torch.Tensor  # [C_max, H, NQ, 64]
     scalars: torch.Tensor  # [C_max, H, 4, 64] float32
     summaries: torch.Tensor  # [S_max, H, V + K, K] float32 ([E^T ; M^T] per segment)
-    row_block: int  # ChunkScanConfig.row_block
-
-    @property
-    def heads(self) -> int:
-        return self.q.shape[1]
-
-    @property
-    def key_dim(self) -> int:
-        return self.q.shape[2]
-
-    @property
-    def value_dim(self) -> int:
-        return self.v.shape[2]
 
     @property
     def dtype(self) -> str:
         return _DTYPE_NAMES[self.q.dtype]
 
-    @property
-    def query_tile(self) -> int:
-        return kcfg.query_tile(self.inputs.num_householder)
 
-
-@dataclass
-class CuTeDSLBackwardContext:
-    """Between ``cp_backward_prepare`` and ``cp_backward_apply``."""
-
-    shard: _Shard
-    do: torch.Tensor  # [T_all, H, V] input dtype
-    grad_summaries: torch.Tensor  # [S_max, H, V + K, K] float32: rows [gamma ; M_b] per segment
-    incoming: torch.Tensor  # [S_max, H, V, K] float32: the forward's segment incoming states
-    end_grads: torch.Tensor  # [N, H, V, K] float32: dL/d final state of each sequence (zeros: none)
-
-
-@dataclass
-class CuTeDSLForwardContext:
-    """Between ``cp_forward_prepare`` and ``cp_forward_apply``."""
-
-    shard: _Shard
-    summary: torch.Tensor  # [1 or B, H, K, V + K] float32
-    initial: torch.Tensor | None  # float32 [N, H, K, V] (inputs.initial_state), or None
+CuTeDSLForwardContext = kl.KernelForwardContext
+CuTeDSLBackwardContext = kl.KernelBackwardContext
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -272,15 +232,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
     def _use_kernels(self, inputs: GDPInputs) -> bool:
         """True when the kernels take ``inputs``; else warn once per reason (or raise without fallback)."""
         check_gdp_inputs(inputs)
-        reason = unsupported_reason(inputs)
-        if reason is None:
-            return True
-        if not self.fallback:
-            raise ValueError(f"CuTeDSLGatedDeltaProductCPBackend: {reason}")
-        if reason not in self._warned:
-            self._warned.add(reason)
-            warnings.warn(f"CuTeDSLGatedDeltaProductCPBackend runs TorchGDPBackend: {reason}", stacklevel=3)
-        return False
+        return kl.kernels_take(unsupported_reason(inputs), fallback=self.fallback, warned=self._warned,
+                               fallback_name="TorchGDPBackend")
 
     def _shard(self, inputs: GDPInputs, *, cp_summary: bool, summaries: bool = True,
                grad_summary_sequence: int | None = None) -> _Shard:
@@ -411,12 +364,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         leading_count = summary.shape[0] if shard.rows else 1
         state_shape = (leading_count, shard.heads, shard.key_dim, value_dim)
         if stacked is not None and stacked.shape[0]:
-            if initial is not None:
-                raise ValueError("initial_state serves one device (no preceding summaries); under CP the incoming "
-                                 "state comes from the preceding ranks")
-            expected = (stacked.shape[0], *summary.shape) if shard.rows else (stacked.shape[0], *summary.shape[1:])
-            if tuple(stacked.shape) != expected:
-                raise ValueError(f"preceding summaries must have shape {expected}; received {tuple(stacked.shape)}")
+            kl.check_preceding_summaries(stacked.shape, summary.shape, rows=shard.rows, has_initial=initial is not None)
             leading_state = compose_forward(stacked.reshape(stacked.shape[0], *summary.shape))  # [n, H, K, V]
             init, init_count = leading_state.transpose(-1, -2).contiguous(), leading_count
         elif initial is not None:
@@ -588,11 +536,9 @@ class CuTeDSLGatedDeltaProductCPBackend:
 
 def _initial_states(inputs: GDPInputs) -> torch.Tensor | None:
     """float32 [N, H, K, V] of ``inputs.initial_state`` (shape checked), or None."""
+    kl.check_initial_state_shape(inputs)
     if inputs.initial_state is None:
         return None
-    expected = inputs.state_shape
-    if tuple(inputs.initial_state.shape) != expected:
-        raise ValueError(f"initial_state must be [N, H, K, V] = {expected}; received {tuple(inputs.initial_state.shape)}")
     return inputs.initial_state.detach().to(device=inputs.q.device, dtype=torch.float32)
 
 
@@ -607,10 +553,7 @@ def _final_states(shard: _Shard, state_out: torch.Tensor, start: torch.Tensor) -
 
 def _packed_backward_stack(following) -> torch.Tensor | None:
     """Stacked backward summaries [n, ..., K, V + K] float32 from any summary form (None when absent)."""
-    if isinstance(following, CPBackwardPackedSummary):
-        following = following.packed
-    elif isinstance(following, CPBackwardUnpackedSummary):
-        following = torch.cat([following.local_state_grad, following.transition.transpose(-1, -2)], dim=-1)
+    following = as_packed_array(following)
     if not isinstance(following, torch.Tensor):
         raise ValueError(f"following must be a tensor or a backward summary; received {type(following).__name__}")
     return following.float().contiguous()
@@ -620,10 +563,7 @@ def _packed_stack(preceding) -> torch.Tensor | None:
     """Stacked summaries [n, ..., K, V + K] float32 from any summary form (None when absent)."""
     if preceding is None:
         return None
-    if isinstance(preceding, CPForwardPackedSummary):
-        preceding = preceding.packed
-    elif isinstance(preceding, CPForwardUnpackedSummary):
-        preceding = torch.cat([preceding.state_update, preceding.transition], dim=-1)
+    preceding = as_packed_array(preceding)
     if not isinstance(preceding, torch.Tensor):
         raise ValueError(f"preceding must be a tensor or a forward summary; received {type(preceding).__name__}")
     if preceding.dtype != torch.float32:
