@@ -76,22 +76,36 @@ def _step_fn(model, tokens, layout, device):
 
 
 def run_rank(rank: int, world: int, args, port: int, results) -> None:
+    """One spawned rank: its process group (NCCL on GPUs, gloo for --dry-run), then ``measure``."""
     import torch
     import torch.distributed as dist
 
-    from cp_linear.model_config import DecoderConfig
-    from torch_api.layers import HybridDecoder, build_shard_layout
-
     cuda = torch.cuda.is_available() and not args.dry_run
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(torch.device("cuda", rank))
     group = None
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
         dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=args.timeout))
         group = dist.group.WORLD
+    row = measure(rank, world, group, args)
+    if row is not None:
+        results.append(row)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def measure(rank: int, world: int, group, args) -> dict | None:
+    """Time ``args.repeat`` training steps (after ``args.warmup``) of this rank in ``group`` (None for
+    one device; any initialised process group otherwise). Returns rank 0's row, None elsewhere."""
+    import torch
+
+    from cp_linear.model_config import DecoderConfig
+    from torch_api.layers import HybridDecoder, build_shard_layout
+
+    cuda = torch.cuda.is_available() and not args.dry_run
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     config = DecoderConfig(**(TINY if args.dry_run else FULL))
     torch.manual_seed(0)
     model = HybridDecoder(config).to(device)
@@ -115,14 +129,12 @@ def run_rank(rank: int, world: int, args, port: int, results) -> None:
         times.append(time.perf_counter() - start)
     seconds = sorted(times)[len(times) // 2]
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-    if rank == 0:
-        results.append(dict(framework="torch", variant=f"cp_linear-{world}gpu" if world > 1 else "cp_linear-1gpu",
-                            gpus=world, tokens_per_gpu=args.tokens, step_ms=1e3 * seconds,
-                            tokens_per_s=total / seconds,
-                            mfu=model_flops(config, args.tokens) / (seconds * PEAK_BF16) if cuda else float("nan"),
-                            peak_gib=peak))
-    if world > 1:
-        dist.destroy_process_group()
+    if rank != 0:
+        return None
+    return dict(framework="torch", variant=f"cp_linear-{world}gpu", gpus=world, tokens_per_gpu=args.tokens,
+                step_ms=1e3 * seconds, tokens_per_s=total / seconds,
+                mfu=model_flops(config, args.tokens) / (seconds * PEAK_BF16) if cuda else float("nan"),
+                peak_gib=peak)
 
 
 def _spawned(rank, world, args, port, queue):
@@ -185,7 +197,9 @@ def write(rows: list[dict], out: str) -> None:
         fig.savefig(os.path.join(out, "bench_train.png"))
 
 
-def main(argv=None) -> list[dict]:
+def main(argv=None, run=run_world) -> list[dict]:
+    """Parse ``argv``, run every world size through ``run(world, args) -> rows`` (``run_world``:
+    spawned ranks; tests pass a runner over their own process groups), print and write the results."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/bench_train")
     parser.add_argument("--tokens", type=int, default=32768, help="tokens per GPU")
@@ -199,7 +213,7 @@ def main(argv=None) -> list[dict]:
         args.tokens, args.repeat, args.warmup = min(args.tokens, 32), 1, 0
     rows = []
     for world in args.gpus:
-        rows += run_world(world, args)
+        rows += run(world, args)
     if fla_available() and not args.dry_run:
         print("flash-linear-attention found: its GatedDeltaProduct variant is not wired in yet")
     write(rows, args.out)

@@ -8,17 +8,24 @@ traces with dynamo (a graph break fails ``fullgraph=True``) and AOTAutograd (fak
 registered backward) without paying for inductor's C++ compiler on the CI's two cores.
 """
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
 import torch_api._dist as tdist
+import torch_api.gdp.cutedsl as cutedsl
+from cp_linear.kernels import launch as kl
+from cp_linear.kernels.emulation import run_emulated
+from tests.cutedsl_inputs import emulation_inputs
 from tests.tolerance import assert_within, decoder_length, rel_err, tolerance
 from torch_api.attention.blockdiag import prepare_blockdiag
 from torch_api.attention.library import routing_name
 from torch_api.gdp.chunk import TorchGDPBackend
 from torch_api.gdp.library import backend_name
+from torch_api.gdp.ops import _GatedDeltaProduct, run_gated_delta_product
 from torch_api.layers import DecoderConfig, HybridDecoder, build_shard_layout
 
 LOCAL = 12
@@ -43,6 +50,81 @@ def test_one_device_gdp_op_passes_opcheck(packed):
     initial = torch.randn(2, 2, 8, 6).requires_grad_() if packed else None
     args = (q, k, v, g, beta, cu, initial, 8 ** -0.5, 2, packed, backend_name(TorchGDPBackend()))
     torch.library.opcheck(torch.ops.cp_linear.gdp_forward.default, args)
+
+
+@contextlib.contextmanager
+def emulating_kernels():
+    """The CuTeDSL backend on the CPU, every launch emulated (as in test_cutedsl_emulated.py); also
+    usable inside the pool's ranks, where no monkeypatch fixture runs."""
+    patches = [(kl._Launch, "run", run_emulated), (cutedsl, "unsupported_reason", lambda inputs: None),
+               (cutedsl, "_sm_count", lambda device: 132)]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+
+@pytest.fixture
+def emulated_kernels():
+    with emulating_kernels():
+        yield
+
+
+@pytest.mark.parametrize("packed, segment_chunks", [(True, 2), (False, None)],
+                         ids=["packed-initial-state-2-chunk-segments", "rows-sized-segments"])
+def test_cutedsl_kernel_backward_runs_through_the_op_and_compiles_to_eager_results(emulated_kernels, packed,
+                                                                                   segment_chunks):
+    """The default ``backward="kernels"`` saves the segments' incoming states, which the op returns as
+    an extra output of a shape its fake kernel predicts: opcheck passes, and the op and its
+    torch.compile(fullgraph=True) give the eager autograd.Function's outputs and gradients."""
+    backend = cutedsl.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=segment_chunks)
+    assert backend.backward == "kernels"
+    n_h, dim = 2, 64
+    lengths = [70, 37] if packed else [45]
+    q, k, v, g, beta = emulation_inputs(lengths, heads=2, key_dim=dim, value_dim=dim, n_h=n_h, seed=7,
+                                        rows=1 if packed else 2)
+    cu = torch.tensor(np.cumsum([0] + lengths), dtype=torch.int32) if packed else None
+    initial = torch.randn(len(lengths), 2, dim, dim, generator=torch.Generator().manual_seed(8)) * 0.1 if packed else None
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)] + ([initial.requires_grad_()] if packed else [])
+    options = dict(scale=dim ** -0.5, num_householder=n_h, use_qk_l2norm_in_kernel=True)
+
+    args = (*leaves[:5], cu, initial, *options.values(), backend_name(backend))
+    states = torch.ops.cp_linear.gdp_forward(*args)[4]
+    assert states.shape == backend.saved_segment_states_shape(_op_inputs(leaves, cu, options)) and states.shape[0] > 1
+    torch.library.opcheck(torch.ops.cp_linear.gdp_forward.default, args)
+
+    def through_op(*tensors):
+        return run_gated_delta_product(*tensors[:5], backend=backend, cu_seqlens=cu,
+                                       initial_state=tensors[5] if packed else None, **options)
+
+    def eager(*tensors):
+        return _GatedDeltaProduct.apply(backend, dict(options, cu_seqlens=cu), *tensors[:5],
+                                        tensors[5] if packed else None)
+
+    generator = torch.Generator().manual_seed(9)
+    do = torch.randn(q.shape[0], q.shape[1], 2, dim, generator=generator).bfloat16()
+    dfinal = torch.randn(len(lengths) if packed else 2, 2, dim, dim, generator=generator)
+    results = {}
+    for name, fn in {"eager": eager, "op": through_op,
+                     "compiled": torch.compile(through_op, fullgraph=True, backend="aot_eager")}.items():
+        inputs = [x.detach().clone().requires_grad_() for x in leaves]
+        out, final = fn(*inputs)
+        torch.autograd.backward([out, final], [do, dfinal])
+        results[name] = [out, final, *(x.grad for x in inputs)]
+    for name in ("op", "compiled"):
+        for index, (got, want) in enumerate(zip(results[name], results["eager"])):
+            assert torch.equal(got, want), f"{name}: output {index} differs from eager by {rel_err(got, want):.2e}"
+
+
+def _op_inputs(leaves, cu, options):
+    from torch_api.gdp.types import GDPInputs
+
+    return GDPInputs(*leaves[:5], options["scale"], options["num_householder"], options["use_qk_l2norm_in_kernel"],
+                     cu)
 
 
 def _decoder(seed=0):
@@ -73,6 +155,14 @@ def custom_op_cases(rank, world):
     span = torch.tensor([0, world], dtype=torch.int32)
     args = (q, k, v, g, beta, cu, span, 8 ** -0.5, 2, True, backend_name(TorchGDPBackend()), group.group_name)
     torch.library.opcheck(torch.ops.cp_linear.gdp_cp_forward.default, args)
+    # and with the CuTeDSL backend's kernel backward (segment states as the extra output), emulated
+    with emulating_kernels():
+        backend = cutedsl.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=1)
+        inputs = [x.requires_grad_() for x in emulation_inputs([LOCAL], heads=2, key_dim=64, value_dim=64, n_h=2,
+                                                                seed=rank)]
+        args = (*inputs, cu, span, 64 ** -0.5, 2, True, backend_name(backend), group.group_name)
+        torch.library.opcheck(torch.ops.cp_linear.gdp_cp_forward.default, args)
+        results["cutedsl-op-equals-eager"] = cutedsl_cp_op_equals_eager(rank, backend, group)
 
     # opcheck of the attention op (a2a routing, a document across the ranks, padding)
     doc_ids = np.repeat([1, 2, 0], [5, total - 8, 3])
@@ -98,6 +188,29 @@ def custom_op_cases(rank, world):
         results[name] = (rel_err(compiled_loss, eager_loss), rel_err(compiled_grads, eager_grads))
     results["config"] = config
     return results
+
+
+def cutedsl_cp_op_equals_eager(rank, backend, group) -> list[str]:
+    """Rows (each row one sequence across the ranks): the CP op against the eager autograd.Function
+    path, output and input gradients; the names of those that differ."""
+    from torch_api.gdp.cp import gdp_chunkwise_context_parallel, run_cp_op
+
+    inputs = emulation_inputs([LOCAL], heads=2, key_dim=64, value_dim=64, n_h=2, seed=10 + rank, rows=2)
+    span = torch.tensor([0, dist.get_world_size(group)], dtype=torch.int32)
+    do = torch.randn(2, LOCAL, 2, 64, generator=torch.Generator().manual_seed(rank)).bfloat16()
+    results = []
+    for path in ("op", "eager"):
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        if path == "op":
+            out = run_cp_op(*leaves, cu_seqlens=None, rank_range=span, group_name=group.group_name, backend=backend,
+                            scale=64 ** -0.5, num_householder=2, use_qk_l2norm_in_kernel=True)
+        else:
+            out = gdp_chunkwise_context_parallel(*leaves, cp_group=group, num_householder=2, backend=backend,
+                                                 use_qk_l2norm_in_kernel=True)
+        out.backward(do)
+        results.append([out, *(x.grad for x in leaves)])
+    names = ["o", "dq", "dk", "dv", "dg", "dbeta"]
+    return [name for name, a, b in zip(names, *results) if not torch.equal(a, b)]
 
 
 def count_agreements(rank, world, num_layers):
@@ -140,6 +253,7 @@ def count_agreements(rank, world, num_layers):
 def test_custom_ops_pass_opcheck_and_the_compiled_decoder_equals_eager_under_cp(gloo_pools):
     for rank, results in enumerate(gloo_pools(2).run(custom_op_cases)):
         config = results.pop("config")
+        assert results.pop("cutedsl-op-equals-eager") == [], f"rank {rank}: the CuTeDSL CP op differs from eager"
         # the same float32 ops in another order at most (AOTAutograd may reorder independent work)
         tol = tolerance(decoder_length(config, 2 * LOCAL) + config.vocab_size * 2 * LOCAL, compared_with="rounded")
         for name, (loss_err, grad_err) in results.items():

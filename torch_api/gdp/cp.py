@@ -292,9 +292,9 @@ def run_cp_op(q, k, v, g, beta, *, cu_seqlens, rank_range, group_name: str, back
     device (the layers pass a cached device tensor)."""
     from torch_api.gdp.library import backend_name
 
-    output, _, _ = torch.ops.cp_linear.gdp_cp_forward(q, k, v, g, beta, cu_seqlens, rank_range, scale,
-                                                      num_householder, use_qk_l2norm_in_kernel,
-                                                      backend_name(backend), group_name)
+    output, *_ = torch.ops.cp_linear.gdp_cp_forward(q, k, v, g, beta, cu_seqlens, rank_range, scale,
+                                                    num_householder, use_qk_l2norm_in_kernel,
+                                                    backend_name(backend), group_name)
     return output
 
 

@@ -168,6 +168,16 @@ class _Shard(kl.KernelShard):
         return _DTYPE_NAMES[self.q.dtype]
 
 
+@dataclass(frozen=True)
+class _LayoutSizes:
+    """Host sizes of a shard's work layout (``CuTeDSLGatedDeltaProductCPBackend._sizes``)."""
+
+    row_block: int  # state rows per scan CTA (0: the config's default)
+    row_blocks: int  # scan CTAs per head along V
+    segment_chunks: int
+    max_segments: int  # S_max: rows of the segment tables and of the saved segment states
+
+
 CuTeDSLForwardContext = kl.KernelForwardContext
 CuTeDSLBackwardContext = kl.KernelBackwardContext
 
@@ -247,17 +257,18 @@ class CuTeDSLGatedDeltaProductCPBackend:
         else:
             cu = inputs.cu_seqlens.to(device=device, dtype=torch.int32)
         num_seqs = cu.shape[0] - 1
-        row_block = self.row_block or kl.scan_row_block(key_dim, value_dim, inputs.num_householder)
-        row_block = row_block if row_block <= min(key_dim, value_dim) else 0
-        scan_rows = kcfg.ChunkScanConfig(_DTYPE_NAMES[q.dtype], key_dim, value_dim, "output", 32,
-                                         row_block).rows_per_cta
+        sizes = self._sizes(inputs)
         summary_sequence = None
         if cp_summary and not rows:
             summary_sequence = num_seqs - 1
         layout = kl.forward_layout(cu, total_tokens=q.shape[0], num_householder=inputs.num_householder, heads=heads,
-                                   row_blocks=value_dim // scan_rows, sm_count=_sm_count(device),
-                                   segment_chunks=self.segment_chunks, summary_sequence=summary_sequence,
+                                   row_blocks=sizes.row_blocks, sm_count=_sm_count(device),
+                                   segment_chunks=sizes.segment_chunks, summary_sequence=summary_sequence,
                                    ctas_per_sm=self.ctas_per_sm, grad_summary_sequence=grad_summary_sequence)
+        if layout.max_segments != sizes.max_segments:  # the custom ops' fake kernels read sizes.max_segments
+            raise RuntimeError(f"forward_layout made {layout.max_segments} segments where _sizes predicted "
+                               f"{sizes.max_segments}; keep CuTeDSLGatedDeltaProductCPBackend._sizes in step with it")
+        row_block = sizes.row_block
         if grad_summary_sequence is not None and rows:  # every row leads: all its segments
             layout.seg_grad_flags = torch.where(
                 torch.arange(layout.max_segments, device=device) < layout.num_segments, kl.SUMMARY_FLAG, 0
@@ -287,6 +298,32 @@ class CuTeDSLGatedDeltaProductCPBackend:
                        state_out=shard.summaries, o=q.new_empty(1, 1, value_dim))
         return shard
 
+    def _sizes(self, inputs: GDPInputs) -> _LayoutSizes:
+        """The work layout's host sizes for ``inputs``, from shapes only (``kl.forward_layout`` builds the
+        tables; its segment count is ``max(1, max_chunks // segment_chunks + N)``, repeated here so that
+        the saved segment states have a shape known before the forward runs)."""
+        batch, tokens, heads, key_dim = (int(size) for size in inputs.q.shape)
+        value_dim, n_h = int(inputs.v.shape[-1]), inputs.num_householder
+        row_block = self.row_block or kl.scan_row_block(key_dim, value_dim, n_h)
+        row_block = row_block if row_block <= min(key_dim, value_dim) else 0
+        scan_rows = kcfg.ChunkScanConfig("bfloat16", key_dim, value_dim, "output", 32, row_block).rows_per_cta
+        row_blocks = value_dim // scan_rows
+        num_seqs = batch if inputs.cu_seqlens is None else int(inputs.cu_seqlens.shape[0]) - 1
+        max_chunks = max(1, batch * tokens // kcfg.tokens_per_chunk(n_h) + num_seqs)
+        segment_chunks = self.segment_chunks or kl.segment_chunks_for(
+            max_chunks, heads, row_blocks, _sm_count(inputs.q.device), ctas_per_sm=self.ctas_per_sm)
+        return _LayoutSizes(row_block, row_blocks, segment_chunks, max(1, max_chunks // segment_chunks + num_seqs))
+
+    def saved_segment_states_shape(self, inputs: GDPInputs) -> tuple[int, int, int, int] | None:
+        """Shape of the extra tensor the forward saves for the kernel backward, the segments' incoming
+        states [S_max, H, V, K] float32; None when it saves none (``backward="torch"``, or inputs the
+        kernels do not take, which run on the fallback). Shapes only: the ``cp_linear`` custom ops'
+        fake kernels call it (``torch_api.gdp.library``)."""
+        if self.backward != "kernels" or unsupported_reason(inputs) is not None:
+            return None
+        heads, key_dim, value_dim = int(inputs.q.shape[2]), int(inputs.q.shape[3]), int(inputs.v.shape[-1])
+        return (self._sizes(inputs).max_segments, heads, value_dim, key_dim)
+
     def _scan_mma(self, shard: _Shard) -> str:
         return self.mma if self.mma != "auto" else kl.scan_mma(shard.dtype, shard.key_dim, shard.value_dim)
 
@@ -303,11 +340,13 @@ class CuTeDSLGatedDeltaProductCPBackend:
             num_householder=shard.inputs.num_householder).run()
 
     def _fold(self, shard: _Shard, *, init: torch.Tensor | None, init_count: int, rows: int, identity_row: int,
-              first_sequence: int, final: torch.Tensor | None) -> torch.Tensor:
-        """segment_fold -> incoming [S_max, H, rows, K] (and ``final`` filled when given)."""
+              first_sequence: int, final: torch.Tensor | None, zeroed: bool = False) -> torch.Tensor:
+        """segment_fold -> incoming [S_max, H, rows, K] (and ``final`` filled when given). ``zeroed``:
+        rows of unused segments (num_segments..S_max) are zero instead of stale memory."""
         heads, key_dim = shard.heads, shard.key_dim
         device = shard.q.device
-        incoming = torch.empty(shard.layout.max_segments, heads, rows, key_dim, dtype=torch.float32, device=device)
+        allocate = torch.zeros if zeroed else torch.empty
+        incoming = allocate(shard.layout.max_segments, heads, rows, key_dim, dtype=torch.float32, device=device)
         if init is None:
             init = incoming[:1]
         kl.SegmentFoldLaunch(
@@ -373,8 +412,9 @@ class CuTeDSLGatedDeltaProductCPBackend:
         else:
             leading_state = torch.zeros(state_shape, dtype=torch.float32, device=shard.q.device)
             init, init_count = None, 0
+        # saved for the kernel backward and then an output of the custom ops, which must be deterministic
         incoming = self._fold(shard, init=init, init_count=init_count, rows=value_dim, identity_row=value_dim,
-                              first_sequence=0, final=None)
+                              first_sequence=0, final=None, zeroed=self.backward == "kernels")
         output, state_out = self._output(shard, incoming)
         if inputs.output_final_state:
             start = initial if initial is not None else torch.zeros(inputs.state_shape, dtype=torch.float32,
@@ -384,8 +424,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         saved = make_cp_saved_context(inputs, leading_state if shard.rows else leading_state[0],
                                       transition if shard.rows else transition[0])
         if self.backward == "kernels":  # the segments' incoming states: the reverse pass restarts from them
-            saved.metadata[_KERNEL_BACKWARD] = True
-            saved = CPSavedContext(saved.tensors + (incoming,), saved.metadata)
+            saved = with_segment_states(saved, incoming)
         return CPForwardResult(output, saved)
 
     # ------------------------------------------------------------------ backward protocol
@@ -532,6 +571,20 @@ class CuTeDSLGatedDeltaProductCPBackend:
         grads = GDPInputGradients(shaped(dq, inputs.q), shaped(dk, inputs.k), shaped(dv, inputs.v),
                                   shaped(dg, inputs.g), shaped(dbeta, inputs.beta))
         return grads, grad_in
+
+
+def segment_states_of(saved: CPSavedContext) -> torch.Tensor | None:
+    """The segment incoming states a kernel-backward forward saved after ``make_cp_saved_context``'s
+    nine tensors ([S_max, H, V, K] float32), None when the context has none."""
+    return saved.tensors[9] if saved.metadata.get(_KERNEL_BACKWARD, False) else None
+
+
+def with_segment_states(saved: CPSavedContext, states: torch.Tensor | None) -> CPSavedContext:
+    """``saved`` (``make_cp_saved_context``'s nine tensors) with the kernel backward's segment states
+    appended and flagged; unchanged for None. The forward and the custom ops' backward build it here."""
+    if states is None:
+        return saved
+    return CPSavedContext(saved.tensors + (states,), {**saved.metadata, _KERNEL_BACKWARD: True})
 
 
 def _initial_states(inputs: GDPInputs) -> torch.Tensor | None:

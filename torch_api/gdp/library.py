@@ -5,18 +5,23 @@ Ops (namespace ``cp_linear``; every output a fresh contiguous tensor):
 
   gdp_forward      one device    (q, k, v, g, beta, cu_seqlens?, initial_state?)
                                  -> (o [B, T, H, V], final_state f32 [N, H, K, V],
-                                     incoming f32, transition f32)
-  gdp_backward                   (do, d_final_state, inputs, incoming, transition)
+                                     incoming f32, transition f32, segment_states f32)
+  gdp_backward                   (do, d_final_state, inputs, incoming, transition, segment_states)
                                  -> (dq, dk, dv, dg, dbeta, d_initial_state f32 ([0] without one))
-  gdp_cp_forward   one CP rank   (q, k, v, g, beta, cu_seqlens?, rank_range) -> (o, incoming, transition)
-  gdp_cp_backward                (do, inputs, rank_range, incoming, transition) -> (dq, dk, dv, dg, dbeta)
+  gdp_cp_forward   one CP rank   (q, k, v, g, beta, cu_seqlens?, rank_range)
+                                 -> (o, incoming, transition, segment_states)
+  gdp_cp_backward                (do, inputs, rank_range, incoming, transition, segment_states)
+                                 -> (dq, dk, dv, dg, dbeta)
 
 ``incoming`` ([H, K, V] packed, [B, H, K, V] rows) and ``transition`` ([H, K, K] / [B, H, K, K]) are
 the two tensors of the backend's saved context that are not inputs (``torch_api.gdp.chunk.
-make_cp_saved_context``): the forward returns them so that autograd saves them, and the backward
-rebuilds the context from them and the inputs. Backends whose saved context has that layout go
-through these ops (``TorchGDPBackend``, ``CuTeDSLGatedDeltaProductCPBackend(backward="torch")``);
-other backends keep the eager ``autograd.Function`` path (``has_op_layout``).
+make_cp_saved_context``); ``segment_states`` is the extra one that
+``CuTeDSLGatedDeltaProductCPBackend(backward="kernels")`` (the default) saves for its backward
+kernels, the segments' incoming states [S_max, H, V, K] (S_max from the shapes:
+``saved_segment_states_shape``), or an empty [0] for a backend that saves none. The forward
+returns them so that autograd saves them, and the backward rebuilds the context from them and the
+inputs. ``TorchGDPBackend`` and ``CuTeDSLGatedDeltaProductCPBackend`` (either backward) go through
+these ops; any other backend keeps the eager ``autograd.Function`` path (``has_op_layout``).
 
 The CP ops run their all-gather inside (the fake kernels need none). ``rank_range`` int [2] =
 (preceding_rank_start, following_rank_stop) lives on the device: summaries of ranks outside the
@@ -45,14 +50,13 @@ _BACKENDS: dict[str, object] = {}
 
 
 def has_op_layout(backend) -> bool:
-    """True when ``backend``'s saved context is ``make_cp_saved_context``'s (inputs + incoming +
-    transition), which the custom ops rebuild in the backward."""
+    """True when the custom ops can rebuild ``backend``'s saved context in the backward:
+    ``make_cp_saved_context``'s (inputs + incoming + transition), plus the kernel backward's segment
+    states for the CuTeDSL backend. Any other backend's context is opaque to the ops."""
     from torch_api.gdp.chunk import TorchGDPBackend
     from torch_api.gdp.cutedsl import CuTeDSLGatedDeltaProductCPBackend
 
-    if type(backend) is TorchGDPBackend:
-        return True
-    return isinstance(backend, CuTeDSLGatedDeltaProductCPBackend) and backend.backward == "torch"
+    return type(backend) is TorchGDPBackend or isinstance(backend, CuTeDSLGatedDeltaProductCPBackend)
 
 
 def backend_name(backend) -> str:
@@ -106,9 +110,30 @@ def _unaliased(outputs, inputs) -> tuple[torch.Tensor, ...]:
     return tuple(result)
 
 
-def _saved_extras(saved: CPSavedContext) -> tuple[torch.Tensor, torch.Tensor]:
+def _saved_extras(saved: CPSavedContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(incoming, transition, segment_states) of a saved context; segment_states empty [0] when none."""
+    from torch_api.gdp.cutedsl import segment_states_of
+
     incoming, transition = saved.tensors[6], saved.tensors[7]
-    return _fresh(incoming, torch.float32), _fresh(transition, torch.float32)
+    states = segment_states_of(saved)
+    states = incoming.new_empty(0, dtype=torch.float32) if states is None else _fresh(states, torch.float32)
+    return _fresh(incoming, torch.float32), _fresh(transition, torch.float32), states
+
+
+def _fake_segment_states(impl, inputs) -> torch.Tensor:
+    """The fake ``segment_states`` output: the backend's saved-state shape, or [0]."""
+    shape_of = getattr(impl, "saved_segment_states_shape", None)
+    shape = None if shape_of is None else shape_of(inputs)
+    return inputs.q.new_empty((0,) if shape is None else shape, dtype=torch.float32)
+
+
+def _saved_context(inputs, incoming, transition, segment_states) -> CPSavedContext:
+    """The backend's saved context, rebuilt in a backward op from the inputs and the saved outputs."""
+    from torch_api.gdp.chunk import make_cp_saved_context
+    from torch_api.gdp.cutedsl import with_segment_states
+
+    saved = make_cp_saved_context(inputs, incoming, transition)
+    return with_segment_states(saved, segment_states if segment_states.numel() else None)
 
 
 def _grads(grads, q, k, v, g, beta) -> tuple[torch.Tensor, ...]:
@@ -140,7 +165,7 @@ _AUTOGRAD_KEYS = tuple(getattr(torch._C.DispatchKey, name) for name in (
 def gdp_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 cu_seqlens: torch.Tensor | None, initial_state: torch.Tensor | None, scale: float,
                 num_householder: int, use_qk_l2norm_in_kernel: bool, backend: str
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     impl = _backend(backend)
     inputs = _inputs(q, k, v, g, beta, cu_seqlens, scale, num_householder, use_qk_l2norm_in_kernel,
                      initial_state, True)
@@ -157,33 +182,35 @@ def _(q, k, v, g, beta, cu_seqlens, initial_state, scale, num_householder, use_q
     sequences = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
     incoming, transition = _state_shapes(q, v, cu_seqlens is not None)
     f32 = dict(dtype=torch.float32, device=q.device)
+    inputs = _inputs(q, k, v, g, beta, cu_seqlens, scale, num_householder, use_qk_l2norm_in_kernel,
+                     initial_state, True)
     return (q.new_empty((batch, tokens, heads, v.shape[-1])), q.new_empty((sequences, heads, key_dim, v.shape[-1]),
                                                                           **f32),
-            q.new_empty(incoming, **f32), q.new_empty(transition, **f32))
+            q.new_empty(incoming, **f32), q.new_empty(transition, **f32), _fake_segment_states(_backend(backend), inputs))
 
 
 @torch.library.custom_op("cp_linear::gdp_backward", mutates_args=())
 def gdp_backward(do: torch.Tensor | None, d_final_state: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor | None,
-                 initial_state: torch.Tensor | None, incoming: torch.Tensor, transition: torch.Tensor, scale: float,
-                 num_householder: int, use_qk_l2norm_in_kernel: bool, backend: str
+                 initial_state: torch.Tensor | None, incoming: torch.Tensor, transition: torch.Tensor,
+                 segment_states: torch.Tensor, scale: float, num_householder: int, use_qk_l2norm_in_kernel: bool,
+                 backend: str
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from torch_api.gdp.chunk import make_cp_saved_context
-
     impl = _backend(backend)
     inputs = _inputs(q, k, v, g, beta, cu_seqlens, scale, num_householder, use_qk_l2norm_in_kernel,
                      initial_state, True)
-    saved = make_cp_saved_context(inputs, incoming, transition)
+    saved = _saved_context(inputs, incoming, transition, segment_states)
     with float32_region(q.device), _autograd_inside():
         summary, context = impl.cp_backward_prepare((do, d_final_state), saved)
         grads = impl.cp_backward_apply(context, _empty_stack(summary))
     d_initial = q.new_empty(0, dtype=torch.float32) if initial_state is None else grads.dinitial_state.float()
     return _unaliased((*_grads(grads, q, k, v, g, beta), _fresh(d_initial)),
-                      (do, d_final_state, q, k, v, g, beta, cu_seqlens, initial_state, incoming, transition))
+                      (do, d_final_state, q, k, v, g, beta, cu_seqlens, initial_state, incoming, transition,
+                       segment_states))
 
 
 @gdp_backward.register_fake
-def _(do, d_final_state, q, k, v, g, beta, cu_seqlens, initial_state, incoming, transition, scale,
+def _(do, d_final_state, q, k, v, g, beta, cu_seqlens, initial_state, incoming, transition, segment_states, scale,
       num_householder, use_qk_l2norm_in_kernel, backend):
     d_initial = (q.new_empty(0, dtype=torch.float32) if initial_state is None
                  else initial_state.new_empty(initial_state.shape, dtype=torch.float32))
@@ -192,19 +219,19 @@ def _(do, d_final_state, q, k, v, g, beta, cu_seqlens, initial_state, incoming, 
 
 def _setup_gdp(ctx, inputs, output):
     q, k, v, g, beta, cu_seqlens, initial_state, scale, num_householder, l2norm, backend = inputs
-    _, _, incoming, transition = output
-    ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, initial_state, incoming, transition)
+    _, _, incoming, transition, segment_states = output
+    ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, initial_state, incoming, transition, segment_states)
     ctx.options = (scale, num_householder, l2norm, backend)
     ctx.initial_dtype = None if initial_state is None else initial_state.dtype
     ctx.set_materialize_grads(False)
 
 
-def _gdp_autograd(ctx, do, d_final_state, _d_incoming, _d_transition):
+def _gdp_autograd(ctx, do, d_final_state, _d_incoming, _d_transition, _d_segment_states):
     if do is None and d_final_state is None:
         return (None,) * 11
-    q, k, v, g, beta, cu_seqlens, initial_state, incoming, transition = ctx.saved_tensors
+    q, k, v, g, beta, cu_seqlens, initial_state, incoming, transition, segment_states = ctx.saved_tensors
     dq, dk, dv, dg, dbeta, d_initial = gdp_backward(do, d_final_state, q, k, v, g, beta, cu_seqlens, initial_state,
-                                                    incoming, transition, *ctx.options)
+                                                    incoming, transition, segment_states, *ctx.options)
     d_initial = None if ctx.initial_dtype is None else d_initial.to(ctx.initial_dtype)
     return dq, dk, dv, dg, dbeta, None, d_initial, None, None, None, None
 
@@ -216,6 +243,10 @@ gdp_forward.register_autograd(_gdp_autograd, setup_context=_setup_gdp)
 
 
 def _gather(summary: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    # detached: inside a backward op a summary built from saved outputs (the kernel backward's
+    # transition) requires grad, and gloo's all-gather then refuses its in-place copy; the ops
+    # register their own backward, so autograd never runs through the gather
+    summary = summary.detach()
     world = dist.get_world_size(group)
     flat = summary.new_empty(world * summary.numel())
     all_gather_single(flat, summary.contiguous().view(-1), group=group)
@@ -255,7 +286,7 @@ def _empty_stack(summary) -> torch.Tensor:
 def gdp_cp_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    cu_seqlens: torch.Tensor | None, rank_range: torch.Tensor, scale: float, num_householder: int,
                    use_qk_l2norm_in_kernel: bool, backend: str, group_name: str
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     impl, group = _backend(backend), _group(group_name)
     rank = dist.get_rank(group)
     inputs = _inputs(q, k, v, g, beta, cu_seqlens, scale, num_householder, use_qk_l2norm_in_kernel)
@@ -273,21 +304,21 @@ def _(q, k, v, g, beta, cu_seqlens, rank_range, scale, num_householder, use_qk_l
       group_name):
     incoming, transition = _state_shapes(q, v, cu_seqlens is not None)
     f32 = dict(dtype=torch.float32, device=q.device)
-    return (q.new_empty((*q.shape[:3], v.shape[-1])), q.new_empty(incoming, **f32), q.new_empty(transition, **f32))
+    inputs = _inputs(q, k, v, g, beta, cu_seqlens, scale, num_householder, use_qk_l2norm_in_kernel)
+    return (q.new_empty((*q.shape[:3], v.shape[-1])), q.new_empty(incoming, **f32), q.new_empty(transition, **f32),
+            _fake_segment_states(_backend(backend), inputs))
 
 
 @torch.library.custom_op("cp_linear::gdp_cp_backward", mutates_args=())
 def gdp_cp_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                     beta: torch.Tensor, cu_seqlens: torch.Tensor | None, rank_range: torch.Tensor,
-                    incoming: torch.Tensor, transition: torch.Tensor, scale: float, num_householder: int,
-                    use_qk_l2norm_in_kernel: bool, backend: str, group_name: str
+                    incoming: torch.Tensor, transition: torch.Tensor, segment_states: torch.Tensor, scale: float,
+                    num_householder: int, use_qk_l2norm_in_kernel: bool, backend: str, group_name: str
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from torch_api.gdp.chunk import make_cp_saved_context
-
     impl, group = _backend(backend), _group(group_name)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     inputs = _inputs(q, k, v, g, beta, cu_seqlens, scale, num_householder, use_qk_l2norm_in_kernel)
-    saved = make_cp_saved_context(inputs, incoming, transition)
+    saved = _saved_context(inputs, incoming, transition, segment_states)
     range_ = rank_range.to(q.device)
     with float32_region(q.device), _autograd_inside():
         summary, context = impl.cp_backward_prepare(do, saved)
@@ -295,28 +326,28 @@ def gdp_cp_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         following = _masked_stack(gathered, rank + 1, world, rank + 1, range_[1])
         grads = impl.cp_backward_apply(context, following)
     return _unaliased(_grads(grads, q, k, v, g, beta),
-                      (do, q, k, v, g, beta, cu_seqlens, rank_range, incoming, transition))
+                      (do, q, k, v, g, beta, cu_seqlens, rank_range, incoming, transition, segment_states))
 
 
 @gdp_cp_backward.register_fake
-def _(do, q, k, v, g, beta, cu_seqlens, rank_range, incoming, transition, scale, num_householder,
+def _(do, q, k, v, g, beta, cu_seqlens, rank_range, incoming, transition, segment_states, scale, num_householder,
       use_qk_l2norm_in_kernel, backend, group_name):
     return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v, g, beta))
 
 
 def _setup_cp(ctx, inputs, output):
     q, k, v, g, beta, cu_seqlens, rank_range, scale, num_householder, l2norm, backend, group_name = inputs
-    _, incoming, transition = output
-    ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, rank_range, incoming, transition)
+    _, incoming, transition, segment_states = output
+    ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, rank_range, incoming, transition, segment_states)
     ctx.options = (scale, num_householder, l2norm, backend, group_name)
 
 
-def _cp_autograd(ctx, do, _d_incoming, _d_transition):
-    q, k, v, g, beta, cu_seqlens, rank_range, incoming, transition = ctx.saved_tensors
+def _cp_autograd(ctx, do, _d_incoming, _d_transition, _d_segment_states):
+    q, k, v, g, beta, cu_seqlens, rank_range, incoming, transition, segment_states = ctx.saved_tensors
     if do is None:
         do = torch.zeros((*q.shape[:3], v.shape[-1]), dtype=q.dtype, device=q.device)
     grads = gdp_cp_backward(do.contiguous(), q, k, v, g, beta, cu_seqlens, rank_range, incoming, transition,
-                            *ctx.options)
+                            segment_states, *ctx.options)
     return (*grads, None, None, None, None, None, None, None)
 
 

@@ -113,7 +113,7 @@ def run_gated_delta_product(q, k, v, g, beta, *, backend, scale: float, num_hous
     from torch_api.gdp.library import backend_name, has_op_layout
 
     if has_op_layout(backend):
-        output, final_state, _, _ = torch.ops.cp_linear.gdp_forward(
+        output, final_state, *_ = torch.ops.cp_linear.gdp_forward(
             q, k, v, g, beta, cu_seqlens, initial_state, scale, num_householder, use_qk_l2norm_in_kernel,
             backend_name(backend))
         return output, final_state
