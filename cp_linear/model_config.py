@@ -14,7 +14,9 @@ This module is imported by both frontends, so it must not import torch or jax.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+
+from cp_linear.validation import digest
 
 
 def resolve_config(config_class, config, kwargs: dict):
@@ -188,6 +190,33 @@ class DecoderConfig:
                                num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rope_theta=self.rope_theta)
 
 
+# --------------------------------------------------------------------------- cross-rank signatures
+
+_KIND_CODES = {GDPConfig: 1, AttentionConfig: 2, DecoderConfig: 3}
+
+
+def layer_signature(config) -> tuple[int, ...]:
+    """Ints that differ whenever two configs would make ranks run different collectives or shapes.
+
+    Kind, every field (floats as their repr's digest) and, for a decoder, the layer count and order
+    with each layer's own signature. Under CP the torch layers exchange these in their agreement
+    header (``torch_api.layers.layout.ShardLayout``), so a rank with a different ``conv_size``,
+    ``num_householder``, ``use_short_conv``, head count or layer order raises with the others
+    before the first exchange.
+    """
+    if type(config) not in _KIND_CODES:
+        raise ValueError(f"config must be one of {[t.__name__ for t in _KIND_CODES]}; received {type(config).__name__}")
+    values = [getattr(config, f.name) for f in fields(config)]
+    ints = [v if isinstance(v, int) else (-1 if v is None else digest([v])) for v in values if not isinstance(v, tuple)]
+    signature = [_KIND_CODES[type(config)], *ints]
+    if isinstance(config, GDPConfig):
+        signature += [config.value_heads, config.head_v_dim, *config.conv_channels]
+    if isinstance(config, DecoderConfig):
+        layers = {"gdp": layer_signature(config.gdp_config()), "attention": layer_signature(config.attention_config())}
+        signature += [len(config.layer_types)] + [digest(layers[kind]) for kind in config.layer_types]
+    return tuple(int(x) for x in signature)
+
+
 # --------------------------------------------------------------------------- the parameter table
 
 
@@ -273,4 +302,4 @@ def check_state(expected: dict[str, tuple[int, ...]], received: dict[str, tuple[
         raise ValueError(f"{what} does not match the module's parameters: " + ", ".join(parts))
 
 
-__all__ = ["AttentionConfig", "DecoderConfig", "GDPConfig", "check_state", "parameter_shapes"]
+__all__ = ["AttentionConfig", "DecoderConfig", "GDPConfig", "check_state", "layer_signature", "parameter_shapes"]
