@@ -187,7 +187,7 @@ def test_gdp_layer_matches_float64_reference_with_packed_documents(variant):
     generator = torch.Generator().manual_seed(2)
     x = torch.randn(1, 37, 20, generator=generator)
     cotangent = torch.randn(1, 37, 20, generator=generator)
-    seq_idx = torch.from_numpy(PackedLayout.from_doc_ids(doc_ids).seq_idx).view(1, -1)
+    seq_idx = torch.from_numpy(PackedLayout.from_doc_ids(doc_ids).seq_idx.copy()).view(1, -1)
     out, grads = outputs_and_grads(module, lambda m, x: m(x, seq_idx=seq_idx), x, cotangent)
     ref, ref_grads = outputs_and_grads(module, lambda m, x: reference_gdp(m, x, doc_ids), x, cotangent)
     assert rel_err(out, ref) < TOL
@@ -239,7 +239,7 @@ def test_masked_conv_matches_per_document_conv():
     weight = torch.randn(10, 1, 4, dtype=torch.float64, generator=generator)
     bias = torch.randn(10, dtype=torch.float64, generator=generator)
     layout = PackedLayout.from_doc_ids(doc_ids_from_runs((1, 2), (2, 1), (3, 20), (0, 3), (4, 5)))
-    out = masked_causal_conv(conv_window(x, 3), weight, bias, torch.from_numpy(layout.position))
+    out = masked_causal_conv(conv_window(x, 3), weight, bias, torch.from_numpy(layout.position.copy()))
     assert rel_err(out, naive_document_conv(x, weight, bias, layout.cu_seqlens())) < 1e-12
 
 

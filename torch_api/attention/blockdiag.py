@@ -12,19 +12,21 @@ Three exchanges bring those keys in (torch_api/attention/exchange.py):
 
 Calling protocol (why it cannot hang): a ``BlockDiagRouting`` (plan, mode, host layout; device index
 tensors built once per device) is built locally by ``prepare_blockdiag`` and never communicates.
-The first ``blockdiag_attention`` call that uses it with a given shape signature runs one small
-all-gather (``torch_api._dist.agree_or_raise``) *before* any data collective: every rank learns
-whether any rank found a problem (bad doc ids, impossible forced halo, unavailable kernel, shapes,
-a rank that disagrees) and all raise the same ValueError. Later calls with the same signature (the
-other layers of the step) skip it: no per-layer host sync. Passing a torch ``doc_ids`` tensor instead
-of a routing looks the routing up in a small cache keyed by the tensor's identity and version.
+Every ``blockdiag_attention`` call then runs one small fixed-size all-gather
+(``torch_api._dist.agree_or_raise``) *before* any data collective, whatever its flags: every rank
+learns whether any rank found a problem (bad doc ids, impossible forced halo, unavailable kernel,
+shapes, NaN/Inf with ``check_inputs``) or disagrees (doc ids fingerprint, mode, shapes, dtype,
+flags), and all raise the same ValueError. Passing a torch ``doc_ids`` tensor instead of a routing
+looks the routing up in a small cache keyed by the tensor's identity and version, so an in-place
+edit builds a new routing (and a new fingerprint, which the header then compares).
+The layers (``torch_api.layers``) fold their own checks into this header; under a ``HybridDecoder``,
+whose one agreement per step covers every layer, they skip it when ``check_inputs=False``.
 """
 
 from __future__ import annotations
 
 import math
 import weakref
-import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -32,8 +34,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from cp_linear.plan import BlockDiagPlan, build_blockdiag_plan, needed_kv_a2a_splits, validate_doc_ids
-from torch_api._dist import agree_or_raise, resolve_group
+from cp_linear.plan import BlockDiagPlan, build_blockdiag_plan, ids_fingerprint, needed_kv_a2a_splits, validate_doc_ids
+from cp_linear.validation import NONFINITE, attention_dims_error, digest
+from torch_api._dist import agree_or_raise, nonfinite_flags, resolve_group
 from torch_api.attention.exchange import all_gather_kv, left_halo_kv, needed_kv_all_to_all, stack_kv, unstack_kv
 from torch_api.attention.kernel import KERNELS, DocCausalLayout, doc_causal_attention, resolve_kernel
 
@@ -68,7 +71,25 @@ class BlockDiagRouting:
     a2a_splits: tuple[list[int], list[int], np.ndarray] | None = None
     error: str | None = None
     _send_index: dict = field(default_factory=dict, repr=False)
-    _agreed: set = field(default_factory=set, repr=False)
+    _seal: int = field(default=-1, repr=False)
+
+    def _derived(self) -> tuple:
+        splits = None if self.a2a_splits is None else (
+            tuple(self.a2a_splits[0]), tuple(self.a2a_splits[1]), self.a2a_splits[2].tobytes())
+        return (self.rank, self.cp_size, self.requested_mode, self.doc_fingerprint, self.plan, self.mode,
+                self.window_start, self.key_start, self.key_stop, splits, self.error,
+                None if self.layout is None else self.layout.fingerprint())
+
+    def seal(self) -> None:
+        """Record a digest of every derived field (``prepare_blockdiag`` does this once)."""
+        self._seal = digest(self._derived())
+
+    def tamper_error(self) -> str | None:
+        """Non-None when a field changed after ``prepare_blockdiag`` built the routing."""
+        if self._seal != digest(self._derived()):
+            return ("the BlockDiagRouting was edited after prepare_blockdiag built it (its fields no longer match "
+                    "the digest recorded then); build a new one with prepare_blockdiag(doc_ids, cp_group, mode)")
+        return None
 
     def send_index(self, device: torch.device) -> torch.Tensor:
         if device not in self._send_index:
@@ -80,11 +101,10 @@ class BlockDiagRouting:
         return [mode_id, self.cp_size, *self.doc_fingerprint]
 
 
-def _fingerprint(ids: np.ndarray | None) -> tuple[int, int, int]:
+def _fingerprint(ids: np.ndarray | None) -> tuple[int, int]:
     if ids is None:
-        return (-1, -1, -1)
-    raw = np.ascontiguousarray(ids, dtype=np.int64).tobytes()
-    return (int(ids.shape[0]), zlib.crc32(raw), zlib.adler32(raw))
+        return (-1, -1)
+    return (int(ids.shape[0]), ids_fingerprint(ids))
 
 
 def _halo_error(plan: BlockDiagPlan) -> str:
@@ -102,6 +122,12 @@ def prepare_blockdiag(doc_ids, cp_group, mode: str = "auto") -> BlockDiagRouting
     """
     group = resolve_group(cp_group)
     rank, cp_size = dist.get_rank(group), dist.get_world_size(group)
+    routing = _build_routing(doc_ids, group, rank, cp_size, mode)
+    routing.seal()
+    return routing
+
+
+def _build_routing(doc_ids, group, rank: int, cp_size: int, mode: str) -> BlockDiagRouting:
     ids = None
     try:
         if mode not in MODE_CHOICES:
@@ -154,8 +180,13 @@ def _cached_routing(doc_ids, cp_group, mode: str) -> BlockDiagRouting:
 
 def _check_call(routing: BlockDiagRouting, q, k, v, cp_group, mode, scale) -> str | None:
     """This call's local problem, or None. Runs on host metadata only."""
+    if not isinstance(routing, BlockDiagRouting):
+        return f"doc_ids must be ids or a BlockDiagRouting; received {type(routing).__name__}"
     if routing.error:
         return routing.error
+    tampered = routing.tamper_error()
+    if tampered:
+        return tampered
     try:
         if resolve_group(cp_group) is not routing.group:
             return "cp_group differs from the group the routing was prepared for"
@@ -174,6 +205,9 @@ def _check_call(routing: BlockDiagRouting, q, k, v, cp_group, mode, scale) -> st
     if q.shape[0] != k.shape[0] or q.shape[1] != local_len or k.shape[1] != local_len or q.shape[3] != k.shape[3]:
         return (f"expected q [B, L={local_len}, Hq, D] and k/v [B, L={local_len}, Hkv, D] with equal B and D; "
                 f"received q {tuple(q.shape)}, k/v {tuple(k.shape)}")
+    empty = attention_dims_error(q.shape, k.shape)
+    if empty:
+        return empty
     if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
         return f"q heads ({q.shape[2]}) must be a multiple of k/v heads ({k.shape[2]})"
     if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -203,8 +237,12 @@ def exchange_window(routing: BlockDiagRouting, kv: torch.Tensor) -> torch.Tensor
     return needed_kv_all_to_all(kv, routing.send_index(kv.device), in_splits, out_splits, routing.group)
 
 
+QKV_CHECKS = tuple((name, f"{NONFINITE} in {name}") for name in ("q", "k", "v"))
+
+
 def blockdiag_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids, *, cp_group,
-                        mode: str = "auto", scale: float | None = None, kernel: str = "auto") -> torch.Tensor:
+                        mode: str = "auto", scale: float | None = None, kernel: str = "auto",
+                        check_inputs: bool = True) -> torch.Tensor:
     """Block-diagonal causal attention of this rank's shard under CP (differentiable).
 
     q [B, L, Hq, D], k/v [B, L, Hkv, D]: the local shards (Hq a multiple of Hkv); ``doc_ids`` int [T]
@@ -212,24 +250,42 @@ def blockdiag_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_i
     ``prepare_blockdiag``. ``mode`` in {"auto", "allgather", "halo", "a2a"}; ``kernel`` in
     {"auto", "sdpa", "flex"} (torch_api/attention/kernel.py). Returns [B, L, Hq, D]; padding rows
     are exactly 0. Bad input on any rank raises the same ValueError on every rank before any
-    data collective.
+    data collective: one fixed-size agreement per call (one collective, one host sync).
+
+    check_inputs: NaN/Inf in q, k or v is an error (checked in the same agreement). With False the
+    values are not read; a non-finite input is contained instead: outputs that attend to it are NaN,
+    every other output (other documents, earlier tokens, padding) is exact.
     """
+    return attend(q, k, v, doc_ids, cp_group=cp_group, mode=mode, scale=scale, kernel=kernel,
+                  check_inputs=check_inputs)
+
+
+def attend(q, k, v, doc_ids, *, cp_group, mode: str = "auto", scale: float | None = None, kernel: str = "auto",
+           check_inputs: bool = True, extra_error: str | None = None, extra_signature=(),
+           what: str = "blockdiag_attention inputs", agreed: bool = False) -> torch.Tensor:
+    """``blockdiag_attention`` with the layers' hooks: ``extra_error`` / ``extra_signature`` join this
+    call's agreement header (one header for layer and op); ``agreed=True`` (only for a call a wider
+    agreement already covered, and only without value checks) skips the header."""
     routing = doc_ids if isinstance(doc_ids, BlockDiagRouting) else _cached_routing(doc_ids, cp_group, mode)
-    error = _check_call(routing, q, k, v, cp_group, mode, scale)
+    group = routing.group if isinstance(routing, BlockDiagRouting) else resolve_group(cp_group)
+    error = extra_error or _check_call(routing, q, k, v, cp_group, mode, scale)
     kernel_name, needs_grad = None, -1
     if error is None:
         # a rank without autograd would skip the backward collectives: agree on it too
         needs_grad = int(torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
         kernel_name, error = resolve_kernel(kernel, q.device, q.shape[3], bool(needs_grad))
-    kernel_id = KERNELS.index(kernel_name) if kernel_name in KERNELS else -1
-    signature = tuple(routing.signature() + [kernel_id, needs_grad] + _call_signature(q, k))
-    if error is not None or signature not in routing._agreed:
-        agree_or_raise(routing.group, error, signature, what="blockdiag_attention inputs")
-        routing._agreed.add(signature)
+    if not agreed or check_inputs or error is not None:
+        kernel_id = KERNELS.index(kernel_name) if kernel_name in KERNELS else -1
+        routing_signature = routing.signature() if isinstance(routing, BlockDiagRouting) else [-1]
+        signature = [*routing_signature, kernel_id, needs_grad, int(bool(check_inputs)), *_call_signature(q, k),
+                     *extra_signature]
+        flags = nonfinite_flags(q, k, v) if check_inputs and error is None else None
+        agree_or_raise(group, error, signature, what=what, value_flags=flags, value_checks=QKV_CHECKS)
     window = exchange_window(routing, stack_kv(k, v))
     keys = window[routing.key_start - routing.window_start:routing.key_stop - routing.window_start]
     k_window, v_window = unstack_kv(keys)
-    return doc_causal_attention(q, k_window, v_window, routing.layout, scale=scale, kernel=kernel_name)
+    return doc_causal_attention(q, k_window, v_window, routing.layout, scale=scale, kernel=kernel_name,
+                                contain=not check_inputs)
 
 
-__all__ = ["BlockDiagRouting", "MODES", "blockdiag_attention", "exchange_window", "prepare_blockdiag"]
+__all__ = ["BlockDiagRouting", "MODES", "attend", "blockdiag_attention", "exchange_window", "prepare_blockdiag"]

@@ -15,8 +15,16 @@ from __future__ import annotations
 import torch
 
 from cp_linear.protocol import CPSavedContext
+from cp_linear.validation import GDP_VALUE_CHECKS, NONFINITE, nonfinite_rows, poison
+from torch_api.gdp.isolation import bad_tokens, sanitized, sequence_bad, sequence_start_index, token_poison
 from torch_api.gdp.types import GDPInputs, float32_region
-from torch_api.gdp.validation import cu_seqlens_value_error, gdp_input_error
+from torch_api.gdp.validation import (
+    cu_seqlens_value_error,
+    gdp_input_error,
+    gdp_value_flags,
+    nonfinite_flags,
+    raise_failed_checks,
+)
 
 
 class _GatedDeltaProduct(torch.autograd.Function):
@@ -45,13 +53,18 @@ class _GatedDeltaProduct(torch.autograd.Function):
 
 
 def gated_delta_product(q, k, v, g, beta, *, scale=None, num_householder=1, cu_seqlens=None,
-                        initial_state=None, use_qk_l2norm_in_kernel=False, backend=None):
+                        initial_state=None, use_qk_l2norm_in_kernel=False, backend=None, check_inputs=True):
     """Gated DeltaProduct on one device (DESIGN.md §2), differentiable.
 
     q [B, T, H, K], k [B, T*n_h, H, K], v [B, T*n_h, H, V], g [B, T, H] (log decay),
     beta [B, T*n_h, H]; fp32 / bf16 / fp16. cu_seqlens int [N + 1] for a packed batch (B = 1),
     read once on the host for validation; initial_state [N, H, K, V] (zeros when None).
-    Returns (o [B, T, H, V], final_state float32 [N, H, K, V]). K ≤ 256.
+    Returns (o [B, T, H, V], final_state float32 [N, H, K, V]). K ≤ 256, V ≤ 512.
+
+    check_inputs: reject NaN/Inf (inputs and initial_state), g > 0 and beta outside [0, 2] with a
+    ValueError (one host read per call). With False nothing is read and non-finite inputs are
+    contained: the outputs and final states that depend on them are NaN, the rest exact
+    (``torch_api.gdp.isolation``).
     """
     from torch_api.gdp.chunk import TorchGDPBackend
 
@@ -75,8 +88,38 @@ def gated_delta_product(q, k, v, g, beta, *, scale=None, num_householder=1, cu_s
                      f"received {initial_state.dtype} on {initial_state.device}")
     if error:
         raise ValueError(error)
+    if check_inputs:
+        flags = gdp_value_flags(q, k, v, g, beta)
+        checks = GDP_VALUE_CHECKS
+        if initial_state is not None:
+            flags = torch.cat([flags, nonfinite_flags(initial_state)])
+            checks = checks + (("initial_state", NONFINITE + " in initial_state"),)
+        raise_failed_checks(checks, flags, "gated_delta_product")
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(q.device)
     options = dict(scale=float(scale), num_householder=num_householder,
                    use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel), cu_seqlens=cu_seqlens)
-    return _GatedDeltaProduct.apply(backend, options, q, k, v, g, beta, initial_state)
+    if check_inputs:
+        return _GatedDeltaProduct.apply(backend, options, q, k, v, g, beta, initial_state)
+    return _contained(backend, options, q, k, v, g, beta, initial_state)
+
+
+def _contained(backend, options, q, k, v, g, beta, initial_state):
+    """The op on sanitised inputs, with NaN by selection where an output depends on a non-finite input."""
+    cu_seqlens = options["cu_seqlens"]
+    state_bad, read_bad = bad_tokens(q, k, v, g, beta, options["num_householder"])
+    start = sequence_start_index(q.shape[1], cu_seqlens, q.device)
+    mask = token_poison(state_bad, read_bad, start)
+    final_bad = sequence_bad(state_bad, cu_seqlens)
+    if initial_state is not None:
+        initial_bad = nonfinite_rows(initial_state, 2)  # [N, H]
+        final_bad = final_bad | initial_bad
+        if cu_seqlens is None:
+            mask = mask | initial_bad[:, None, :]
+        else:
+            sequence = torch.searchsorted(cu_seqlens[1:].to(torch.int64), torch.arange(q.shape[1], device=q.device),
+                                          right=True)
+            mask = mask | initial_bad[sequence][None]
+        (initial_state,) = sanitized(initial_state)
+    output, final_state = _GatedDeltaProduct.apply(backend, options, *sanitized(q, k, v, g, beta), initial_state)
+    return poison(output, mask[..., None]), poison(final_state, final_bad[..., None, None])

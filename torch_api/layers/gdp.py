@@ -26,7 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from torch_api.layers.blocks import GatedRMSNorm, RMSNorm, ShortConvolution
-from cp_linear.model_config import GDPConfig, resolve_config
+from cp_linear.model_config import GDPConfig, layer_signature, resolve_config
+from cp_linear.validation import digest
 from torch_api.layers.conv import conv_window
 from torch_api.layers.layout import resolve_layout
 
@@ -48,8 +49,13 @@ class GatedDeltaProduct(nn.Module):
     neither (each row one sequence). Under CP (``cp_group``): hidden_states is this rank's shard of
     L tokens and the ids describe the *global* packed sequence (replicated on every rank), or pass
     ``cp_metadata`` = ``build_shard_layout(...)`` built once per step for all layers.
-    ``cp_check_inputs`` is handed to ``gdp_chunkwise_context_parallel(check_inputs=...)``.
+    ``cp_check_inputs`` is handed to the GDP op (``check_inputs``, on one device too): value checks
+    with a ValueError, or containment of non-finite values when False (docs/failure_modes.md).
+    Under CP the layer agrees with the other ranks (fixed-size header) on its input, its layout and
+    ``cp_signature`` before its first exchange (the conv halo), unless a ``HybridDecoder`` covered it.
     """
+
+    AGREEMENT = "GatedDeltaProduct inputs"
 
     def __init__(self, config: GDPConfig | None = None, *, backend=None, cp_check_inputs: bool = True, **kwargs):
         super().__init__()
@@ -92,7 +98,13 @@ class GatedDeltaProduct(nn.Module):
         q_win, k_win, v_win = window.split(c.conv_channels, dim=-1)
         return self.q_conv1d(q_win, positions), self.k_conv1d(k_win, positions), self.v_conv1d(v_win, positions)
 
-    def _gated_delta_product(self, q, k, v, g, beta, layout):
+    def cp_signature(self) -> tuple[int, ...]:
+        """Configuration, flags, backend and grad requirement: what the ranks must share."""
+        needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
+        backend = "default" if self.backend is None else type(self.backend).__name__
+        return (*layer_signature(self.config), int(bool(self.cp_check_inputs)), digest([backend]), int(needs_grad))
+
+    def _gated_delta_product(self, q, k, v, g, beta, layout, agreed: bool = False):
         """The GDP op (CP or one device); it keeps its own math float32 under autocast, and q/k/v/beta
         enter in the autocast dtype so that a kernel backend sees one input dtype."""
         device_type = q.device.type
@@ -100,17 +112,17 @@ class GatedDeltaProduct(nn.Module):
             dtype = torch.get_autocast_dtype(device_type)
             q, k, v, beta = (t.to(dtype) for t in (q, k, v, beta))
         if layout.is_cp:
-            from torch_api.gdp.cp import gdp_chunkwise_context_parallel
+            from torch_api.gdp.cp import context_parallel_gdp
 
-            return gdp_chunkwise_context_parallel(
+            return context_parallel_gdp(
                 q, k, v, g, beta, cp_group=layout.group, metadata=layout.gdp_metadata,
                 num_householder=self.config.num_householder, use_qk_l2norm_in_kernel=True, backend=self.backend,
-                check_inputs=self.cp_check_inputs)
+                check_inputs=self.cp_check_inputs, agreed=agreed)
         from torch_api.gdp.ops import gated_delta_product
 
         o, _ = gated_delta_product(q, k, v, g, beta, num_householder=self.config.num_householder,
                                    cu_seqlens=layout.cu_seqlens(q.device), use_qk_l2norm_in_kernel=True,
-                                   backend=self.backend)
+                                   backend=self.backend, check_inputs=self.cp_check_inputs)
         return o
 
     def forward(self, hidden_states: torch.Tensor, *, cu_seqlens=None, seq_idx=None, cp_group=None,
@@ -121,7 +133,7 @@ class GatedDeltaProduct(nn.Module):
         error = layout.hidden_error(hidden_states, c.hidden_size)
         if error is None and layout.is_cp and c.use_short_conv and c.conv_size - 1 > layout.local_len:
             error = f"conv_size - 1 = {c.conv_size - 1} exceeds the local length L = {layout.local_len} (halo)"
-        layout.agree(error, hidden_states, "GatedDeltaProduct inputs")
+        agreed = layout.agree(error, layout.signature(hidden_states, self.cp_signature()), self.AGREEMENT)
 
         x = hidden_states
         batch, length, _ = x.shape
@@ -141,7 +153,7 @@ class GatedDeltaProduct(nn.Module):
         else:
             g = x.new_zeros(batch, length, c.value_heads, dtype=torch.float32)
 
-        o = self._gated_delta_product(q, k, v, g, beta, layout)
+        o = self._gated_delta_product(q, k, v, g, beta, layout, agreed)
         if c.use_output_gate:
             gate = self.g_proj(x).view(batch, length, c.value_heads, c.head_v_dim)
             o = self.o_norm(o, gate)

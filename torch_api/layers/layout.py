@@ -2,7 +2,8 @@
 
 A ``ShardLayout`` holds the host ``PackedLayout`` (replicated ids), the rank's GDP metadata, and
 lazily built device tensors (conv/RoPE positions, cu_seqlens) and attention routings, so that N
-layers of a step pay the host work and the cross-rank agreement once instead of N times::
+layers of a step pay the host work once instead of N times. A model (``HybridDecoder``) agrees on
+all its layers once per call (``agree_model``); a layer used on its own agrees per call::
 
     layout = build_shard_layout(doc_ids=global_doc_ids, total_len=T, cp_group=group)   # per step
     h = gdp_layer(h, cp_metadata=layout); h = attention_layer(h, cp_metadata=layout)
@@ -12,13 +13,12 @@ Without ``cp_group`` the same object describes the whole sequence on one device 
 
 from __future__ import annotations
 
-import zlib
-
 import torch
 import torch.distributed as dist
 
-from torch_api._dist import agree_or_raise, resolve_group
 from cp_linear.packing import PackedLayout, layout_from_ids
+from cp_linear.validation import digest
+from torch_api._dist import agree_or_raise, resolve_group
 
 _DTYPE_IDS = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
 
@@ -45,7 +45,7 @@ class ShardLayout:
         self.local_len = packed.total_len // self.cp_size
         self.gdp_metadata = packed.gdp_metadata(self.cp_rank, self.cp_size) if self.is_cp else None
         self._device_cache: dict = {}
-        self._agreed: set = set()
+        self._covered: set = set()
 
     @property
     def is_cp(self) -> bool:
@@ -103,29 +103,59 @@ class ShardLayout:
             return f"hidden_states must be float32, bfloat16, float16 or float64; received {hidden_states.dtype}"
         return None
 
-    def agree(self, error: str | None, hidden_states, what: str) -> None:
-        """Raise ``error`` on every rank together (CP), or here (one device).
+    def signature(self, hidden_states, layer_signature=()) -> tuple[int, ...]:
+        """What every rank must share for a layer call: input shape and dtype, autocast, grad mode,
+        this layout (ids fingerprint, T, cp_size), the device type and the layer's own signature."""
+        if not isinstance(hidden_states, torch.Tensor):
+            return self.signature_of((-1, -1, -1), None, "", layer_signature)
+        return self.signature_of(tuple(hidden_states.shape), hidden_states.dtype, hidden_states.device,
+                                 layer_signature)
 
-        Under CP the first call per input signature runs one small all-gather; later layers of the
-        step with the same signature skip it. An error for an already agreed signature comes from
-        the module itself (identical on every rank of a replicated model) and raises locally.
+    def signature_of(self, shape, dtype, device, layer_signature=()) -> tuple[int, ...]:
+        """``signature`` of a layer input with this shape, dtype and device (before it exists)."""
+        device = str(device).split(":")[0]
+        autocast = torch.is_autocast_enabled(device) if device in ("cpu", "cuda") else False
+        autocast_dtype = _DTYPE_IDS.get(torch.get_autocast_dtype(device), 0) if autocast else 0
+        return (*shape, _DTYPE_IDS.get(dtype, 0), int(autocast), autocast_dtype, int(torch.is_grad_enabled()),
+                *self.packed.fingerprint(), self.cp_size, digest([device]), *layer_signature)
+
+    def covers(self, signature, what: str) -> bool:
+        """True when a model agreement (``agree_model``) already covered this layer call."""
+        return (tuple(signature), what) in self._covered
+
+    def agree(self, error: str | None, signature, what: str) -> bool:
+        """Raise ``error`` on every rank together (CP), or here (one device). Returns True when a model
+        agreement already covered the call (no collective ran).
+
+        Under CP one fixed-size header travels per call, unless ``agree_model`` covered this exact
+        (signature, what): a per-layer cache that one rank could hit and another miss would leave
+        them in different collectives, so only a decision every rank made together may skip it.
         """
+        error = error or self.packed.error
         if not self.is_cp:
             if error:
                 raise ValueError(f"{what}: {error}")
-            return
-        shape = list(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else [-1, -1, -1]
-        dtype = _DTYPE_IDS.get(getattr(hidden_states, "dtype", None), 0)
-        signature = (*shape, dtype, *self.packed.fingerprint(), self.cp_size,
-                     zlib.crc32(str(getattr(hidden_states, "device", "")).split(":")[0].encode()) & 0xFFFF)
-        if signature in self._agreed:
-            if error:
+            return False
+        if self.covers(signature, what):
+            if error:  # a covered call only fails through state the model agreement compared
                 raise ValueError(f"{what}: {error}")
-            return
+            return True
         agree_or_raise(self.group, error, signature, what=what)
-        self._agreed.add(signature)
+        return False
 
-
+    def agree_model(self, error: str | None, signature, layers: list[tuple[tuple[int, ...], str]], *,
+                    value_flags=None, value_checks=()) -> None:
+        """One header for a whole model call (``signature``: its inputs, every layer's configuration
+        in order, parameter flags); on success every ``(layer signature, what)`` in ``layers`` is
+        covered, so those layers add no header of their own (their ops still check values)."""
+        error = error or self.packed.error
+        if not self.is_cp:
+            if error:
+                raise ValueError(f"model inputs: {error}")
+            return
+        agree_or_raise(self.group, error, signature, what="model inputs", value_flags=value_flags,
+                       value_checks=value_checks)
+        self._covered.update((tuple(sig), what) for sig, what in layers)
 def build_shard_layout(*, total_len: int, doc_ids=None, seq_idx=None, cu_seqlens=None, cp_group=None) -> ShardLayout:
     """A ``ShardLayout`` from *global* ids (replicated on every rank; host-read once).
 
