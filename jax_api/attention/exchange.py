@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cp_linear.plan import BlockDiagPlan, build_blockdiag_plan, validate_doc_ids
+from cp_linear.plan import BlockDiagPlan, build_blockdiag_plan, ids_fingerprint, validate_doc_ids
 
 ATTENTION_MODES = ("auto", "allgather", "halo", "a2a")
 A2A_IMPLEMENTATIONS = ("auto", "ragged", "ppermute")
@@ -176,7 +176,65 @@ def ppermute_piece_lens(host_plan: BlockDiagPlan, bucket: bool) -> tuple[int, ..
     return tuple(lens)
 
 
-def ragged_routing(host_plan: BlockDiagPlan, bucket: bool) -> tuple[tuple[np.ndarray, ...], int, int]:
+def check_exchange_plan(plan: BlockDiagExchangePlan) -> None:
+    """Raise ValueError unless ``plan`` still serves its own ``doc_ids`` (tamper-evident plans).
+
+    An edited plan (``dataclasses.replace`` of a halo length, piece sizes, mode or routing tables)
+    would drop needed keys silently; this rebuilds the host plan from the ids and checks that every
+    static size covers what each rank needs (larger is fine: extra rows are masked by doc ids) and
+    that the ragged tables equal the rebuilt ones. Needs concrete ids (skipped for traced ones, e.g.
+    inside the caller's own ``jax.jit``); the result is cached per plan object and ids fingerprint.
+    """
+    ids = plan.doc_ids
+    if isinstance(ids, jax.core.Tracer):
+        return
+    ids = np.asarray(ids)
+    fingerprint = ids_fingerprint(ids)
+    if getattr(plan, "_checked", None) == fingerprint:
+        return
+    problem = _plan_problem(plan, ids)
+    if problem:
+        raise ValueError(f"the BlockDiagExchangePlan does not fit its doc_ids: {problem}; it was edited after "
+                         "plan_blockdiag_exchange built it (build a new plan from the ids)")
+    object.__setattr__(plan, "_checked", fingerprint)
+
+
+def _plan_problem(plan: BlockDiagExchangePlan, ids: np.ndarray) -> str | None:
+    cp, length = plan.cp_size, plan.local_len
+    if ids.ndim != 1 or ids.shape[0] != cp * length:
+        return f"doc_ids have shape {ids.shape}; the plan is for T = cp_size * L = {cp} * {length}"
+    try:
+        host_plan = build_blockdiag_plan(validate_doc_ids(ids, cp), cp)
+    except ValueError as err:
+        return str(err)
+    if plan.mode not in ("allgather", "halo", "a2a"):
+        return f"mode {plan.mode!r} is not a resolved exchange"
+    if plan.mode != "a2a" and (plan.a2a_impl or plan.piece_lens or plan.recv_len or plan.send_len or plan.routing):
+        return f"mode {plan.mode!r} carries a2a fields"
+    if plan.mode == "halo":
+        if not host_plan.use_halo or not host_plan.halo_len <= plan.halo_len <= length:
+            return (f"halo_len = {plan.halo_len} must lie in [{host_plan.halo_len}, L = {length}] "
+                    f"(back = {host_plan.back})")
+    if plan.mode == "a2a" and plan.a2a_impl == "ppermute":
+        needed = ppermute_piece_lens(host_plan, bucket=False)
+        if len(plan.piece_lens) != cp - 1 or any(not n <= p <= length for n, p in zip(needed, plan.piece_lens)):
+            return f"piece_lens = {plan.piece_lens} must cover {needed} and stay ≤ L = {length}"
+    elif plan.mode == "a2a":
+        if plan.a2a_impl != "ragged":
+            return f"a2a_impl must be 'ragged' or 'ppermute'; received {plan.a2a_impl!r}"
+        _, recv_len, send_len = ragged_routing(host_plan, bucket=False)
+        if plan.recv_len < recv_len or plan.send_len < send_len:
+            return f"recv_len, send_len = {plan.recv_len}, {plan.send_len} must cover {recv_len}, {send_len}"
+        expected, _, _ = ragged_routing(host_plan, bucket=False, recv_len=plan.recv_len, send_len=plan.send_len)
+        tables = [np.asarray(t) for t in plan.routing]
+        if len(tables) != len(expected) or any(t.shape != e.shape or not np.array_equal(t, e)
+                                              for t, e in zip(tables, expected)):
+            return "the ragged routing tables differ from the ones the ids give"
+    return None
+
+
+def ragged_routing(host_plan: BlockDiagPlan, bucket: bool, *, recv_len: int | None = None,
+                   send_len: int | None = None) -> tuple[tuple[np.ndarray, ...], int, int]:
     """Per-rank tables for ``lax.ragged_all_to_all`` (rank-indexed rows, host int32).
 
     Receive buffer of rank r: ``recv_len`` rows, right-aligned so that row j holds global token
@@ -191,8 +249,10 @@ def ragged_routing(host_plan: BlockDiagPlan, bucket: bool) -> tuple[tuple[np.nda
             if dst != src:
                 start, stop = host_plan.send[src][dst]
                 remote_sizes[src][dst] = stop - start
-    recv_len = size_class(max(host_plan.back), (cp - 1) * length, bucket)
-    send_len = size_class(max(sum(row) for row in remote_sizes), (cp - 1) * length, bucket)
+    if recv_len is None:
+        recv_len = size_class(max(host_plan.back), (cp - 1) * length, bucket)
+    if send_len is None:
+        send_len = size_class(max(sum(row) for row in remote_sizes), (cp - 1) * length, bucket)
     send_index = np.zeros((cp, max(send_len, 1)), np.int32)
     input_offsets = np.zeros((cp, cp), np.int32)
     send_sizes = np.zeros((cp, cp), np.int32)

@@ -47,6 +47,7 @@ import numpy as np
 
 from cp_linear.protocol import CPForwardResult, CPSavedContext
 from cp_linear.reference import check_gdp_shapes
+from cp_linear.validation import gdp_dims_error
 from cp_linear.summary import (
     CPBackwardPackedSummary,
     CPForwardPackedSummary,
@@ -135,7 +136,8 @@ class JaxGDPInputGradients(NamedTuple):
 
 
 def check_gdp_inputs(q, k, v, g, beta, num_householder: int, sequence_starts=None) -> None:
-    """Raise ValueError unless shapes and dtypes follow DESIGN.md §2 (trace-time, static checks).
+    """Raise ValueError unless shapes and dtypes follow DESIGN.md §2 and the sizes are supported
+    (non-empty, K ≤ 256, V ≤ 512: ``cp_linear.validation``); trace-time, static checks.
 
     q, k, v share one floating dtype; g and beta may use any floating dtype (often float32).
     """
@@ -147,6 +149,9 @@ def check_gdp_inputs(q, k, v, g, beta, num_householder: int, sequence_starts=Non
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k and v must share one dtype; received q {q.dtype}, k {k.dtype}, v {v.dtype}")
     check_gdp_shapes(q.shape, k.shape, v.shape, g.shape, beta.shape, num_householder)
+    error = gdp_dims_error(q.shape, v.shape)  # empty sizes, K and V limits: the same rule as torch_api
+    if error:
+        raise ValueError(error)
     if sequence_starts is not None:
         expected = (1, q.shape[1])
         if tuple(sequence_starts.shape) != expected or sequence_starts.dtype != jnp.bool_:

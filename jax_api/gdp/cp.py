@@ -38,6 +38,17 @@ from jax.sharding import PartitionSpec as P
 from cp_linear.plan import validate_global_seq_idx
 from cp_linear.protocol import CPSavedContext
 from cp_linear.summary import as_packed_array, compose_backward_range, compose_forward_range
+from cp_linear.validation import (
+    GDP_VALUE_CHECKS,
+    gdp_bad_tokens,
+    gdp_token_poison,
+    gdp_trailing_bad,
+    gdp_value_flags,
+    nonfinite_rows,
+    poison,
+    sanitize,
+)
+from jax_api._checks import is_concrete, raise_failed_value_checks
 from jax_api.gdp.chunk import JaxGDPBackend, JaxGDPInputs, check_gdp_inputs, host_value_or_none
 
 _NONDIFF = ("axis_name", "backend", "scale", "num_householder", "use_qk_l2norm_in_kernel")
@@ -80,35 +91,45 @@ def _inputs(q, k, v, g, beta, sequence_starts, scale, num_householder, use_qk_l2
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnames=_NONDIFF)
-def _context_parallel(q, k, v, g, beta, sequence_starts, preceding_rank_start, following_rank_stop,
+def _context_parallel(q, k, v, g, beta, sequence_starts, preceding_rank_start, following_rank_stop, trailing_bad,
                       axis_name, backend, scale, num_householder, use_qk_l2norm_in_kernel):
-    output, _ = _context_parallel_fwd(
-        q, k, v, g, beta, sequence_starts, preceding_rank_start, following_rank_stop, axis_name=axis_name,
-        backend=backend, scale=scale, num_householder=num_householder,
+    outputs, _ = _context_parallel_fwd(
+        q, k, v, g, beta, sequence_starts, preceding_rank_start, following_rank_stop, trailing_bad,
+        axis_name=axis_name, backend=backend, scale=scale, num_householder=num_householder,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    return output
+    return outputs
 
 
-def _context_parallel_fwd(q, k, v, g, beta, sequence_starts, preceding_rank_start, following_rank_stop,
+def _context_parallel_fwd(q, k, v, g, beta, sequence_starts, preceding_rank_start, following_rank_stop, trailing_bad,
                           axis_name, backend, scale, num_householder, use_qk_l2norm_in_kernel):
+    """Returns ((output, incoming_bad), residuals). ``trailing_bad`` bool [B or 1, H]: heads whose
+    trailing fragment holds a non-finite input travel as NaN; ``incoming_bad`` (same shape) says
+    which heads of the incoming state came in non-finite (they enter the backend as zeros)."""
     inputs = _inputs(q, k, v, g, beta, sequence_starts, scale, num_householder, use_qk_l2norm_in_kernel)
     summary, local = backend.cp_forward_prepare(inputs)
-    gathered = jax.lax.all_gather(as_packed_array(summary), axis_name)  # [cp, (B,) H, K, V + K]
+    packed_summary = as_packed_array(summary)  # [(B,) H, K, V + K]
+    marks = trailing_bad.reshape(*trailing_bad.shape[packed_summary.ndim == 3:], 1, 1)
+    packed_summary = poison(packed_summary, marks)
+    gathered = jax.lax.all_gather(packed_summary, axis_name)  # [cp, (B,) H, K, V + K]
     rank = jax.lax.axis_index(axis_name)
-    incoming = compose_forward_range(gathered, preceding_rank_start, rank)
+    incoming = compose_forward_range(gathered, preceding_rank_start, rank)  # [(B,) H, K, V]
+    incoming_bad = nonfinite_rows(incoming, 2)
+    incoming = jnp.where(incoming_bad[..., None, None], 0.0, incoming)
     output, saved = backend.cp_forward_apply(local, _as_single_summary(incoming))
     metadata = tuple(sorted(saved.metadata.items()))
-    return output, _Residuals(tuple(saved.tensors), metadata, following_rank_stop)
+    incoming_bad = incoming_bad.reshape(-1, incoming_bad.shape[-1])
+    return (output, incoming_bad), _Residuals(tuple(saved.tensors), metadata, following_rank_stop)
 
 
 def _context_parallel_bwd(axis_name, backend, scale, num_householder, use_qk_l2norm_in_kernel,
-                          residuals: _Residuals, output_grad):
+                          residuals: _Residuals, cotangents):
+    output_grad, _ = cotangents  # incoming_bad is boolean: no cotangent
     summary, context = backend.cp_backward_prepare(output_grad, residuals.saved_context())
     gathered = jax.lax.all_gather(as_packed_array(summary), axis_name)
     rank = jax.lax.axis_index(axis_name)
     outgoing_grad = compose_backward_range(gathered, rank + 1, residuals.following_rank_stop)
     grads = backend.cp_backward_apply(context, _as_single_summary(outgoing_grad))
-    return (*grads, None, None, None)  # sequence flags and rank bounds are integer metadata
+    return (*grads, None, None, None, None)  # sequence flags, rank bounds and poison marks are integer metadata
 
 
 _context_parallel.defvjp(_context_parallel_fwd, _context_parallel_bwd)
@@ -177,8 +198,9 @@ def gdp_chunkwise_context_parallel_shard(q, k, v, g, beta, *, axis_name: str = "
     spanning all ranks. Returns the local output [B, L, H, V] in q's dtype; differentiable
     (custom_vjp: one all-gather of [gamma | M^T] summaries in the backward).
 
-    The ids cannot be checked for monotonicity here (they are traced); the global entry point
-    checks concrete ids.
+    The ids cannot be checked for monotonicity here (they are traced), nor can values: shapes and
+    sizes are checked; a non-finite input is contained (the outputs that depend on it are NaN, all
+    others exact, on every rank). The global entry point checks concrete ids and values.
     """
     cp_size = _axis_size(axis_name)
     check_gdp_inputs(q, k, v, g, beta, num_householder)
@@ -187,19 +209,29 @@ def gdp_chunkwise_context_parallel_shard(q, k, v, g, beta, *, axis_name: str = "
     if global_seq_idx is None:
         sequence_starts = None
         preceding_rank_start, following_rank_stop = jnp.int32(0), jnp.int32(cp_size)
+        start = jnp.zeros((local_len,), jnp.int32)
     else:
         _check_seq_idx_shape(global_seq_idx, batch, local_len * cp_size)
         rank = jax.lax.axis_index(axis_name)
         sequence_starts, preceding_rank_start, following_rank_stop = packed_shard_metadata(
             global_seq_idx, rank, local_len)
-    return _context_parallel(q, k, v, g, beta, sequence_starts, preceding_rank_start, following_rank_stop,
-                             axis_name=axis_name, backend=backend, scale=scale, num_householder=num_householder,
-                             use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel))
+        position = jnp.arange(local_len, dtype=jnp.int32)
+        start = jax.lax.cummax(jnp.where(sequence_starts[0], position, 0))
+    # containment (cp_linear.validation): sanitised inputs; a poisoned trailing fragment travels as NaN
+    state_bad, read_bad = gdp_bad_tokens(q, k, v, g, beta, num_householder)
+    trailing_bad = gdp_trailing_bad(state_bad, start)
+    q, k, v, g, beta = (sanitize(x) for x in (q, k, v, g, beta))
+    output, incoming_bad = _context_parallel(
+        q, k, v, g, beta, sequence_starts, preceding_rank_start, following_rank_stop, trailing_bad,
+        axis_name=axis_name, backend=backend, scale=scale, num_householder=num_householder,
+        use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel))
+    return poison(output, gdp_token_poison(state_bad, read_bad, start, incoming_bad)[..., None])
 
 
 def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, mesh, axis_name: str = "cp", global_seq_idx=None,
                                    scale: float | None = None, num_householder: int = 1,
-                                   use_qk_l2norm_in_kernel: bool = False, backend: Any = None):
+                                   use_qk_l2norm_in_kernel: bool = False, backend: Any = None,
+                                   check_inputs: bool = True):
     """Chunkwise-CP Gated DeltaProduct on *global* arrays split along T over ``mesh[axis_name]``.
 
     q [B, T, H, K], k [B, T*n_h, H, K], v [B, T*n_h, H, V], g [B, T, H], beta [B, T*n_h, H]
@@ -209,6 +241,10 @@ def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, mesh, axis_name: str = "
     ``jax.jit`` / ``jax.grad``; the packing is data, so a new ``global_seq_idx`` does not
     recompile. Other mesh axes see replicated inputs; to shard those too, call
     ``gdp_chunkwise_context_parallel_shard`` inside your own ``jax.shard_map``.
+
+    check_inputs: with concrete (not traced) inputs, NaN/Inf, g > 0 and beta outside [0, 2] raise
+    ValueError (one host read). Under ``jax.jit`` only the static checks run (shapes, K ≤ 256,
+    V ≤ 512, T ≥ 1, concrete ids); non-finite values are then contained, as always.
     """
     if axis_name not in getattr(mesh, "axis_names", ()):
         raise ValueError(f"mesh has no axis {axis_name!r}; its axes are {tuple(getattr(mesh, 'axis_names', ()))}")
@@ -219,6 +255,8 @@ def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, mesh, axis_name: str = "
     if tokens % cp_size:
         raise ValueError(f"T = {tokens} must be divisible by the size of mesh axis {axis_name!r} ({cp_size})")
     arrays = (q, k, v, g, beta)
+    if check_inputs and is_concrete(*arrays):
+        raise_failed_value_checks(GDP_VALUE_CHECKS, gdp_value_flags, *arrays, what="gdp_chunkwise_context_parallel")
     if global_seq_idx is not None:
         _check_seq_idx_shape(global_seq_idx, batch, tokens)
         host_ids = host_value_or_none(global_seq_idx)
