@@ -424,3 +424,35 @@ def mismatched_inputs(rank, world, scenario):
 def test_bad_input_on_one_rank_raises_on_every_rank(gloo_pools, scenario, expected):
     messages = gloo_pools(2).run(mismatched_inputs, scenario)
     assert all(expected in message for message in messages), messages
+
+
+def count_decoder_headers(rank, world, checks):
+    """Agreement headers of one decoder forward + backward (4 layers: 2 GDP, 2 attention)."""
+    import torch_api._dist as dist_module
+
+    calls = []
+    original = dist_module.all_gather_single
+
+    def counting(output, tensor, group=None):
+        if tensor.dtype == torch.int64 and tensor.numel() == dist_module.HEADER_LEN:
+            calls.append(1)
+        return original(output, tensor, group=group)
+
+    dist_module.all_gather_single = counting
+    try:
+        torch.manual_seed(0)
+        config = DecoderConfig(vocab_size=16, hidden_size=16, num_layers=4, num_heads=2, head_dim=8, num_kv_heads=1)
+        model = HybridDecoder(config, attention_options={"check_inputs": checks}, gdp_options={"cp_check_inputs": checks})
+        ids = torch.randint(0, 16, (1, LOCAL_LEN))
+        doc_ids = doc_ids_from_runs((1, 5), (2, world * LOCAL_LEN - 5))
+        model(ids, doc_ids=torch.tensor(doc_ids), cp_group=dist.group.WORLD).sum().backward()
+    finally:
+        dist_module.all_gather_single = original
+    return len(calls)
+
+
+@pytest.mark.multirank
+def test_decoder_agrees_once_per_forward_and_per_op_only_for_value_checks(gloo_pools):
+    # checks on: model + 2 GDP x (forward + backward) + 2 attention forwards = 7; off: the model header only
+    assert gloo_pools(2).run(count_decoder_headers, True) == [7, 7]
+    assert gloo_pools(2).run(count_decoder_headers, False) == [1, 1]
