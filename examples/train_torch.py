@@ -37,8 +37,9 @@ def build_model(args, task):
                            num_heads=args.heads, head_dim=args.head_dim, num_kv_heads=args.kv_heads,
                            num_householder=args.householder)
     torch.manual_seed(args.seed)  # the same weights on every rank (initialised on the CPU)
-    return HybridDecoder(config, attention_options={"mode": args.attention_mode},
-                         gdp_options={"cp_check_inputs": not args.skip_cp_checks})
+    checks = not args.skip_cp_checks
+    return HybridDecoder(config, attention_options={"mode": args.attention_mode, "check_inputs": checks},
+                         gdp_options={"cp_check_inputs": checks})
 
 
 def loss_pieces(model, ids, targets, doc_ids, *, layout=None, autocast=None):
@@ -173,8 +174,9 @@ def run(args) -> dict:
 def main(argv=None) -> int:
     parser = base_parser(__doc__.splitlines()[0], "out/train_torch")
     parser.add_argument("--skip-cp-checks", action="store_true",
-                        help="skip the GDP op's per-layer NaN check and cross-rank agreement (one host sync "
-                             "per layer and direction); bad input then fails on one rank instead of all")
+                        help="skip the layers' value checks (NaN/Inf, g > 0, beta range): one agreement per step "
+                             "instead of one per layer; non-finite values are then contained instead of reported "
+                             "(docs/failure_modes.md)")
     args = parser.parse_args(argv)
     check_args(args)
     if args.device in ("cuda", "gpu"):
