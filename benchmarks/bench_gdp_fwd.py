@@ -1,23 +1,35 @@
-"""GDP forward: CuTeDSL kernels vs flash-linear-attention's Triton ``chunk_gated_delta_product``.
+"""GDP forward: the tensor-core CuTeDSL kernels vs flash-linear-attention's ``chunk_gated_delta_product``.
 
-    python benchmarks/bench_gdp_fwd.py [--tokens 8192 32768 131072] [--heads 16] [--dim 128] [--nh 2]
+    python benchmarks/bench_gdp_fwd.py [--out DIR] [--repeat 20] [--cases ...] [--variants ...]
 
-B = 1, one sequence, bf16 inputs, qk l2norm in the kernel. CUDA events around each call, after
-warm-up; the median of ``--repeat`` calls. TFLOP/s counts the chunked algorithm's useful FLOPs
-(``chunked_flops``); GB/s counts the fewest bytes (inputs read once, output written once).
-A per-kernel breakdown of the CuTeDSL forward, the output difference to FLA, and the compute of
-the last rank of a 2-way CP split (prepare + apply on this GPU, no communication) are printed too.
+Cases (H = 16, K = V = 128, bf16, qk l2norm): B = 1 with T in {8k, 32k, 128k} for n_h in {1, 2}
+(one long sequence), and 32 packed documents of 1k tokens (n_h = 2). Both run in this process on
+the same inputs; CUDA events around each call after warm-up, the median of ``--repeat``.
+Prints a table, writes ``DIR/bench_gdp_fwd.csv`` and ``DIR/bench_gdp_fwd.png``, and a per-kernel
+breakdown of our forward (each recorded launch replayed alone). Useful TFLOP/s counts the
+chunked algorithm's FLOPs (``chunked_flops``); GB/s the fewest bytes (inputs once, output once).
+Two times per call: "wall" (CUDA events around the Python call: what an eager caller waits,
+host launch overhead included) and "kernel" (the sum of the GPU kernels' durations from
+torch.profiler: what a CUDA-graph replay or an overlapped step pays). Variants of our backend:
+``default`` (``launch.scan_row_block``'s choice), ``r64`` / ``r128`` (4-warp scan CTAs, two per
+SM / 8-warp CTAs, one per SM), ``wg`` (the warpgroup-MMA scan), ``cN`` (segments sized for N CTAs
+per SM); parts combine, e.g. ``wg-r64``.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import os
 import statistics
 
 import torch
 
-from torch_api import GDPInputs
-from torch_api.gdp.cutedsl import CHUNK, CuTeDSLGatedDeltaProductCPBackend
+from torch_api.gdp.cutedsl import CuTeDSLGatedDeltaProductCPBackend
+from torch_api.gdp.types import GDPInputs
+
+CHUNK = 64
+DEFAULT_CASES = ["1x8192:2", "1x32768:2", "1x131072:2", "1x8192:1", "1x32768:1", "1x131072:1", "32x1024:2"]
 
 
 def chunked_flops(tokens: int, heads: int, key_dim: int, value_dim: int, nh: int, chunk: int = CHUNK) -> float:
@@ -25,12 +37,8 @@ def chunked_flops(tokens: int, heads: int, key_dim: int, value_dim: int, nh: int
     steps = tokens * nh
     chunks = -(-steps // chunk)
     c, k, v = chunk, key_dim, value_dim
-    rows = c / nh  # output rows (token last steps) per chunk
-    per_chunk = (c * (c - 1) * k  # A = strict-lower(k k^T)
-                 + c * (c - 1) * (k + v)  # forward substitution for w and u
-                 + 2 * c * k * v * 2  # v_new = u - w h, h += k_end^T v_new
-                 + 2 * rows * k * v  # q h
-                 + rows * c * (k + v))  # causal scores and scores @ v_new (half of the square)
+    rows = c / nh
+    per_chunk = (c * (c - 1) * k + c * (c - 1) * (k + v) + 2 * c * k * v * 2 + 2 * rows * k * v + rows * c * (k + v))
     return per_chunk * chunks * heads
 
 
@@ -55,97 +63,137 @@ def time_ms(fn, repeat: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def make_inputs(tokens, heads, dim, nh, seed=0):
+def make_inputs(docs: int, doc_tokens: int, heads: int, dim: int, nh: int, seed: int = 0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, device="cuda", generator=gen)  # noqa: E731
+    tokens = docs * doc_tokens
     q = rand(1, tokens, heads, dim).bfloat16()
     k = rand(1, tokens * nh, heads, dim).bfloat16()
     v = rand(1, tokens * nh, heads, dim).bfloat16()
     g = torch.nn.functional.logsigmoid(rand(1, tokens, heads) + 3.0).float()
     beta = torch.sigmoid(rand(1, tokens * nh, heads)).float()
-    return q, k, v, g, beta
+    cu = torch.arange(0, tokens + 1, doc_tokens, dtype=torch.int32, device="cuda")
+    return q, k, v, g, beta, cu
 
 
-def breakdown(backend, inputs, repeat):
-    """Median time of each stage of the one-device CuTeDSL forward."""
-    shard = backend._shard(inputs)
-    final = torch.empty(shard.num_seqs, shard.heads, shard.key_dim, shard.value_dim, device="cuda")
-    stages = {
-        "chunk_index + wy_prepare": lambda: backend._index_and_wy(shard),
-        "state_pass": lambda: backend._state_pass(shard, seq_begin=0, seq_count=shard.num_seqs, initial=None,
-                                                  final=final, final_begin=0),
-        "output": lambda: backend._output(shard),
-    }
-    return {name: time_ms(fn, repeat) for name, fn in stages.items()}
+def kernel_times(fn, repeat: int) -> dict[str, float]:
+    """GPU time per call of every kernel ``fn`` launches (ms, from torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeat):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for event in prof.key_averages():
+        device_us = getattr(event, "self_device_time_total", 0) or getattr(event, "self_cuda_time_total", 0)
+        if device_us > 0:
+            out[event.key[:60]] = device_us / repeat / 1e3
+    return out
 
 
-def cp_rank_step(backend, q, k, v, g, beta, dim, nh, repeat):
-    """Median time of the last rank's prepare + apply when one sequence is split over 2 ranks
-    (the critical path of a 2-GPU CP forward without the all-gather), on this one GPU."""
-    half = q.shape[1] // 2
-    shards = [GDPInputs(q[:, sl], k[:, slk], v[:, slk], g[:, sl], beta[:, slk], dim ** -0.5, nh, True, None)
-              for sl, slk in ((slice(0, half), slice(0, half * nh)), (slice(half, None), slice(half * nh, None)))]
-    first_summary, _ = backend.cp_forward_prepare(shards[0])
-    preceding = first_summary.packed.unsqueeze(0)
-
-    def step():
-        _, context = backend.cp_forward_prepare(shards[1])
-        return backend.cp_forward_apply(context, preceding)
-
-    return time_ms(step, repeat)
+def make_backend(variant: str) -> CuTeDSLGatedDeltaProductCPBackend:
+    row_block, ctas, mma = 0, 2.0, "sync"
+    for part in variant.split("-"):
+        if part in ("r64", "r128"):
+            row_block = int(part[1:])
+        elif part == "wg":
+            mma = "wgmma"
+        elif part.startswith("c"):
+            ctas = float(part[1:])
+    return CuTeDSLGatedDeltaProductCPBackend(row_block=row_block, ctas_per_sm=ctas, mma=mma)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 131072])
+    parser.add_argument("--cases", nargs="+", default=DEFAULT_CASES, help="DOCSxDOC_TOKENS:NH entries")
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--nh", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=10)
-    parser.add_argument("--no-fla", action="store_true")
+    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--out", default="out/bench_gdp_fwd")
+    parser.add_argument("--variants", nargs="+", default=["default"], help="default, r64, c4, r64-c4, ...")
+    parser.add_argument("--no-fla", action="store_true", help="time our kernels only")
     args = parser.parse_args()
-
+    os.makedirs(args.out, exist_ok=True)
     fla = None
-    if not args.no_fla:
-        try:
+    try:
+        if not args.no_fla:
             from fla.ops.gated_delta_product import chunk_gated_delta_product as fla
-        except Exception as err:  # FLA is an optional oracle
-            print(f"flash-linear-attention unavailable ({type(err).__name__}: {err}); timing CuTeDSL only")
-    backend = CuTeDSLGatedDeltaProductCPBackend()
-    print(f"GDP forward, B=1, H={args.heads}, K=V={args.dim}, n_h={args.nh}, bf16, l2norm; median of {args.repeat}")
-    print(f"{'T':>8} {'CuTeDSL ms':>11} {'FLA ms':>8} {'FLA/ours':>9} {'TFLOP/s':>8} {'GB/s(min)':>10} "
-          f"{'rel diff':>9}", flush=True)
-    rows = []
-    for tokens in args.tokens:
-        q, k, v, g, beta = make_inputs(tokens, args.heads, args.dim, args.nh)
-        inputs = GDPInputs(q, k, v, g, beta, args.dim ** -0.5, args.nh, True, None)
-        ours = lambda: backend.one_device_forward(inputs)  # noqa: E731
+    except Exception as err:  # FLA is an optional anchor
+        print(f"flash-linear-attention unavailable ({type(err).__name__}: {err}); timing ours only")
+    header = ["case", "variant", "tokens", "nh", "ours_wall_ms", "ours_kernel_ms", "fla_wall_ms", "fla_kernel_ms",
+              "speedup_wall", "speedup_kernel", "ours_tflops_kernel", "rel_diff_fla"]
+    print(f"GDP forward, H={args.heads}, K=V={args.dim}, bf16, l2norm; median of {args.repeat}; ms per call")
+    print(f"{'case':>12} {'variant':>9} {'wall':>8} {'kernel':>8} {'FLA wall':>9} {'FLA kern':>9} "
+          f"{'x wall':>7} {'x kern':>7} {'TFLOP/s':>8} {'rel diff':>9}", flush=True)
+    rows, breakdowns = [], []
+    for case in args.cases:
+        shape, nh = case.split(":")
+        docs, doc_tokens = (int(x) for x in shape.split("x"))
+        nh = int(nh)
+        q, k, v, g, beta, cu = make_inputs(docs, doc_tokens, args.heads, args.dim, nh)
+        tokens = docs * doc_tokens
+        inputs = GDPInputs(q, k, v, g, beta, args.dim ** -0.5, nh, True, cu)
+        flops = chunked_flops(tokens, args.heads, args.dim, args.dim, nh)
         with torch.no_grad():
-            t_ours = time_ms(ours, args.repeat)
-            stages = breakdown(backend, inputs, args.repeat)
-            stages["CP rank 1 of 2 (prepare + apply)"] = cp_rank_step(backend, q, k, v, g, beta, args.dim, args.nh,
-                                                                      args.repeat)
-            o_ours = ours()[0]
-            t_fla = diff = float("nan")
+            t_fla = k_fla = float("nan")
+            o_fla = None
             if fla is not None:
                 def run_fla():
-                    return fla(q, k, v, g, beta, num_householder=args.nh, use_qk_l2norm_in_kernel=True)
+                    return fla(q, k, v, g, beta, num_householder=nh, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
 
                 t_fla = time_ms(run_fla, args.repeat)
+                fla_kernels = kernel_times(run_fla, args.repeat)
+                k_fla = sum(fla_kernels.values())
                 o_fla = run_fla()[0]
-                diff = ((o_ours.float() - o_fla.float()).norm() / o_fla.float().norm()).item()
-        flops = chunked_flops(tokens, args.heads, args.dim, args.dim, args.nh)
-        nbytes = min_bytes(tokens, args.heads, args.dim, args.dim, args.nh)
-        rows.append((tokens, t_ours, t_fla, flops, nbytes, diff, stages))
-        # one line per size as soon as it is measured (a time limit then still leaves the rows done)
-        print(f"{tokens:>8} {t_ours:>11.3f} {t_fla:>8.3f} {t_fla / t_ours:>9.2f} {flops / t_ours / 1e9:>8.1f} "
-              f"{nbytes / t_ours / 1e6:>10.0f} {diff:>9.2e}", flush=True)
-        del q, k, v, g, beta, inputs, o_ours
+                breakdowns.append((case, "FLA", fla_kernels))
+            for variant in args.variants:
+                backend = make_backend(variant)
+                run_ours = lambda: backend.one_device_forward(inputs)  # noqa: E731
+                t_ours = time_ms(run_ours, args.repeat)
+                ours_kernels = kernel_times(run_ours, args.repeat)
+                k_ours = sum(ours_kernels.values())
+                breakdowns.append((case, variant, ours_kernels))
+                o_ours = run_ours()[0]
+                diff = float("nan") if o_fla is None else \
+                    ((o_ours.float() - o_fla.float()).norm() / o_fla.float().norm()).item()
+                row = [case, variant, tokens, nh, t_ours, k_ours, t_fla, k_fla, t_fla / t_ours, k_fla / k_ours,
+                       flops / k_ours / 1e9, diff]
+                rows.append(row)
+                print(f"{case:>12} {variant:>9} {t_ours:>8.3f} {k_ours:>8.3f} {t_fla:>9.3f} {k_fla:>9.3f} "
+                      f"{row[8]:>7.2f} {row[9]:>7.2f} {row[10]:>8.1f} {diff:>9.2e}", flush=True)
+        del q, k, v, g, beta, inputs
         torch.cuda.empty_cache()
+    print("\nper-kernel GPU time per call (ms, torch.profiler), largest first")
+    for case, who, kernels in breakdowns:
+        top = sorted(kernels.items(), key=lambda item: -item[1])[:8]
+        print(f"{case:>12} {who:>9}: " + "  ".join(f"{name} {ms:.3f}" for name, ms in top), flush=True)
+    with open(os.path.join(args.out, "bench_gdp_fwd.csv"), "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(header)
+        writer.writerows(rows)
+    try:
+        import matplotlib
 
-    print("\nper-stage CuTeDSL times (ms)")
-    for tokens, *_, stages in rows:
-        print(f"{tokens:>8} " + "  ".join(f"{name} {ms:.3f}" for name, ms in stages.items()))
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 4))
+        labels = [f"{r[0]} {r[1]}" for r in rows]
+        xs = range(len(rows))
+        ax.bar([x - 0.2 for x in xs], [r[5] for r in rows], 0.4, label="cp_linear (CuTeDSL), kernel time")
+        ax.bar([x + 0.2 for x in xs], [r[7] for r in rows], 0.4, label="flash-linear-attention, kernel time")
+        ax.set_xticks(list(xs), labels, rotation=20)
+        ax.set_ylabel("forward ms (log)")
+        ax.set_yscale("log")
+        ax.set_title(f"GDP forward on one H200, H={args.heads}, K=V={args.dim}, bf16")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(args.out, "bench_gdp_fwd.png"), dpi=120)
+    except Exception as err:  # the table and CSV are the result; the plot is a convenience
+        print(f"no plot: {err}")
 
 
 if __name__ == "__main__":

@@ -1,35 +1,33 @@
-"""CuTeDSL Gated DeltaProduct forward kernels for Hopper (sm_90a).
+"""CuTeDSL Gated DeltaProduct forward kernels for Hopper (sm_90a), on tensor cores.
 
-Kernels (one module each, a kernel class per module, float32 state and arithmetic):
-  chunk_index   per-sequence chunk offsets and the chunk -> sequence table, from cu_seqlens
-  wy_prepare    per-chunk UT transform: w, u and the cumulative gates
-  state_pass    the chunk-to-chunk state recurrence (forward states, or transition products)
-  output        per-chunk outputs on each token's last step
-  affine_fold   ascending fold of affine maps (incoming CP state; product of run transitions)
+Kernels (one module each, a kernel class per module; ``docs/kernels.md`` has the design):
+  chunk_prep     per chunk (parallel): T = (I + A)^-1 scaled two ways, the output mixer P and
+                 the decay scalars; k k^T and q k^T on mma.sync
+  chunk_scan     per segment: the chunk-to-chunk recurrence with the transposed state in
+                 registers, all products on mma.sync; mode "summary" builds [E^T ; M^T],
+                 mode "output" writes outputs and end states
+  segment_fold   float32 fold of segment summaries into each segment's incoming state
 
-``configs`` holds one frozen config dataclass per kernel (the compile-cache key); ``cache``
-compiles on first use with symbolic T / N / H and keeps the compiled function for the
-process. Nothing here imports cutlass until a kernel is compiled, so ``import cp_linear`` and
-``import cp_linear.kernels`` need neither a GPU nor the DSL. ``python -m cp_linear.kernels
---compile --arch sm_90a`` compiles every kernel without a GPU.
+``configs`` holds one frozen config dataclass per kernel (the compile-cache key); ``launch``
+the typed launches (from which compile-time arguments are derived) and the device work layout;
+``cache`` compiles on first use, or loads a prebuilt library; ``emulation`` runs the same
+launches in torch (the kernels' CPU oracle). Nothing here imports cutlass until a kernel is
+compiled, so ``import cp_linear.kernels`` needs neither a GPU nor the DSL.
+``python -m cp_linear.kernels --compile --arch sm_90a`` compiles every kernel without a GPU.
 """
 
 from cp_linear.kernels.configs import (
-    AffineFoldConfig,
-    ChunkIndexConfig,
-    OutputConfig,
-    StatePassConfig,
-    WYPrepareConfig,
+    ChunkPrepConfig,
+    ChunkScanConfig,
+    SegmentFoldConfig,
     all_forward_configs,
     describe,
 )
 
 __all__ = [
-    "AffineFoldConfig",
-    "ChunkIndexConfig",
-    "OutputConfig",
-    "StatePassConfig",
-    "WYPrepareConfig",
+    "ChunkPrepConfig",
+    "ChunkScanConfig",
+    "SegmentFoldConfig",
     "all_forward_configs",
     "describe",
 ]

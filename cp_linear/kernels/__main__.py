@@ -1,15 +1,21 @@
 """Compile every GDP kernel ahead of time, without a GPU.
 
-    python -m cp_linear.kernels --compile --arch sm_90a [--ptxas] [--only TEXT] [--jobs N]
+    python -m cp_linear.kernels --compile --arch sm_90a [--ptxas] [--check-tensor-cores]
+                                [--only TEXT] [--dtype NAME] [--jobs N] [--library DIR]
 
-Lists each kernel config with its compile time; ``--ptxas`` also keeps the PTX and reports
-registers, stack frame and spills from ``ptxas -arch=<arch> -v`` (when ptxas is on PATH).
-Exits 1 if any kernel fails to compile.
+Lists each kernel config with its compile time and the tensor-core instructions its PTX holds
+(``mma.sync`` / ``wgmma``); ``--check-tensor-cores`` fails unless every tensor-core kernel has
+them; ``--ptxas`` also reports registers, stack frame and spills from ``ptxas -arch=<arch> -v``
+(when ptxas is on PATH). ``--library DIR`` exports every kernel as a loadable shared object (use
+it with ``CP_LINEAR_KERNEL_LIBRARY=DIR``; see ``cache``). Each config compiles in a worker
+process that inspects its own PTX, so ``--jobs N`` works with every option.
+Exits 1 if any kernel fails to compile or a check fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import re
 import shutil
@@ -20,7 +26,19 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from cp_linear.kernels.configs import all_forward_configs, describe
+from cp_linear.kernels.configs import (
+    ChunkGammaConfig,
+    ChunkPrepBackwardConfig,
+    ChunkPrepConfig,
+    ChunkReverseConfig,
+    ChunkScanConfig,
+    all_forward_configs,
+    ci_configs,
+    describe,
+)
+
+# segment_fold is float32 SIMT by design
+TENSOR_CORE_CONFIGS = (ChunkPrepConfig, ChunkScanConfig, ChunkGammaConfig, ChunkReverseConfig, ChunkPrepBackwardConfig)
 
 _PTXAS_PATTERNS = {
     "registers": re.compile(r"Used (\d+) registers"),
@@ -30,9 +48,12 @@ _PTXAS_PATTERNS = {
 }
 
 
-def _ptxas_report(ptx: Path, arch: str) -> str:
-    result = subprocess.run(["ptxas", f"-arch={arch}", "-v", str(ptx), "-o", os.devnull],
-                            capture_output=True, text=True, check=False)
+def _ptxas_report(ptx: str, arch: str) -> str:
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as handle:
+        handle.write(ptx)
+        handle.flush()
+        result = subprocess.run(["ptxas", f"-arch={arch}", "-v", handle.name, "-o", os.devnull],
+                                capture_output=True, text=True, check=False)
     text = result.stdout + result.stderr
     if result.returncode != 0:
         return f"ptxas failed: {text.strip().splitlines()[-1] if text.strip() else result.returncode}"
@@ -42,38 +63,48 @@ def _ptxas_report(ptx: Path, arch: str) -> str:
             f"spills {values['spill_stores']}/{values['spill_loads']} B (store/load)")
 
 
-def _compile_one(index: int, dump_dir: str | None, arch: str) -> tuple[int, float, str | None, list[str]]:
-    """Compile config ``index`` in this process -> (index, seconds, error or None, new PTX files)."""
-    from cp_linear.kernels.cache import compile_kernel
+def _tensor_core_ops(ptx: str) -> list[str]:
+    return sorted(op for op in ("wgmma", "mma.sync") if op in ptx)
 
+
+_DUMP_DIR: list[str] = []
+
+
+def _use_private_dump_dir(arch: str) -> None:
+    """Keep PTX (read back through ``__ptx__``) in a directory of this process's own: the DSL names
+    dumped files after the kernel and its argument types, so two configs that differ only in the
+    kernel's compile-time attributes share a file name, and concurrent workers would read each
+    other's PTX."""
+    if not _DUMP_DIR:
+        _DUMP_DIR.append(tempfile.mkdtemp(prefix="cp_linear_ptx_"))
+        atexit.register(shutil.rmtree, _DUMP_DIR[0], True)
+    os.environ["CUTE_DSL_ARCH"] = arch
+    os.environ["CUTE_DSL_KEEP"] = "ptx"
+    os.environ["CUTE_DSL_DUMP_DIR"] = _DUMP_DIR[0]
+
+
+def _compile_one(index: int, arch: str, library: str | None, ptxas: bool
+                 ) -> tuple[int, float, str | None, list[str] | None, str | None]:
+    """Compile config ``index`` -> (index, seconds, error, tensor-core ops in its PTX, ptxas report)."""
+    from cp_linear.kernels.cache import artifact_name, compile_kernel, export_kernel
+
+    _use_private_dump_dir(arch)
     config = all_forward_configs()[index]
-    def ptx_times() -> dict[str, int]:
-        if not dump_dir:
-            return {}
-        return {name: os.stat(Path(dump_dir) / name).st_mtime_ns for name in os.listdir(dump_dir)
-                if name.endswith(".ptx")}
-
-    before = ptx_times()  # PTX names can repeat across configs: look for new *or rewritten* files
     started = time.perf_counter()
     try:
-        compile_kernel(config)
-        error = None
+        if library and (Path(library) / f"{artifact_name(config)}.so").exists():
+            function = None  # up to date in the library already
+        elif library:
+            function = export_kernel(config, library)[1]
+        else:
+            function = compile_kernel(config)
     except Exception as err:  # report and keep compiling the others
-        error = f"{type(err).__name__}: {err}"
+        return index, time.perf_counter() - started, f"{type(err).__name__}: {err}", None, None
     seconds = time.perf_counter() - started
-    changed = sorted(name for name, stamp in ptx_times().items() if before.get(name) != stamp)
-    return index, seconds, error, [str(Path(dump_dir) / name) for name in changed]
-
-
-def _set_environment(arch: str, dump_dir: str | None) -> None:
-    os.environ["CUTE_DSL_ARCH"] = arch
-    if dump_dir:
-        os.environ["CUTE_DSL_KEEP"] = "ptx"
-        os.environ["CUTE_DSL_DUMP_DIR"] = dump_dir
-
-
-def _worker_init(arch: str, dump_dir: str | None) -> None:
-    _set_environment(arch, dump_dir)
+    ptx = getattr(function, "__ptx__", None) if function is not None else None
+    if not ptx:
+        return index, seconds, None, None, None
+    return index, seconds, None, _tensor_core_ops(ptx), _ptxas_report(ptx, arch) if ptxas else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,7 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", default="sm_90a", help="target architecture (default sm_90a)")
     parser.add_argument("--ptxas", action="store_true", help="report registers and spills from ptxas -v")
     parser.add_argument("--only", default=None, help="compile only configs whose description contains TEXT")
+    parser.add_argument("--dtype", default=None, help="compile only this input dtype (and the dtype-free kernels)")
+    parser.add_argument("--ci", action="store_true", help="only the configs CI compiles (configs.ci_configs)")
     parser.add_argument("--jobs", type=int, default=1, help="compile in N processes (default 1)")
+    parser.add_argument("--library", default=None, help="export every kernel to DIR as a prebuilt library")
+    parser.add_argument("--check-tensor-cores", action="store_true",
+                        help="fail unless every tensor-core kernel's PTX holds mma/wgmma instructions")
     args = parser.parse_args(argv)
     if not args.compile:
         parser.print_help()
@@ -92,16 +128,17 @@ def main(argv: list[str] | None = None) -> int:
     ptxas = args.ptxas and shutil.which("ptxas") is not None
     if args.ptxas and not ptxas:
         print("ptxas is not on PATH: no register report", file=sys.stderr)
-    dump_dir = tempfile.mkdtemp(prefix="cp_linear_ptx_") if ptxas else None
-    _set_environment(args.arch, dump_dir)
 
     configs = all_forward_configs()
-    chosen = [i for i, config in enumerate(configs) if args.only is None or args.only in describe(config)]
+    in_ci = set(ci_configs())
+    chosen = [i for i, config in enumerate(configs) if (args.only is None or args.only in describe(config))
+              and (args.dtype is None or getattr(config, "dtype", args.dtype) == args.dtype)
+              and (not args.ci or config in in_ci)]
     print(f"compiling {len(chosen)} GDP kernel configs for {args.arch}", flush=True)
     started = time.perf_counter()
     failures = 0
 
-    def report(index: int, seconds: float, error: str | None, ptx_files: list[str]) -> None:
+    def report(index: int, seconds: float, error: str | None, ops: list[str] | None, registers: str | None):
         nonlocal failures
         name = describe(configs[index])
         if error:
@@ -109,19 +146,23 @@ def main(argv: list[str] | None = None) -> int:
             print(f"FAILED  {name}: {error}", flush=True)
             return
         line = f"ok      {name}  {seconds:5.1f} s"
-        if ptxas and ptx_files:
-            line += "  |  " + "; ".join(_ptxas_report(Path(f), args.arch) for f in ptx_files)
+        if ops is not None:
+            line += "  |  " + (", ".join(ops) if ops else "no tensor cores")
+            if args.check_tensor_cores and type(configs[index]) in TENSOR_CORE_CONFIGS and not ops:
+                failures += 1
+                line = "FAILED  " + line[8:] + " (expected tensor-core instructions)"
+        if registers:
+            line += "  |  " + registers
         print(line, flush=True)
 
-    if args.jobs == 1 or ptxas:  # PTX files are attributed by directory listing: one process at a time
-        for index in chosen:
-            report(*_compile_one(index, dump_dir, args.arch))
+    work = [(index, args.arch, args.library, ptxas) for index in chosen]
+    if args.jobs == 1:
+        for item in work:
+            report(*_compile_one(*item))
     else:
-        with ProcessPoolExecutor(args.jobs, initializer=_worker_init, initargs=(args.arch, None)) as pool:
-            for result in pool.map(_compile_one, chosen, [None] * len(chosen), [args.arch] * len(chosen)):
+        with ProcessPoolExecutor(args.jobs, initializer=_use_private_dump_dir, initargs=(args.arch,)) as pool:
+            for result in pool.map(_compile_one, *zip(*work)):
                 report(*result)
-    if dump_dir:
-        shutil.rmtree(dump_dir, ignore_errors=True)
     total = time.perf_counter() - started
     print(f"{len(chosen) - failures} of {len(chosen)} compiled in {total:.1f} s", flush=True)
     return 1 if failures else 0

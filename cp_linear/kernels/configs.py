@@ -10,11 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-CHUNK_SIZE = 64  # interleaved steps per chunk; every chunk starts at its sequence's start
+CHUNK_SIZE = 64  # steps per chunk at most (whole tokens: 64 // n_h of them); chunks start at sequence starts
 HEAD_DIMS = (64, 128)  # supported K and V
-INPUT_DTYPES = ("bfloat16", "float16", "float32")
-STATE_TILE = 16  # state columns per CTA in the sequential state pass and in folds
-OUTPUT_TILE = 64  # value columns per CTA in the output kernel
 
 
 def _check_head_dim(name: str, value: int) -> None:
@@ -22,90 +19,212 @@ def _check_head_dim(name: str, value: int) -> None:
         raise ValueError(f"{name} must be one of {HEAD_DIMS}; received {value}")
 
 
-def _check_dtype(dtype: str) -> None:
-    if dtype not in INPUT_DTYPES:
-        raise ValueError(f"dtype must be one of {INPUT_DTYPES}; received {dtype!r}")
+TENSOR_CORE_DTYPES = ("bfloat16", "float16")
+QUERY_TILES = (32, 64)
+SCAN_MODES = ("summary", "output")
+MMA_KINDS = ("sync", "wgmma")
+
+
+def tokens_per_chunk(num_householder: int) -> int:
+    """Whole tokens per chunk of at most 64 steps: 64, 32, 21, 16, ... for n_h = 1, 2, 3, 4, ..."""
+    if not 1 <= num_householder <= CHUNK_SIZE:
+        raise ValueError(f"num_householder must be in [1, {CHUNK_SIZE}]; received {num_householder}")
+    return CHUNK_SIZE // num_householder
+
+
+def query_tile(num_householder: int) -> int:
+    """Query rows of a chunk's MMA tile (a multiple of 16 holding every token): 64 for n_h = 1, else 32."""
+    return 64 if tokens_per_chunk(num_householder) > 32 else 32
+
+
+def _check_tensor_core_dtype(dtype: str) -> None:
+    if dtype not in TENSOR_CORE_DTYPES:
+        raise ValueError(f"dtype must be one of {TENSOR_CORE_DTYPES}; received {dtype!r}")
+
+
+def _check_query_tile(value: int) -> None:
+    if value not in QUERY_TILES:
+        raise ValueError(f"query_tile must be one of {QUERY_TILES}; received {value}")
 
 
 @dataclass(frozen=True)
-class ChunkIndexConfig:
-    """Per-sequence chunk offsets and the chunk -> sequence table (no shape parameter)."""
+class ChunkPrepConfig:
+    """Per-chunk T = (I + A)^-1 (scaled twice), P and scalars on tensor cores (``chunk_prep``).
 
-    threads: int = 1024
+    n_h is a run-time argument; ``query_tile`` (64 for n_h = 1, else 32) sizes P.
+    """
+
+    dtype: str
+    key_dim: int
+    query_tile: int
 
     def validate(self) -> None:
-        if self.threads != 1024:
-            raise ValueError(f"ChunkIndexConfig.threads must be 1024; received {self.threads}")
+        _check_tensor_core_dtype(self.dtype)
+        _check_head_dim("key_dim", self.key_dim)
+        _check_query_tile(self.query_tile)
 
 
 @dataclass(frozen=True)
-class WYPrepareConfig:
-    """Per-chunk UT transform: w = T diag(beta e^G) k, u = T diag(beta) v, cumulative gates."""
+class ChunkScanConfig:
+    """The chunk-to-chunk scan of one segment on tensor cores (``chunk_scan``).
+
+    mode "summary": rows of [E^T ; M^T] from [0 ; I] (segment summaries; ``query_tile`` must be
+    0); mode "output": the state rows from a folded incoming state, writing outputs and the
+    segment's end state (``query_tile`` as for ``ChunkPrepConfig``).
+    """
 
     dtype: str
     key_dim: int
     value_dim: int
+    mode: str
+    query_tile: int = 0
+    row_block: int = 0  # state rows per CTA (16 per warp); 0: 128 when K = V = 128, else 64
+    mma: str = "sync"  # "sync": warp mma.sync; "wgmma": Hopper warpgroup MMA (not yet measured on a GPU)
+
+    @property
+    def rows_per_cta(self) -> int:
+        if self.row_block:
+            return self.row_block
+        return 128 if self.key_dim == 128 and self.value_dim == 128 else 64
 
     def validate(self) -> None:
-        _check_dtype(self.dtype)
+        _check_tensor_core_dtype(self.dtype)
         _check_head_dim("key_dim", self.key_dim)
         _check_head_dim("value_dim", self.value_dim)
+        if self.mode not in SCAN_MODES:
+            raise ValueError(f"mode must be one of {SCAN_MODES}; received {self.mode!r}")
+        if self.mode == "summary" and self.query_tile != 0:
+            raise ValueError(f"mode 'summary' reads no queries: query_tile must be 0; received {self.query_tile}")
+        if self.mode == "output":
+            _check_query_tile(self.query_tile)
+        if self.mma not in MMA_KINDS:
+            raise ValueError(f"mma must be one of {MMA_KINDS}; received {self.mma!r}")
+        if self.row_block not in (0, 64, 128) or self.row_block > min(self.key_dim, self.value_dim):
+            raise ValueError(f"row_block must be 0 (auto), 64 or 128 and at most min(K, V); received {self.row_block}")
 
 
 @dataclass(frozen=True)
-class StatePassConfig:
-    """Sequential chunk-to-chunk state recurrence over [K, W] states (W = V, or K for transitions)."""
+class SegmentFoldConfig:
+    """Float32 prefix fold of segment summaries into every segment's incoming state (``segment_fold``)."""
 
-    dtype: str
     key_dim: int
 
     def validate(self) -> None:
-        _check_dtype(self.dtype)
         _check_head_dim("key_dim", self.key_dim)
 
 
 @dataclass(frozen=True)
-class OutputConfig:
-    """Per-chunk output o = scale (e^G q h + (q k^T * decay) v_new) on the tokens' last steps."""
+class ChunkGammaConfig:
+    """Backward segment summaries (``chunk_reverse.ChunkGammaKernel``): the rows [gamma^T ; M_b^T] of
+    dX_in = dX_out M_b + gamma from [0 ; I], chunks in reverse; gamma rows read dO, transition rows zero."""
 
     dtype: str
     key_dim: int
     value_dim: int
+    query_tile: int
+
+    @property
+    def rows_per_cta(self) -> int:
+        return 128 if self.key_dim == 128 and self.value_dim == 128 else 64
 
     def validate(self) -> None:
-        _check_dtype(self.dtype)
+        _check_tensor_core_dtype(self.dtype)
         _check_head_dim("key_dim", self.key_dim)
         _check_head_dim("value_dim", self.value_dim)
+        _check_query_tile(self.query_tile)
 
 
 @dataclass(frozen=True)
-class AffineFoldConfig:
-    """Ascending fold S <- M_j S + E_j over stacked float32 summaries (or transitions)."""
+class ChunkReverseConfig:
+    """The backward of one segment (``chunk_reverse.ChunkReverseKernel``): its chunk states recomputed
+    from the saved incoming state, then the chunks in reverse with the state gradient in registers,
+    writing dv, the scan's parts of dq and dk, and the gradients of the per-chunk prep outputs."""
 
+    dtype: str
     key_dim: int
+    value_dim: int
+    query_tile: int
 
     def validate(self) -> None:
+        _check_tensor_core_dtype(self.dtype)
         _check_head_dim("key_dim", self.key_dim)
+        _check_head_dim("value_dim", self.value_dim)
+        _check_query_tile(self.query_tile)
 
 
-KERNEL_CONFIGS = (ChunkIndexConfig, WYPrepareConfig, StatePassConfig, OutputConfig, AffineFoldConfig)
+@dataclass(frozen=True)
+class ChunkPrepBackwardConfig:
+    """The backward of ``chunk_prep`` per chunk (``chunk_prep_backward``): dq, dk, dg, dbeta from the
+    gradients of Ta, Tb, P and the scalars, plus the scan's parts of dq and dk."""
+
+    dtype: str
+    key_dim: int
+    query_tile: int
+
+    def validate(self) -> None:
+        _check_tensor_core_dtype(self.dtype)
+        _check_head_dim("key_dim", self.key_dim)
+        _check_query_tile(self.query_tile)
 
 
-def all_forward_configs() -> list:
-    """Every config the forward uses, for ahead-of-time compilation (the CLI and CI)."""
-    configs: list = [ChunkIndexConfig()]
+KERNEL_CONFIGS = (ChunkPrepConfig, ChunkScanConfig, SegmentFoldConfig, ChunkGammaConfig, ChunkReverseConfig,
+                  ChunkPrepBackwardConfig)
+
+
+def tensor_core_configs() -> list:
+    """Every config of the tensor-core forward (chunk_prep, chunk_scan, segment_fold)."""
+    configs: list = []
     for key_dim in HEAD_DIMS:
-        configs.append(AffineFoldConfig(key_dim))
-        for dtype in INPUT_DTYPES:
-            configs.append(StatePassConfig(dtype, key_dim))
+        configs.append(SegmentFoldConfig(key_dim))
+        for dtype in TENSOR_CORE_DTYPES:
+            for tile in QUERY_TILES:
+                configs.append(ChunkPrepConfig(dtype, key_dim, tile))
             for value_dim in HEAD_DIMS:
-                configs.append(WYPrepareConfig(dtype, key_dim, value_dim))
-                configs.append(OutputConfig(dtype, key_dim, value_dim))
+                configs.append(ChunkScanConfig(dtype, key_dim, value_dim, "summary"))
+                for tile in QUERY_TILES:
+                    configs.append(ChunkScanConfig(dtype, key_dim, value_dim, "output", tile))
+                    if key_dim == value_dim == 128:  # the 4-warp variant (two CTAs per SM)
+                        configs.append(ChunkScanConfig(dtype, key_dim, value_dim, "output", tile, 64))
+                if key_dim == value_dim == 128:
+                    configs.append(ChunkScanConfig(dtype, key_dim, value_dim, "summary", 0, 64))
+                if key_dim == value_dim == 128 and dtype == "bfloat16":  # the warpgroup-MMA variant
+                    for row_block in (0, 64):
+                        configs.append(ChunkScanConfig(dtype, key_dim, value_dim, "summary", 0, row_block, "wgmma"))
+                        for tile in QUERY_TILES:
+                            configs.append(ChunkScanConfig(dtype, key_dim, value_dim, "output", tile, row_block,
+                                                           "wgmma"))
     return configs
 
 
+def backward_configs() -> list:
+    """Every config of the backward kernels (chunk_reverse, chunk_prep_backward)."""
+    configs: list = []
+    for dtype in TENSOR_CORE_DTYPES:
+        for key_dim in HEAD_DIMS:
+            for tile in QUERY_TILES:
+                configs.append(ChunkPrepBackwardConfig(dtype, key_dim, tile))
+                for value_dim in HEAD_DIMS:
+                    configs.append(ChunkGammaConfig(dtype, key_dim, value_dim, tile))
+                    configs.append(ChunkReverseConfig(dtype, key_dim, value_dim, tile))
+    return configs
+
+
+def all_forward_configs() -> list:
+    """Every kernel config (forward and backward), for ahead-of-time compilation (the CLI and CI)."""
+    return tensor_core_configs() + backward_configs()
+
+
+def ci_configs() -> list:
+    """The configs CI compiles: every bfloat16 forward config and the bfloat16 backward configs at
+    K = V in {64, 128} (the float16 and mixed-size ones differ only in types and extents)."""
+    return [config for config in all_forward_configs() if getattr(config, "dtype", "bfloat16") == "bfloat16"
+            and (not isinstance(config, (ChunkGammaConfig, ChunkReverseConfig, ChunkPrepBackwardConfig))
+                 or getattr(config, "value_dim", config.key_dim) == config.key_dim)]
+
+
 def describe(config) -> str:
-    """Short human-readable form, e.g. ``OutputConfig(bfloat16, K=128, V=64)``."""
-    labels = {"dtype": "", "key_dim": "K=", "value_dim": "V=", "threads": "threads="}
+    """Short human-readable form, e.g. ``ChunkScanConfig(bfloat16, K=128, V=64, output, NQ=32, R=0)``."""
+    labels = {"dtype": "", "key_dim": "K=", "value_dim": "V=", "threads": "threads=", "query_tile": "NQ=", "row_block": "R=", "mma": "",
+              "mode": ""}
     parts = [f"{labels.get(f.name, f.name + '=')}{getattr(config, f.name)}" for f in fields(config)]
     return f"{type(config).__name__}({', '.join(parts)})"

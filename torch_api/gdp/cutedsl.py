@@ -1,79 +1,88 @@
-"""``CuTeDSLGatedDeltaProductCPBackend``: the GDP forward on CuTeDSL Hopper kernels.
+"""``CuTeDSLGatedDeltaProductCPBackend``: the GDP forward on the tensor-core kernels of ``cp_linear.kernels``.
 
-The forward half of the CP protocol runs on ``cp_linear.kernels`` (compiled once per shape
-class, called through TVM-FFI on the current torch stream, no host synchronisation); the
-backward half recomputes with ``TorchGDPBackend`` until the backward kernels land (the saved
-context has exactly the layout ``TorchGDPBackend`` reads, see ``torch_api.gdp.chunk``).
+A thin adapter: it flattens the shard, builds the framework-neutral work layout
+(``cp_linear.kernels.launch.forward_layout``) with torch arrays, allocates outputs and runs the
+typed launches on the current stream (TVM-FFI, no host synchronisation). The backward half still
+recomputes with ``TorchGDPBackend`` (the saved context has exactly the layout it reads).
 
-Launch plan of one shard (N sequences; the first may continue from the previous rank, the last
-may continue on the next one; every batch row is such a sequence when there is no cu_seqlens)::
+Launch plan of one shard (N sequences, each cut into segments of ``segment_chunks`` chunks so
+that one long sequence fills the GPU):
 
-    prepare   chunk_index -> wy_prepare (all chunks, parallel)
-              state_pass from zero over the sequences that do not depend on S_in
-                   (packed: sequences 1..N-1; or sequence 0 when N = 1 / rows, to get E)
-              M: state_pass in transition mode over runs of G chunks (parallel), then an
-                 affine fold of the run products; only when the trailing sequence spans the
-                 shard (packed N = 1, or rows), else M = 0
-    apply     affine fold of the preceding summaries -> S_in (on the device)
-              state_pass of the first sequence from S_in (packed N >= 2: its only pass;
-                 N = 1 / rows: a rerun, skipped when there is no preceding rank)
-              output (all chunks, parallel)
+    prepare   chunk_prep           every chunk (parallel): T, P, scalars
+              chunk_scan summary   every segment that is followed by another one, plus (CP) every
+                                   segment of the trailing sequence: [E^T ; M^T] from [0 ; I]
+              segment_fold         (CP) the trailing sequence's segment summaries -> its [E | M]
+    apply     segment_fold         every segment's incoming state: sequence 0 from S_in (the fold
+                                   of the preceding summaries), the others from zero
+              chunk_scan output    every segment from its incoming state: outputs, end states
+
+A sequence that spans ranks therefore costs one summary pass (run before the all-gather) and
+one output pass — no second state pass.
 """
 
 from __future__ import annotations
 
-import math
+import warnings
 from dataclasses import dataclass
 
 import torch
 
+from cp_linear.kernels import configs as kcfg
+from cp_linear.kernels import launch as kl
 from cp_linear.protocol import CPForwardResult, CPSavedContext
-from cp_linear.summary import CPForwardPackedSummary, CPForwardUnpackedSummary
+from cp_linear.summary import (
+    CPBackwardPackedSummary,
+    CPBackwardUnpackedSummary,
+    CPForwardPackedSummary,
+    CPForwardUnpackedSummary,
+    compose_backward,
+    compose_forward,
+)
 from torch_api.gdp.chunk import TorchGDPBackend, make_cp_saved_context
-from torch_api.gdp.types import GDPInputs
+from torch_api.gdp.types import GDPInputGradients, GDPInputs
 from torch_api.gdp.validation import check_gdp_inputs
 
-CHUNK = 64
-SUPPORTED_HEAD_DIMS = (64, 128)
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-INIT_ZERO, INIT_GIVEN, INIT_IDENTITY = 0, 1, 2
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_SM_COUNT: dict[int, int] = {}
 
 
-def _kernels():
-    from cp_linear.kernels import cache, configs
+def unsupported_reason(inputs: GDPInputs) -> str | None:
+    """Why the tensor-core kernels cannot run ``inputs`` (None when they can)."""
+    if inputs.q.device.type != "cuda":
+        return f"the kernels need CUDA tensors; received {inputs.q.device}"
+    if inputs.q.dtype not in _DTYPE_NAMES:
+        return f"the kernels take bfloat16 or float16 q/k/v; received {inputs.q.dtype}"
+    key_dim, value_dim = inputs.q.shape[-1], inputs.v.shape[-1]
+    if key_dim not in kcfg.HEAD_DIMS or value_dim not in kcfg.HEAD_DIMS:
+        return f"the kernels support K, V in {kcfg.HEAD_DIMS}; received K = {key_dim}, V = {value_dim}"
+    if inputs.k.dtype != inputs.q.dtype or inputs.v.dtype != inputs.q.dtype:
+        return "q, k and v must share one dtype"
+    return None
 
-    return cache, configs
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
 
 
 @dataclass
 class _Shard:
-    """One shard flattened over its batch rows, plus the device workspaces of the forward.
-
-    q [T_all, H, K], k [S_all, H, K], v [S_all, H, V] (input dtype); g [T_all, H], beta
-    [S_all, H] float32; cu int32 [N + 1]; chunk_offsets int32 [N + 1]; chunk_start and chunk_len
-    int32 [C_max] (first step and length of every chunk);
-    w [S_all, H, K], u / new_values [S_all, H, V], gate_cumsum and k_inv_norm [S_all, H],
-    chunk_states [C_max, H, K, V], all float32.
-    """
+    """One shard flattened over its batch rows, its work layout and the per-chunk prep results."""
 
     inputs: GDPInputs
-    rows: bool  # True: each batch row is one sequence (no cu_seqlens)
-    num_seqs: int
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    g: torch.Tensor
-    beta: torch.Tensor
-    cu: torch.Tensor
-    chunk_offsets: torch.Tensor
-    chunk_start: torch.Tensor
-    chunk_len: torch.Tensor
-    w: torch.Tensor
-    u: torch.Tensor
-    gate_cumsum: torch.Tensor
-    k_inv_norm: torch.Tensor
-    chunk_states: torch.Tensor
-    new_values: torch.Tensor
+    rows: bool  # each batch row is one sequence (no cu_seqlens)
+    q: torch.Tensor  # [T_all, H, K]
+    k: torch.Tensor  # [S_all, H, K]
+    v: torch.Tensor  # [S_all, H, V]
+    layout: kl.ForwardLayout
+    ta: torch.Tensor  # [C_max, H, 64, 64]
+    tb: torch.Tensor
+    p: torch.Tensor  # [C_max, H, NQ, 64]
+    scalars: torch.Tensor  # [C_max, H, 4, 64] float32
+    summaries: torch.Tensor  # [S_max, H, V + K, K] float32 ([E^T ; M^T] per segment)
+    row_block: int  # ChunkScanConfig.row_block
 
     @property
     def heads(self) -> int:
@@ -88,20 +97,22 @@ class _Shard:
         return self.v.shape[2]
 
     @property
-    def dtype_name(self) -> str:
+    def dtype(self) -> str:
         return _DTYPE_NAMES[self.q.dtype]
 
     @property
-    def use_l2(self) -> int:
-        return int(bool(self.inputs.use_qk_l2norm_in_kernel))
+    def query_tile(self) -> int:
+        return kcfg.query_tile(self.inputs.num_householder)
 
-    @property
-    def num_householder(self) -> int:
-        return self.inputs.num_householder
 
-    @property
-    def steps_per_row(self) -> int:
-        return self.inputs.k.shape[1]
+@dataclass
+class CuTeDSLBackwardContext:
+    """Between ``cp_backward_prepare`` and ``cp_backward_apply``."""
+
+    shard: _Shard
+    do: torch.Tensor  # [T_all, H, V] input dtype
+    grad_summaries: torch.Tensor  # [S_max, H, V + K, K] float32: rows [gamma ; M_b] per segment
+    incoming: torch.Tensor  # [S_max, H, V, K] float32: the forward's segment incoming states
 
 
 @dataclass
@@ -109,242 +120,397 @@ class CuTeDSLForwardContext:
     """Between ``cp_forward_prepare`` and ``cp_forward_apply``."""
 
     shard: _Shard
-    summary: torch.Tensor  # [1 or B, H, K, V + K] float32 (the packed summary, batch axis kept)
+    summary: torch.Tensor  # [1 or B, H, K, V + K] float32
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
-    """[B, T, ...] -> contiguous [B*T, ...] (a view when already contiguous)."""
-    return x.contiguous().flatten(0, 1)
+    """[B, T, ...] -> contiguous [B*T, ...]; copied only when not contiguous or not 16-byte aligned
+    (the kernels read q, k and v with 16-byte vectors)."""
+    x = x.contiguous().flatten(0, 1)
+    return x if x.data_ptr() % 16 == 0 else x.clone()
 
 
 class CuTeDSLGatedDeltaProductCPBackend:
-    """GDP chunkwise-CP backend whose forward runs on CuTeDSL kernels for Hopper (sm_90a).
+    """GDP chunkwise-CP backend whose forward runs on the tensor-core CuTeDSL kernels (sm_90a).
 
-    Supports K, V in {64, 128}, n_h >= 1, bf16 / fp16 / fp32 inputs on a CUDA device, packed
-    batches (``cu_seqlens``) and rows. Summaries are packed float32 ``[E | M]``.
+    Supports bf16 / fp16 q, k, v with K, V in {64, 128}, any n_h, packed batches
+    (``cu_seqlens``) and rows, qk l2norm in the kernel, on a CUDA device. Other inputs run on
+    ``TorchGDPBackend`` after a one-line warning with the reason (``unsupported_reason``), or raise
+    ``ValueError`` with it when ``fallback=False``. Summaries are packed float32 ``[E | M]`` either
+    way, so ranks that take different paths still compose.
 
-    The backward half (``cp_backward_prepare`` / ``cp_backward_apply`` and
-    ``one_device_backward``) is ``TorchGDPBackend``'s recomputation from the saved inputs, until
-    the backward kernels land; it saves only the inputs, the incoming state and M.
-
-    recompute_chunk_num: how many chunk states the backward recomputes between stored ones. The
-    torch fallback backward recomputes all of them from the inputs, so today the forward stores
-    no chunk states whatever the value; it is validated and recorded in the saved metadata.
-    transition_group_chunks: chunks per parallel run when building M (None: about sqrt of the
-    shard's chunk count).
+    segment_chunks: chunks per segment (None: sized from the shard's shape so that one long
+    sequence gives about ``ctas_per_sm`` output CTAs per SM). row_block: state rows per scan CTA
+    (0: the measured choice of ``launch.scan_row_block``; 64 runs two 4-warp CTAs per SM where 128
+    runs one 8-warp CTA). mma: "sync" (warp mma.sync, measured) or "wgmma" (Hopper warpgroup
+    MMA for the scan; compiled in CI, not yet measured on a GPU). backward: "torch" (the default:
+    ``TorchGDPBackend``'s recomputation) or "kernels" (the one-device backward on
+    ``chunk_reverse`` / ``chunk_prep_backward``; checked on the CPU through their emulation, not
+    yet run on a GPU). The backward
+    half is ``TorchGDPBackend``'s recomputation until the backward kernels land.
     """
 
-    def __init__(self, recompute_chunk_num: int = 0, transition_group_chunks: int | None = None):
+    def __init__(self, segment_chunks: int | None = None, recompute_chunk_num: int = 0, *, row_block: int = 0,
+                 ctas_per_sm: float = 2, fallback: bool = True, mma: str = "sync", backward: str = "torch"):
+        if segment_chunks is not None and (not isinstance(segment_chunks, int) or segment_chunks < 1):
+            raise ValueError(f"segment_chunks must be a positive int or None; received {segment_chunks!r}")
+        if row_block not in (0, 64, 128):
+            raise ValueError(f"row_block must be 0 (automatic), 64 or 128; received {row_block!r}")
+        if not ctas_per_sm > 0:
+            raise ValueError(f"ctas_per_sm must be positive; received {ctas_per_sm!r}")
+        if mma not in kcfg.MMA_KINDS:
+            raise ValueError(f"mma must be one of {kcfg.MMA_KINDS}; received {mma!r}")
+        if backward not in ("torch", "kernels"):
+            raise ValueError(f"backward must be 'torch' or 'kernels'; received {backward!r}")
+        self.mma = mma
+        self.backward = backward
+        self.row_block = row_block
+        self.ctas_per_sm = ctas_per_sm
+        self.fallback = fallback
+        self._warned: set[str] = set()
         if not isinstance(recompute_chunk_num, int) or isinstance(recompute_chunk_num, bool) or recompute_chunk_num < 0:
             raise ValueError(f"recompute_chunk_num must be an int >= 0; received {recompute_chunk_num!r}")
-        if transition_group_chunks is not None and (
-                not isinstance(transition_group_chunks, int) or transition_group_chunks < 1):
-            raise ValueError(f"transition_group_chunks must be a positive int or None; received "
-                             f"{transition_group_chunks!r}")
+        self.segment_chunks = segment_chunks
         self.recompute_chunk_num = recompute_chunk_num
-        self.transition_group_chunks = transition_group_chunks
         self._fallback = TorchGDPBackend()
-        self._dummies: dict = {}
 
-    # ------------------------------------------------------------------ checks and set-up
+    # ------------------------------------------------------------------ prepare: per-chunk work and summaries
 
-    @staticmethod
-    def _check(inputs: GDPInputs) -> None:
+    def _use_kernels(self, inputs: GDPInputs) -> bool:
+        """True when the kernels take ``inputs``; else warn once per reason (or raise without fallback)."""
         check_gdp_inputs(inputs)
-        key_dim, value_dim = inputs.q.shape[-1], inputs.v.shape[-1]
-        if key_dim not in SUPPORTED_HEAD_DIMS or value_dim not in SUPPORTED_HEAD_DIMS:
-            raise ValueError(f"CuTeDSLGatedDeltaProductCPBackend supports K, V in {SUPPORTED_HEAD_DIMS}; "
-                             f"received K = {key_dim}, V = {value_dim}")
-        if inputs.q.device.type != "cuda":
-            raise ValueError(f"CuTeDSLGatedDeltaProductCPBackend needs CUDA tensors; received {inputs.q.device}")
+        reason = unsupported_reason(inputs)
+        if reason is None:
+            return True
+        if not self.fallback:
+            raise ValueError(f"CuTeDSLGatedDeltaProductCPBackend: {reason}")
+        if reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(f"CuTeDSLGatedDeltaProductCPBackend runs TorchGDPBackend: {reason}", stacklevel=3)
+        return False
 
-    def _shard(self, inputs: GDPInputs) -> _Shard:
-        self._check(inputs)
+    def _shard(self, inputs: GDPInputs, *, cp_summary: bool, summaries: bool = True,
+               grad_summary_sequence: int | None = None) -> _Shard:
         q, k, v = _flat(inputs.q), _flat(inputs.k), _flat(inputs.v)
         device = q.device
         batch, tokens = inputs.q.shape[:2]
-        steps_all = k.shape[0]
         heads, key_dim, value_dim = q.shape[1], q.shape[2], v.shape[2]
-        if inputs.cu_seqlens is None:
-            rows = True
+        rows = inputs.cu_seqlens is None
+        if rows:
             cu = torch.arange(0, (batch + 1) * tokens, tokens, dtype=torch.int32, device=device)
         else:
-            rows = False
-            cu = inputs.cu_seqlens.to(device=device, dtype=torch.int32).contiguous()
+            cu = inputs.cu_seqlens.to(device=device, dtype=torch.int32)
         num_seqs = cu.shape[0] - 1
-        max_chunks = (steps_all + (CHUNK - 1) * num_seqs) // CHUNK
-        if max_chunks * heads * key_dim * value_dim >= 2**31:
-            raise ValueError(f"the chunk-state buffer would hold {max_chunks * heads * key_dim * value_dim} "
-                             "elements (>= 2^31); split the shard")
-        f32 = dict(dtype=torch.float32, device=device)
-        i32 = dict(dtype=torch.int32, device=device)
-        return _Shard(
-            inputs=inputs, rows=rows, num_seqs=num_seqs, q=q, k=k, v=v,
-            # the kernels read gates and betas as float32 (small [T, H] tensors; no-op when already so)
-            g=_flat(inputs.g).float(), beta=_flat(inputs.beta).float(), cu=cu,
-            chunk_offsets=torch.empty(num_seqs + 1, **i32), chunk_start=torch.empty(max_chunks, **i32),
-            chunk_len=torch.empty(max_chunks, **i32),
-            w=torch.empty(steps_all, heads, key_dim, **f32), u=torch.empty(steps_all, heads, value_dim, **f32),
-            gate_cumsum=torch.empty(steps_all, heads, **f32), k_inv_norm=torch.empty(steps_all, heads, **f32),
-            chunk_states=torch.empty(max_chunks, heads, key_dim, value_dim, **f32),
-            new_values=torch.empty(steps_all, heads, value_dim, **f32))
+        row_block = self.row_block or kl.scan_row_block(key_dim, value_dim, inputs.num_householder)
+        row_block = row_block if row_block <= min(key_dim, value_dim) else 0
+        scan_rows = kcfg.ChunkScanConfig(_DTYPE_NAMES[q.dtype], key_dim, value_dim, "output", 32,
+                                         row_block).rows_per_cta
+        summary_sequence = None
+        if cp_summary and not rows:
+            summary_sequence = num_seqs - 1
+        layout = kl.forward_layout(cu, total_tokens=q.shape[0], num_householder=inputs.num_householder, heads=heads,
+                                   row_blocks=value_dim // scan_rows, sm_count=_sm_count(device),
+                                   segment_chunks=self.segment_chunks, summary_sequence=summary_sequence,
+                                   ctas_per_sm=self.ctas_per_sm, grad_summary_sequence=grad_summary_sequence)
+        if grad_summary_sequence is not None and rows:  # every row leads: all its segments
+            layout.seg_grad_flags = torch.where(
+                torch.arange(layout.max_segments, device=device) < layout.num_segments, kl.SUMMARY_FLAG, 0
+            ).to(torch.int32)
+        if cp_summary and rows:  # every row continues on the next rank: every segment needs a summary
+            layout.seg_flags = torch.where(torch.arange(layout.max_segments, device=device) < layout.num_segments,
+                                           kl.SUMMARY_FLAG, 0).to(torch.int32)
+        dtype = q.dtype
+        chunks = layout.max_chunks
+        tile = kcfg.query_tile(inputs.num_householder)
+        shard = _Shard(
+            inputs=inputs, rows=rows, q=q, k=k, v=v, layout=layout,
+            ta=torch.empty(chunks, heads, 64, 64, dtype=dtype, device=device),
+            tb=torch.empty(chunks, heads, 64, 64, dtype=dtype, device=device),
+            p=torch.empty(chunks, heads, tile, 64, dtype=dtype, device=device),
+            scalars=torch.empty(chunks, heads, 4, 64, dtype=torch.float32, device=device),
+            summaries=torch.empty(layout.max_segments, heads, value_dim + key_dim, key_dim, dtype=torch.float32,
+                                  device=device), row_block=row_block)
+        kl.ChunkPrepLaunch(
+            kcfg.ChunkPrepConfig(shard.dtype, key_dim, tile),
+            q=q, k=k, g=_flat(inputs.g).float(), beta=_flat(inputs.beta).float(),
+            chunk_first_step=layout.chunk_first_step, chunk_steps=layout.chunk_steps, num_chunks=layout.num_chunks,
+            ta=shard.ta, tb=shard.tb, p=shard.p, scalars=shard.scalars, scale=float(inputs.scale),
+            use_l2=int(bool(inputs.use_qk_l2norm_in_kernel)), num_householder=inputs.num_householder).run()
+        if summaries:  # mode "summary" reads neither state_in nor o: tiny placeholders of the right type
+            self._scan(shard, "summary", state_in=shard.summaries.new_empty(1, 1, value_dim, key_dim),
+                       state_out=shard.summaries, o=q.new_empty(1, 1, value_dim))
+        return shard
 
-    def _dummy(self, device, shape) -> torch.Tensor:
-        """A small float32 tensor for kernel arguments that a launch mode does not read or write."""
-        key = (device, shape)
-        if key not in self._dummies:
-            self._dummies[key] = torch.zeros(shape, dtype=torch.float32, device=device)
-        return self._dummies[key]
+    def _scan(self, shard: _Shard, mode: str, *, state_in, state_out, o) -> None:
+        layout = shard.layout
+        tile = shard.query_tile if mode == "output" else 0
+        kl.ChunkScanLaunch(
+            kcfg.ChunkScanConfig(shard.dtype, shard.key_dim, shard.value_dim, mode, tile, shard.row_block, self.mma),
+            k=shard.k, v=shard.v, q=shard.q, ta=shard.ta, tb=shard.tb, p=shard.p, scalars=shard.scalars,
+            chunk_first_step=layout.chunk_first_step, chunk_steps=layout.chunk_steps,
+            seg_first_chunk=layout.seg_first_chunk, seg_chunks=layout.seg_chunks, seg_flags=layout.seg_flags,
+            num_segments=layout.num_segments, state_in=state_in, state_out=state_out, o=o,
+            num_householder=shard.inputs.num_householder).run()
 
-    # ------------------------------------------------------------------ launches
+    def _fold(self, shard: _Shard, *, init: torch.Tensor | None, init_count: int, rows: int, identity_row: int,
+              first_sequence: int, final: torch.Tensor | None) -> torch.Tensor:
+        """segment_fold -> incoming [S_max, H, rows, K] (and ``final`` filled when given)."""
+        heads, key_dim = shard.heads, shard.key_dim
+        device = shard.q.device
+        incoming = torch.empty(shard.layout.max_segments, heads, rows, key_dim, dtype=torch.float32, device=device)
+        if init is None:
+            init = incoming[:1]
+        kl.SegmentFoldLaunch(
+            kcfg.SegmentFoldConfig(key_dim), summaries=shard.summaries,
+            seq_first_segment=shard.layout.seq_first_segment, init=init, incoming=incoming,
+            final=incoming[:1] if final is None else final, init_count=init_count, value_rows=shard.value_dim,
+            identity_row=identity_row, first_sequence=first_sequence, write_final=int(final is not None),
+            descending=0).run()
+        return incoming
 
-    def _index_and_wy(self, shard: _Shard) -> None:
-        cache, configs = _kernels()
-        cache.compiled(configs.ChunkIndexConfig())(shard.cu, shard.chunk_offsets, shard.chunk_start,
-                                                   shard.chunk_len, shard.num_householder)
-        cache.compiled(configs.WYPrepareConfig(shard.dtype_name, shard.key_dim, shard.value_dim))(
-            shard.k, shard.v, shard.g, shard.beta, shard.cu, shard.chunk_offsets, shard.chunk_start, shard.chunk_len,
-            shard.w, shard.u, shard.gate_cumsum, shard.k_inv_norm, shard.num_householder, shard.use_l2)
-
-    def _state_pass(self, shard: _Shard, *, seq_begin: int, seq_count: int, initial: torch.Tensor | None,
-                    final: torch.Tensor, final_begin: int, final_col: int = 0) -> None:
-        """The forward state pass over sequences [seq_begin, seq_begin + seq_count) (whole sequences).
-
-        initial [seq_count, H, K, V] or None (zeros); the end state of local sequence z >= final_begin
-        goes to final[z - final_begin, :, :, final_col:final_col + V].
-        """
-        cache, configs = _kernels()
-        key_dim = shard.key_dim
-        init = self._dummy(shard.q.device, (1, 1, key_dim, 1)) if initial is None else initial
-        cache.compiled(configs.StatePassConfig(shard.dtype_name, key_dim))(
-            shard.k, shard.w, shard.u, shard.gate_cumsum, shard.k_inv_norm, shard.cu, shard.chunk_offsets, init,
-            shard.chunk_states, shard.new_values, final,
-            shard.value_dim, shard.num_householder, seq_begin, seq_count, 1, 2**30,
-            INIT_ZERO if initial is None else INIT_GIVEN, 1, 1, final_begin, final_col)
-
-    def _transition(self, shard: _Shard, summary: torch.Tensor) -> None:
-        """M of every sequence (all span the shard: rows, or packed N = 1) into summary[..., V:]."""
-        cache, configs = _kernels()
-        device, key_dim, heads = shard.q.device, shard.key_dim, shard.heads
-        seq_count = shard.num_seqs
-        chunks = -(-shard.steps_per_row // CHUNK)
-        group = self.transition_group_chunks or max(4, math.isqrt(chunks))
-        runs = -(-chunks // group)
-        products = torch.empty(runs * seq_count, heads, key_dim, key_dim, dtype=torch.float32, device=device)
-        unused_values = self._dummy(device, (1, 1, 1))
-        unused_states = self._dummy(device, (1, 1, key_dim, 1))
-        cache.compiled(configs.StatePassConfig(shard.dtype_name, key_dim))(
-            shard.k, shard.w, unused_values, shard.gate_cumsum, shard.k_inv_norm, shard.cu, shard.chunk_offsets,
-            unused_states, unused_states, unused_values, products,
-            key_dim, shard.num_householder, 0, seq_count, runs, group, INIT_IDENTITY, 0, 0, 0, 0)
-        self._fold(products.view(runs, seq_count * heads, key_dim, key_dim),
-                   summary.view(seq_count * heads, key_dim, -1), width=key_dim, m_col=0, has_update=False,
-                   init_identity=True, out_col=shard.value_dim)
-
-    @staticmethod
-    def _fold(stacked: torch.Tensor, out: torch.Tensor, *, width: int, m_col: int, has_update: bool,
-              init_identity: bool, out_col: int) -> None:
-        cache, configs = _kernels()
-        cache.compiled(configs.AffineFoldConfig(stacked.shape[2]))(
-            stacked, out, width, m_col, int(has_update), int(init_identity), out_col)
-
-    def _output(self, shard: _Shard) -> torch.Tensor:
-        cache, configs = _kernels()
+    def _output(self, shard: _Shard, incoming: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """chunk_scan output -> (o [B, T, H, V], end state of every segment [S_max, H, V, K] float32)."""
         o = torch.empty(shard.q.shape[0], shard.heads, shard.value_dim, dtype=shard.q.dtype, device=shard.q.device)
-        cache.compiled(configs.OutputConfig(shard.dtype_name, shard.key_dim, shard.value_dim))(
-            shard.q, shard.k, shard.k_inv_norm, shard.new_values, shard.chunk_states, shard.gate_cumsum, shard.cu,
-            shard.chunk_offsets, shard.chunk_start, shard.chunk_len, o, float(shard.inputs.scale),
-            shard.num_householder, shard.use_l2)
+        state_out = torch.empty_like(incoming)
+        self._scan(shard, "output", state_in=incoming, state_out=state_out, o=o)
         batch, tokens = shard.inputs.q.shape[:2]
-        return o.view(batch, tokens, shard.heads, shard.value_dim)
+        return o.view(batch, tokens, shard.heads, shard.value_dim), state_out
 
     # ------------------------------------------------------------------ forward protocol
 
     def cp_forward_prepare(self, inputs: GDPInputs) -> tuple[CPForwardPackedSummary, CuTeDSLForwardContext]:
-        shard = self._shard(inputs)
+        if not self._use_kernels(inputs):
+            return self._fallback.cp_forward_prepare(inputs)
+        shard = self._shard(inputs, cp_summary=True)
         heads, key_dim, value_dim = shard.heads, shard.key_dim, shard.value_dim
-        summary_rows = shard.num_seqs if shard.rows else 1
-        summary = torch.empty(summary_rows, heads, key_dim, value_dim + key_dim, dtype=torch.float32,
-                              device=shard.q.device)
-        self._index_and_wy(shard)
-        if shard.rows or shard.num_seqs == 1:
-            # every sequence spans the shard: E from a zero-state pass, M from the transitions
-            self._state_pass(shard, seq_begin=0, seq_count=shard.num_seqs, initial=None, final=summary,
-                             final_begin=0)
-            self._transition(shard, summary)
-        else:
-            # sequences 1..N-1 never see S_in; the last one gives E, and M = 0
-            self._state_pass(shard, seq_begin=1, seq_count=shard.num_seqs - 1, initial=None, final=summary,
-                             final_begin=shard.num_seqs - 2)
-            summary[..., value_dim:].zero_()
+        num_seqs = shard.layout.num_sequences
+        stacked_rows = torch.empty(num_seqs, heads, value_dim + key_dim, key_dim, dtype=torch.float32,
+                                   device=shard.q.device)
+        first = 0 if shard.rows else num_seqs - 1
+        self._fold(shard, init=None, init_count=0, rows=value_dim + key_dim, identity_row=value_dim,
+                   first_sequence=first, final=stacked_rows)
+        summary = stacked_rows[first:].transpose(-1, -2).contiguous()  # [n, H, K, V + K] = [E | M]
+        if not shard.rows and num_seqs > 1:
+            summary[..., value_dim:].zero_()  # the trailing sequence starts inside the shard: M = 0
         packed = summary if shard.rows else summary[0]
         return CPForwardPackedSummary(packed), CuTeDSLForwardContext(shard, summary)
 
     def cp_forward_apply(self, local_context: CuTeDSLForwardContext, preceding) -> CPForwardResult:
+        if not isinstance(local_context, CuTeDSLForwardContext):  # prepared by the fallback
+            return self._fallback.cp_forward_apply(local_context, preceding)
         shard, summary = local_context.shard, local_context.summary
-        heads, key_dim, value_dim = shard.heads, shard.key_dim, shard.value_dim
+        value_dim = shard.value_dim
         stacked = _packed_stack(preceding)
-        first_count = shard.num_seqs if shard.rows else 1
-        incoming = torch.zeros(first_count, heads, key_dim, value_dim, dtype=torch.float32, device=shard.q.device)
-        count = 0 if stacked is None else stacked.shape[0]
-        if count:
-            expected = (count, *summary.shape) if shard.rows else (count, *summary.shape[1:])
+        first_count = summary.shape[0]
+        if stacked is not None and stacked.shape[0]:
+            expected = (stacked.shape[0], *summary.shape) if shard.rows else (stacked.shape[0], *summary.shape[1:])
             if tuple(stacked.shape) != expected:
                 raise ValueError(f"preceding summaries must have shape {expected}; received {tuple(stacked.shape)}")
-            self._fold(stacked.reshape(count, first_count * heads, key_dim, value_dim + key_dim),
-                       incoming.view(first_count * heads, key_dim, value_dim), width=value_dim, m_col=value_dim,
-                       has_update=True, init_identity=False, out_col=0)
-        spans_shard = shard.rows or shard.num_seqs == 1
-        if count or not spans_shard:
-            # the first sequence(s) from S_in (a rerun when prepare already ran them from zero)
-            final = self._dummy(shard.q.device, (1, 1, key_dim, 1))
-            self._state_pass(shard, seq_begin=0, seq_count=first_count, initial=incoming if count else None,
-                             final=final, final_begin=2**30)
-        output = self._output(shard)
+            incoming_state = compose_forward(stacked.reshape(stacked.shape[0], *summary.shape))  # [n, H, K, V]
+        else:
+            incoming_state = torch.zeros(*summary.shape[:-1], value_dim, dtype=torch.float32, device=shard.q.device)
+        init = incoming_state.transpose(-1, -2).contiguous()
+        incoming = self._fold(shard, init=init, init_count=first_count, rows=value_dim, identity_row=value_dim,
+                              first_sequence=0, final=None)
+        output, _ = self._output(shard, incoming)
         transition = summary[..., value_dim:]
-        saved_incoming = incoming if shard.rows else incoming[0]
+        saved_incoming = incoming_state if shard.rows else incoming_state[0]
         saved_transition = transition if shard.rows else transition[0]
         saved = make_cp_saved_context(shard.inputs, saved_incoming, saved_transition)
         saved.metadata["recompute_chunk_num"] = self.recompute_chunk_num
+        if self.backward == "kernels":  # the segments' incoming states: the reverse pass restarts from them
+            saved = CPSavedContext(saved.tensors + (incoming,), saved.metadata)
         return CPForwardResult(output, saved)
 
-    # ------------------------------------------------------------------ backward: torch recomputation
+    # ------------------------------------------------------------------ backward protocol
 
     def cp_backward_prepare(self, output_grad: torch.Tensor, saved_context: CPSavedContext):
-        """``TorchGDPBackend.cp_backward_prepare`` (recomputes from the saved inputs)."""
-        return self._fallback.cp_backward_prepare(output_grad, saved_context)
+        """The leading fragment's packed [gamma | M^T] from a zero outgoing gradient: on the backward
+        kernels when the forward saved the segment states (``backward="kernels"``; gamma from the
+        backward summaries folded over the leading sequence, M^T the forward's), else
+        ``TorchGDPBackend.cp_backward_prepare``."""
+        if len(saved_context.tensors) != 9:
+            return self._fallback.cp_backward_prepare(output_grad, saved_context)
+        q, k, v, g, beta, cu_seqlens, _, transition, incoming = saved_context.tensors
+        metadata = saved_context.metadata
+        inputs = GDPInputs(q, k, v, g, beta, metadata["scale"], metadata["num_householder"],
+                           metadata["use_qk_l2norm_in_kernel"], cu_seqlens)
+        shard = self._shard(inputs, cp_summary=False, summaries=False, grad_summary_sequence=0)
+        layout, heads, key_dim, value_dim = shard.layout, shard.heads, shard.key_dim, shard.value_dim
+        do = _flat(output_grad.to(shard.q.dtype))
+        grad_summaries = torch.empty_like(shard.summaries)
+        self._gamma(shard, do, grad_summaries)
+        # rows: every row is a leading fragment; packed: sequence 0 is
+        gamma_rows = torch.empty(layout.num_sequences, heads, value_dim, key_dim, dtype=torch.float32,
+                                 device=shard.q.device)
+        unused = torch.empty(1, heads, value_dim, key_dim, dtype=torch.float32, device=shard.q.device)
+        kl.SegmentFoldLaunch(
+            kcfg.SegmentFoldConfig(key_dim), summaries=grad_summaries, seq_first_segment=layout.seq_first_segment,
+            init=unused, incoming=torch.empty(layout.max_segments, heads, value_dim, key_dim, dtype=torch.float32,
+                                              device=shard.q.device),
+            final=gamma_rows, init_count=0, value_rows=value_dim, identity_row=value_dim, first_sequence=0,
+            write_final=1, descending=1).run()
+        gamma = gamma_rows.transpose(-1, -2) if shard.rows else gamma_rows[0].transpose(-1, -2)
+        summary = torch.cat([gamma, transition.transpose(-1, -2)], dim=-1).contiguous()
+        context = CuTeDSLBackwardContext(shard, do, grad_summaries, incoming)
+        return CPBackwardPackedSummary(summary), context
 
     def cp_backward_apply(self, backward_context, following):
-        """``TorchGDPBackend.cp_backward_apply``."""
-        return self._fallback.cp_backward_apply(backward_context, following)
+        """Input gradients: the trailing sequence's outgoing gradient is the descending fold of the
+        following summaries; every segment's outgoing gradient comes from the backward fold, then the
+        reverse pass and the prep backward (or ``TorchGDPBackend.cp_backward_apply``)."""
+        if not isinstance(backward_context, CuTeDSLBackwardContext):
+            return self._fallback.cp_backward_apply(backward_context, following)
+        shard, ctx = backward_context.shard, backward_context
+        layout, heads, key_dim, value_dim = shard.layout, shard.heads, shard.key_dim, shard.value_dim
+        device = shard.q.device
+        count = layout.num_sequences
+        init = torch.zeros(count, heads, value_dim, key_dim, dtype=torch.float32, device=device)
+        stacked = None if following is None else _packed_backward_stack(following)
+        if stacked is not None and stacked.shape[0]:
+            outgoing = compose_backward(stacked)  # [H, K, V] (packed) or [B, H, K, V] (rows)
+            if shard.rows:
+                init = outgoing.transpose(-1, -2).contiguous()
+            else:
+                init[count - 1] = outgoing.transpose(-1, -2)
+        grad_out = torch.empty(layout.max_segments, heads, value_dim, key_dim, dtype=torch.float32, device=device)
+        kl.SegmentFoldLaunch(
+            kcfg.SegmentFoldConfig(key_dim), summaries=ctx.grad_summaries, seq_first_segment=layout.seq_first_segment,
+            init=init, incoming=grad_out, final=grad_out[:1], init_count=count, value_rows=value_dim,
+            identity_row=value_dim, first_sequence=0, write_final=0, descending=1).run()
+        grads, _ = self._reverse(shard, ctx.do, ctx.incoming, grad_out)
+        return grads
 
     # ------------------------------------------------------------------ one device
 
     def one_device_forward(self, inputs: GDPInputs, initial_state: torch.Tensor | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor, CPSavedContext]:
         """-> (o [B, T, H, V], final_state float32 [N, H, K, V], saved context as TorchGDPBackend's)."""
-        shard = self._shard(inputs)
-        shape = (shard.num_seqs, shard.heads, shard.key_dim, shard.value_dim)
-        initial = None
+        if not self._use_kernels(inputs):
+            return self._fallback.one_device_forward(inputs, initial_state)
+        shard = self._shard(inputs, cp_summary=False)
+        num_seqs = shard.layout.num_sequences
+        shape = (num_seqs, shard.heads, shard.key_dim, shard.value_dim)
+        init = None
         if initial_state is not None:
             if tuple(initial_state.shape) != shape:
                 raise ValueError(f"initial_state must be [N, H, K, V] = {shape}; received {tuple(initial_state.shape)}")
-            initial = initial_state.detach().to(device=shard.q.device, dtype=torch.float32).contiguous()
-        final_state = torch.empty(shape, dtype=torch.float32, device=shard.q.device)
-        self._index_and_wy(shard)
-        self._state_pass(shard, seq_begin=0, seq_count=shard.num_seqs, initial=initial, final=final_state,
-                         final_begin=0)
-        output = self._output(shard)
+            initial_state = initial_state.detach().to(device=shard.q.device, dtype=torch.float32)
+            init = initial_state.transpose(-1, -2).contiguous()
+        incoming = self._fold(shard, init=init, init_count=0 if init is None else num_seqs, rows=shard.value_dim,
+                              identity_row=shard.value_dim, first_sequence=0, final=None)
+        output, state_out = self._output(shard, incoming)
+        # the end state of each sequence's last segment; a sequence without tokens keeps its initial state
+        last_segment = (shard.layout.seq_first_segment[1:] - 1).clamp(min=0).long()
+        final_state = state_out.index_select(0, last_segment).transpose(-1, -2)
+        empty = (shard.layout.seq_segments == 0).view(-1, 1, 1, 1)
+        start = initial_state if initial_state is not None else torch.zeros_like(final_state)
+        final_state = torch.where(empty, start, final_state).contiguous()
+        tensors = (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.cu_seqlens, initial_state)
+        if self.backward == "kernels":  # the segments' incoming states: the reverse pass restarts from them
+            tensors = tensors + (incoming,)
         saved = CPSavedContext(
-            tensors=(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.cu_seqlens, initial),
+            tensors=tensors,
             metadata={"scale": float(inputs.scale), "num_householder": int(inputs.num_householder),
                       "use_qk_l2norm_in_kernel": bool(inputs.use_qk_l2norm_in_kernel),
                       "recompute_chunk_num": self.recompute_chunk_num})
         return output, final_state, saved
 
     def one_device_backward(self, output_grad, final_state_grad, saved_context: CPSavedContext):
-        """``TorchGDPBackend.one_device_backward`` (recomputes from the saved inputs)."""
-        return self._fallback.one_device_backward(output_grad, final_state_grad, saved_context)
+        """-> (GDPInputGradients, d initial state [N, H, K, V] float32): on the backward kernels when
+        the forward saved the segment states for them (``backward="kernels"``), else
+        ``TorchGDPBackend.one_device_backward`` (a recomputation from the saved inputs)."""
+        if len(saved_context.tensors) != 8:
+            return self._fallback.one_device_backward(output_grad, final_state_grad, saved_context)
+        q, k, v, g, beta, cu_seqlens, initial_state, incoming = saved_context.tensors
+        metadata = saved_context.metadata
+        inputs = GDPInputs(q, k, v, g, beta, metadata["scale"], metadata["num_householder"],
+                           metadata["use_qk_l2norm_in_kernel"], cu_seqlens)
+        shard = self._shard(inputs, cp_summary=False, summaries=False)
+        layout, heads, key_dim, value_dim = shard.layout, shard.heads, shard.key_dim, shard.value_dim
+        num_seqs = layout.num_sequences
+        do = torch.zeros_like(shard.q[..., :1].expand(-1, -1, value_dim)) if output_grad is None \
+            else _flat(output_grad.to(shard.q.dtype))
+        # the outgoing state gradient of every segment: backward summaries, folded last to first
+        grad_summaries = torch.empty_like(shard.summaries)
+        self._gamma(shard, do, grad_summaries)
+        init = None
+        if final_state_grad is not None:
+            init = final_state_grad.to(device=shard.q.device, dtype=torch.float32).transpose(-1, -2).contiguous()
+        grad_out = torch.empty(layout.max_segments, heads, value_dim, key_dim, dtype=torch.float32,
+                               device=shard.q.device)
+        kl.SegmentFoldLaunch(
+            kcfg.SegmentFoldConfig(key_dim), summaries=grad_summaries, seq_first_segment=layout.seq_first_segment,
+            init=grad_out[:1] if init is None else init, incoming=grad_out, final=grad_out[:1],
+            init_count=0 if init is None else num_seqs, value_rows=value_dim, identity_row=value_dim,
+            first_sequence=0, write_final=0, descending=1).run()
+        grads, grad_in = self._reverse(shard, do, incoming, grad_out)
+        # d initial state: the gradient entering each sequence's first segment (its own for empty ones)
+        first_segment = layout.seq_first_segment[:-1].long().clamp(max=layout.max_segments - 1)
+        d_initial = grad_in.index_select(0, first_segment).transpose(-1, -2)
+        empty = (layout.seq_segments == 0).view(-1, 1, 1, 1)
+        d_end = torch.zeros_like(d_initial) if final_state_grad is None else final_state_grad.float()
+        return grads, torch.where(empty, d_end, d_initial).contiguous()
+
+    def _gamma(self, shard: _Shard, do: torch.Tensor, summaries: torch.Tensor) -> None:
+        layout = shard.layout
+        kl.ChunkGammaLaunch(
+            kcfg.ChunkGammaConfig(shard.dtype, shard.key_dim, shard.value_dim, shard.query_tile),
+            k=shard.k, q=shard.q, do=do, ta=shard.ta, p=shard.p, scalars=shard.scalars,
+            chunk_first_step=layout.chunk_first_step, chunk_steps=layout.chunk_steps,
+            seg_first_chunk=layout.seg_first_chunk, seg_chunks=layout.seg_chunks, seg_flags=layout.seg_grad_flags,
+            num_segments=layout.num_segments, summaries=summaries,
+            num_householder=shard.inputs.num_householder).run()
+
+    def _reverse(self, shard: _Shard, do: torch.Tensor, incoming: torch.Tensor, grad_out: torch.Tensor):
+        """chunk_reverse then chunk_prep_backward -> (GDPInputGradients, dX at every segment start)."""
+        layout, inputs = shard.layout, shard.inputs
+        heads, key_dim, value_dim, tile = shard.heads, shard.key_dim, shard.value_dim, shard.query_tile
+        device, chunks = shard.q.device, layout.max_chunks
+        f32 = dict(dtype=torch.float32, device=device)
+        tokens_all, steps_all = shard.q.shape[0], shard.k.shape[0]
+        grad_in = torch.empty_like(grad_out)
+        dv = torch.empty(steps_all, heads, value_dim, **f32)
+        dq_scan = torch.empty(tokens_all, heads, key_dim, **f32)
+        dk_scan = torch.empty(steps_all, heads, key_dim, **f32)
+        d_ta = torch.empty(chunks, heads, 64, 64, **f32)
+        d_tb = torch.empty_like(d_ta)
+        d_p = torch.empty(chunks, heads, tile, 64, **f32)
+        d_scalars = torch.empty(chunks, heads, 4, 64, **f32)
+        kl.ChunkReverseLaunch(
+            kcfg.ChunkReverseConfig(shard.dtype, key_dim, value_dim, tile),
+            k=shard.k, v=shard.v, q=shard.q, do=do, ta=shard.ta, tb=shard.tb, p=shard.p, scalars=shard.scalars,
+            chunk_first_step=layout.chunk_first_step, chunk_steps=layout.chunk_steps,
+            seg_first_chunk=layout.seg_first_chunk, seg_chunks=layout.seg_chunks, num_segments=layout.num_segments,
+            state_in=incoming, grad_out=grad_out,
+            chunk_states=torch.empty(chunks, heads, value_dim, key_dim, dtype=shard.q.dtype, device=device),
+            grad_in=grad_in, dv=dv, dq_scan=dq_scan, dk_scan=dk_scan, d_ta=d_ta, d_tb=d_tb, d_p=d_p,
+            d_scalars=d_scalars, num_householder=inputs.num_householder).run()
+        dq, dk = torch.empty_like(dq_scan), torch.empty_like(dk_scan)
+        dg = torch.empty(tokens_all, heads, **f32)
+        dbeta = torch.empty(steps_all, heads, **f32)
+        kl.ChunkPrepBackwardLaunch(
+            kcfg.ChunkPrepBackwardConfig(shard.dtype, key_dim, tile),
+            q=shard.q, k=shard.k, g=_flat(inputs.g).float(), beta=_flat(inputs.beta).float(),
+            chunk_first_step=layout.chunk_first_step, chunk_steps=layout.chunk_steps, num_chunks=layout.num_chunks,
+            d_ta=d_ta, d_tb=d_tb, d_p=d_p, d_scalars=d_scalars, dq_scan=dq_scan, dk_scan=dk_scan, dq=dq, dk=dk,
+            dg=dg, dbeta=dbeta, scale=float(inputs.scale), use_l2=int(bool(inputs.use_qk_l2norm_in_kernel)),
+            num_householder=inputs.num_householder).run()
+        shaped = lambda x, like: x.view(like.shape).to(like.dtype)  # noqa: E731
+        grads = GDPInputGradients(shaped(dq, inputs.q), shaped(dk, inputs.k), shaped(dv, inputs.v),
+                                  shaped(dg, inputs.g), shaped(dbeta, inputs.beta))
+        return grads, grad_in
+
+
+def _packed_backward_stack(following) -> torch.Tensor | None:
+    """Stacked backward summaries [n, ..., K, V + K] float32 from any summary form (None when absent)."""
+    if isinstance(following, CPBackwardPackedSummary):
+        following = following.packed
+    elif isinstance(following, CPBackwardUnpackedSummary):
+        following = torch.cat([following.local_state_grad, following.transition.transpose(-1, -2)], dim=-1)
+    if not isinstance(following, torch.Tensor):
+        raise ValueError(f"following must be a tensor or a backward summary; received {type(following).__name__}")
+    return following.float().contiguous()
 
 
 def _packed_stack(preceding) -> torch.Tensor | None:

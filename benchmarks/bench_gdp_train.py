@@ -1,0 +1,160 @@
+"""GDP forward + backward: cp_linear's kernels vs flash-linear-attention, time and peak memory.
+
+    python benchmarks/bench_gdp_train.py [--out DIR] [--tokens 8192 32768 131072] [--nh 2]
+
+One sequence of T tokens, H = 16, K = V = 128, bf16, qk l2norm; the loss is <o, dO> + <S_T, dS>,
+so both the output and the final state carry gradients. Variants: ``ours`` (the forward and the
+backward kernels, ``backward="kernels"``), ``ours-torch-bwd`` (kernel forward, TorchGDPBackend
+backward; 8k only, it is slow), and FLA's ``chunk_gated_delta_product`` (its gated backward
+refuses Triton 3.6 on Hopper, FLA#640: the guard is switched off for *timing only*, its
+gradients are not used). Wall time (CUDA events around the eager step, median) and kernel time
+(torch.profiler sum per step); peak memory above the inputs. Writes a table, CSV and PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+
+import torch
+
+from torch_api import gated_delta_product
+from torch_api.gdp.cutedsl import CuTeDSLGatedDeltaProductCPBackend
+
+
+def _time(fn, repeat: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def _kernel_ms(fn, repeat: int) -> float:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeat):
+            fn()
+        torch.cuda.synchronize()
+    total = sum((getattr(e, "self_device_time_total", 0) or 0) for e in prof.key_averages())
+    return total / repeat / 1e3
+
+
+def _peak_mb(fn) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+
+
+def _fla_step(nh):
+    try:
+        import fla.ops.common.chunk_o as chunk_o
+        from fla.ops.gated_delta_product import chunk_gated_delta_product
+    except Exception as err:  # FLA is an optional anchor
+        print(f"flash-linear-attention unavailable ({type(err).__name__}: {err})")
+        return None
+    for flag in ("IS_NVIDIA_HOPPER",):  # the FLA#640 guard: timing only
+        if hasattr(chunk_o, flag):
+            setattr(chunk_o, flag, False)
+
+    def step(leaves, do, dfinal):
+        o, final = chunk_gated_delta_product(*leaves, num_householder=nh, use_qk_l2norm_in_kernel=True,
+                                             output_final_state=True)
+        torch.autograd.backward([o, final], [do, dfinal])
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 131072])
+    parser.add_argument("--nh", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--out", default="out/bench_gdp_train")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    nh, heads, dim = args.nh, args.heads, 128
+    fla_step = _fla_step(nh)
+    rows = []
+    print(f"GDP fwd+bwd, H={heads}, K=V={dim}, n_h={nh}, bf16, l2norm; ms per step (median of {args.repeat})")
+    print(f"{'T':>8} {'variant':>15} {'wall ms':>9} {'kernel ms':>10} {'peak MB':>9}", flush=True)
+    for tokens in args.tokens:
+        gen = torch.Generator(device="cuda").manual_seed(tokens)
+        rand = lambda *shape: torch.randn(*shape, device="cuda", generator=gen)  # noqa: E731
+        q = rand(1, tokens, heads, dim).bfloat16()
+        k = rand(1, tokens * nh, heads, dim).bfloat16()
+        v = rand(1, tokens * nh, heads, dim).bfloat16()
+        g = torch.nn.functional.logsigmoid(rand(1, tokens, heads) + 3.0)
+        beta = torch.sigmoid(rand(1, tokens * nh, heads))
+        do = rand(1, tokens, heads, dim).bfloat16()
+        dfinal = rand(1, heads, dim, dim)
+        variants = {"ours": CuTeDSLGatedDeltaProductCPBackend(backward="kernels")}
+        if tokens <= 8192:
+            variants["ours-torch-bwd"] = CuTeDSLGatedDeltaProductCPBackend()
+        for name, backend in variants.items():
+            def step():
+                leaves = [x.detach().requires_grad_() for x in (q, k, v, g, beta)]
+                o, final = gated_delta_product(*leaves, num_householder=nh, use_qk_l2norm_in_kernel=True,
+                                               backend=backend)
+                torch.autograd.backward([o, final], [do, dfinal])
+            try:
+                row = [tokens, name, _time(step, args.repeat), _kernel_ms(step, args.repeat), _peak_mb(step)]
+            except Exception as err:  # report and keep measuring the others
+                print(f"{tokens:>8} {name:>15} failed: {type(err).__name__}: {err}", flush=True)
+                continue
+            rows.append(row)
+            print(f"{row[0]:>8} {row[1]:>15} {row[2]:>9.3f} {row[3]:>10.3f} {row[4]:>9.0f}", flush=True)
+        if fla_step is not None:
+            def fla():
+                leaves = [x.detach().requires_grad_() for x in (q, k, v, g, beta)]
+                fla_step(leaves, do, dfinal)
+            try:
+                row = [tokens, "FLA", _time(fla, args.repeat), _kernel_ms(fla, args.repeat), _peak_mb(fla)]
+                rows.append(row)
+                print(f"{row[0]:>8} {row[1]:>15} {row[2]:>9.3f} {row[3]:>10.3f} {row[4]:>9.0f}", flush=True)
+            except Exception as err:
+                print(f"{tokens:>8} {'FLA':>15} failed: {type(err).__name__}: {err}", flush=True)
+        del q, k, v, g, beta, do, dfinal
+        torch.cuda.empty_cache()
+    with open(os.path.join(args.out, "bench_gdp_train.csv"), "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["tokens", "variant", "wall_ms", "kernel_ms", "peak_mb"])
+        writer.writerows(rows)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for name in sorted({r[1] for r in rows}):
+            points = [(r[0], r[3]) for r in rows if r[1] == name]
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("fwd+bwd kernel ms")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(args.out, "bench_gdp_train.png"), dpi=120)
+    except Exception as err:
+        print(f"no plot: {err}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,296 @@
+"""GPU check of the tensor-core GDP forward kernels, stage by stage, then end to end.
+
+    python benchmarks/check_tc_kernels.py [--quick]
+
+Each kernel runs on the GPU and, on copies of the *same* input buffers, in
+``cp_linear.kernels.emulation`` on the CPU; the outputs are compared buffer by buffer (so a
+wrong stage is named, not just a wrong result). Then the whole backend (one device, and CP
+prepare/apply over two shards on this GPU) is compared with the float64 reference, side by side
+with flash-linear-attention's forward on the same bf16 inputs when FLA is installed. Prints one
+line per check and exits 1 if any check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import traceback
+
+import numpy as np
+import torch
+
+import torch_api.gdp.cutedsl as cutedsl
+from cp_linear.kernels import configs as kcfg
+from cp_linear.kernels import launch as kl
+from cp_linear.kernels.emulation import run_emulated
+from cp_linear.reference import naive_gated_delta_product
+from torch_api.gdp.types import GDPInputs
+
+FAILURES: list[str] = []
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().cpu(), b.double().cpu()
+    return float((a - b).norm() / max(b.norm(), 1e-30))
+
+
+def check(name: str, value: float, limit: float) -> None:
+    ok = value <= limit and np.isfinite(value)
+    print(f"{'ok  ' if ok else 'FAIL'} {name}: {value:.3e} (limit {limit:.0e})", flush=True)
+    if not ok:
+        FAILURES.append(name)
+
+
+def make_inputs(lengths, heads, key_dim, value_dim, n_h, dtype, seed, rows=1):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
+    tokens = sum(lengths)
+    q = r(rows, tokens, heads, key_dim).to(dtype)
+    k = r(rows, tokens * n_h, heads, key_dim).to(dtype)
+    v = r(rows, tokens * n_h, heads, value_dim).to(dtype)
+    g = torch.nn.functional.logsigmoid(r(rows, tokens, heads) + 3.0)
+    beta = torch.sigmoid(r(rows, tokens * n_h, heads))
+    return q, k, v, g, beta
+
+
+def to_cpu(launch):
+    """A copy of ``launch`` with every tensor on the CPU (outputs included, so the emulation can
+    write its own results there)."""
+    out = copy.copy(launch)
+    for name, _ in launch.argument_specs():
+        value = getattr(launch, name)
+        if isinstance(value, torch.Tensor):
+            setattr(out, name, value.detach().cpu().clone())
+    return out
+
+
+class Recorder:
+    """Runs each launch on the GPU, then its emulation on CPU copies of the inputs it saw."""
+
+    def __init__(self, tag: str):
+        self.tag = tag
+        self.original = kl._Launch.run
+
+    def __enter__(self):
+        recorder = self
+
+        def run(launch):
+            before = to_cpu(launch)  # inputs as the kernel sees them (outputs are overwritten by both)
+            recorder.original(launch)
+            torch.cuda.synchronize()
+            run_emulated(before)
+            recorder.compare(launch, before)
+
+        kl._Launch.run = run
+        return self
+
+    def __exit__(self, *exc):
+        kl._Launch.run = self.original
+
+    def compare(self, gpu, emulated) -> None:
+        kind = type(gpu).__name__.replace("Launch", "")
+        mode = getattr(gpu.config, "mode", "")
+        outputs = {"ChunkPrep": ("ta", "tb", "p", "scalars"), "SegmentFold": ("incoming",),
+                   "ChunkScan": ("state_out",) + (("o",) if mode == "output" else ()),
+                   "ChunkGamma": ("summaries",),
+                   "ChunkReverse": ("grad_in", "chunk_states", "dv", "dq_scan", "dk_scan", "d_ta", "d_tb", "d_p",
+                                    "d_scalars"),
+                   "ChunkPrepBackward": ("dq", "dk", "dg", "dbeta")}[kind]
+        for name in outputs:
+            a, b = getattr(gpu, name), getattr(emulated, name)
+            if kind == "ChunkGamma":
+                flags = gpu.seg_flags[:int(gpu.num_segments[0])].cpu() & 1
+                idx = torch.nonzero(flags).flatten()
+                if idx.numel() == 0:
+                    continue
+                a, b = a[idx.to(a.device)], b[idx]
+            if kind == "ChunkReverse" and name in ("grad_in",):
+                count = int(gpu.num_segments[0])
+                a, b = a[:count], b[:count]
+            if kind == "ChunkReverse" and name in ("chunk_states", "d_ta", "d_tb", "d_p", "d_scalars"):
+                count = int(gpu.chunk_steps.ne(0).sum())
+                a, b = a[:count], b[:count]
+            if kind == "ChunkScan" and name == "state_out":
+                count = int(gpu.num_segments[0])
+                if mode == "summary":
+                    flags = gpu.seg_flags[:count].cpu() & 1
+                    idx = torch.nonzero(flags).flatten()
+                    if idx.numel() == 0:
+                        continue
+                    a, b = a[idx.to(a.device)], b[idx]
+                else:
+                    a, b = a[:count], b[:count]
+            if kind == "ChunkPrep":
+                count = int(gpu.num_chunks[0])
+                a, b = a[:count], b[:count]
+            if kind == "SegmentFold":
+                count = int(gpu.seq_first_segment[-1])
+                a, b = a[:count], b[:count]
+            limit = 2e-2 if name in ("ta", "tb", "p") else 1e-2
+            check(f"{self.tag} {kind}{'/' + mode if mode else ''} {name} vs emulation", rel(a, b), limit)
+
+
+def reference(q, k, v, g, beta, n_h, cu, initial=None):
+    f64 = lambda x: x.double().cpu().numpy()  # noqa: E731
+    return naive_gated_delta_product(f64(q), f64(k), f64(v), f64(g), f64(beta), scale=q.shape[-1] ** -0.5,
+                                     num_householder=n_h, cu_seqlens=cu, use_qk_l2norm=True,
+                                     initial_state=None if initial is None else f64(initial))
+
+
+def fla_forward(q, k, v, g, beta, n_h, cu):
+    try:
+        from fla.ops.gated_delta_product import chunk_gated_delta_product
+    except Exception:  # optional oracle
+        return None
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
+    return chunk_gated_delta_product(q, k, v, g, beta, num_householder=n_h, use_qk_l2norm_in_kernel=True,
+                                     cu_seqlens=cu_t)[0]
+
+
+def one_device_case(lengths, heads, key_dim, value_dim, n_h, dtype, segment_chunks, stages: bool, mma="sync"):
+    tag = (f"[{'+'.join(map(str, lengths))} H{heads} K{key_dim} V{value_dim} nh{n_h} {dtype} seg{segment_chunks}"
+           f" {mma}]")
+    q, k, v, g, beta = make_inputs(lengths, heads, key_dim, value_dim, n_h, dtype, seed=sum(lengths) + n_h)
+    cu = np.cumsum([0] + lengths)
+    cu_t = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    initial = torch.randn(len(lengths), heads, key_dim, value_dim, device="cuda") * 0.1
+    inputs = GDPInputs(q, k, v, g, beta, key_dim ** -0.5, n_h, True, cu_t)
+    backend = cutedsl.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=segment_chunks, mma=mma)
+    if stages:
+        with Recorder(tag):
+            backend.one_device_forward(inputs, initial)
+    o, final, _ = backend.one_device_forward(inputs, initial)
+    o2, final2, _ = backend.one_device_forward(inputs, initial)
+    check(f"{tag} bitwise repeat (o, final)", float(not (torch.equal(o, o2) and torch.equal(final, final2))), 0.0)
+    o_ref, final_ref = reference(q, k, v, g, beta, n_h, cu, initial)
+    o_ref, final_ref = torch.from_numpy(o_ref), torch.from_numpy(final_ref)
+    check(f"{tag} o vs float64", rel(o, o_ref), 8e-3)
+    check(f"{tag} final state vs float64", rel(final, final_ref), 8e-3)
+    floor = rel(o_ref.to(dtype), o_ref)
+    print(f"     {tag} dtype rounding of the exact output: {floor:.3e}", flush=True)
+    # FLA side by side from a zero initial state (same bf16 inputs for both)
+    o0, _, _ = backend.one_device_forward(inputs)
+    ref0 = torch.from_numpy(reference(q, k, v, g, beta, n_h, cu)[0])
+    ours = rel(o0, ref0)
+    o_fla = fla_forward(q, k, v, g, beta, n_h, cu)
+    if o_fla is None:
+        print(f"     {tag} zero-init o vs float64: ours {ours:.3e} (FLA unavailable)", flush=True)
+        return
+    theirs = rel(o_fla, ref0)
+    print(f"     {tag} zero-init o vs float64: ours {ours:.3e}, FLA {theirs:.3e}", flush=True)
+    check(f"{tag} ours / FLA error ratio", ours / max(theirs, 1e-30), 1.0)
+
+
+def backward_case(lengths, heads, dim, n_h, segment_chunks):
+    """The kernel backward stage by stage against its emulation, then every gradient against float64."""
+    from cp_linear.kernels import backward_algorithm as ba
+    from torch_api import gated_delta_product
+
+    tag = f"[bwd {'+'.join(map(str, lengths))} H{heads} K=V={dim} nh{n_h} seg{segment_chunks}]"
+    q, k, v, g, beta = make_inputs(lengths, heads, dim, dim, n_h, torch.bfloat16, seed=7 + n_h)
+    cu = torch.tensor(np.cumsum([0] + lengths), dtype=torch.int32, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    do = torch.randn(1, sum(lengths), heads, dim, device="cuda", generator=gen).bfloat16()
+    dfinal = torch.randn(len(lengths), heads, dim, dim, device="cuda", generator=gen)
+    backend = cutedsl.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=segment_chunks, backward="kernels")
+
+    def grads():
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+        o, final = gated_delta_product(*leaves, num_householder=n_h, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
+                                       backend=backend)
+        torch.autograd.backward([o, final], [do, dfinal])
+        return [leaf.grad for leaf in leaves]
+
+    with Recorder(tag):
+        got = grads()
+    again = grads()
+    check(f"{tag} bitwise repeat (all gradients)", float(not all(torch.equal(a, b) for a, b in zip(got, again))), 0.0)
+    starts = np.cumsum([0] + lengths)
+    ref = [[] for _ in range(5)]
+    for n, (t0, t1) in enumerate(zip(starts[:-1], starts[1:])):
+        parts = [x[0].double().cpu() for x in (q[:, t0:t1], k[:, t0 * n_h:t1 * n_h], v[:, t0 * n_h:t1 * n_h],
+                                               g[:, t0:t1], beta[:, t0 * n_h:t1 * n_h])]
+        out = ba.sequence_backward(*parts, do[0, t0:t1].double().cpu(), dfinal[n].double().cpu(),
+                                   num_householder=n_h, scale=dim ** -0.5, use_l2=True)
+        for slot in range(5):
+            ref[slot].append(out[slot])
+    for name, grad, parts in zip(("dq", "dk", "dv", "dg", "dbeta"), got, ref):
+        expected = torch.cat(parts, 0)
+        check(f"{tag} {name} vs float64", rel(grad.reshape(expected.shape), expected), 1e-2 if name == "dg" else 5e-3)
+
+
+def cp_case(layout: str, n_h: int, dtype):
+    heads, dim = 4, 128
+    backend = cutedsl.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=4)
+    half = 1024
+    if layout == "rows":
+        q, k, v, g, beta = make_inputs([2 * half], heads, dim, dim, n_h, dtype, seed=11, rows=2)
+        cu_local = [None, None]
+        o_ref = np.concatenate([reference(q[i:i + 1], k[i:i + 1], v[i:i + 1], g[i:i + 1], beta[i:i + 1], n_h,
+                                          None)[0] for i in range(2)])
+    else:
+        lengths = [2 * half] if layout == "spanning" else [300, 1500, 248]
+        q, k, v, g, beta = make_inputs(lengths, heads, dim, dim, n_h, dtype, seed=12)
+        cu_local = ([[0, half], [0, half]] if layout == "spanning" else [[0, 300, half], [0, 776, half]])
+        cu_local = [torch.tensor(c, dtype=torch.int32, device="cuda") for c in cu_local]
+        o_ref = reference(q, k, v, g, beta, n_h, np.cumsum([0] + lengths))[0]
+    shards = []
+    for rank in range(2):
+        tok = slice(rank * half, (rank + 1) * half)
+        stp = slice(rank * half * n_h, (rank + 1) * half * n_h)
+        shards.append(GDPInputs(q[:, tok], k[:, stp], v[:, stp], g[:, tok], beta[:, stp], dim ** -0.5, n_h, True,
+                                cu_local[rank]))
+    prepared = [backend.cp_forward_prepare(shard) for shard in shards]
+    out0 = backend.cp_forward_apply(prepared[0][1], None).output
+    out1 = backend.cp_forward_apply(prepared[1][1], prepared[0][0].packed[None]).output
+    o = torch.cat([out0, out1], dim=1)
+    check(f"[CP 2 shards {layout} nh{n_h}] o vs float64", rel(o, torch.from_numpy(o_ref)), 8e-3)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one configuration per stage check")
+    parser.add_argument("--cases", type=int, nargs="*", default=None, help="run only these one-device cases")
+    parser.add_argument("--no-cp", action="store_true", help="skip the two-shard CP cases")
+    parser.add_argument("--backward", action="store_true", help="also check the backward kernels")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    cases = [([700, 1300, 64, 33], 4, 128, 128, 2, torch.bfloat16, 8, True),
+             ([2048], 2, 128, 128, 1, torch.bfloat16, 4, True),
+             ([999, 1049], 2, 128, 128, 3, torch.bfloat16, None, True),
+             ([700, 1300, 64, 33], 4, 128, 128, 2, torch.bfloat16, 8, True, "wgmma"),
+             ([2048], 2, 128, 128, 1, torch.bfloat16, 4, True, "wgmma")]
+    if not args.quick:
+        cases += [([700, 1348], 2, 64, 64, 2, torch.bfloat16, 4, True),
+                  ([700, 1348], 2, 64, 128, 2, torch.bfloat16, 4, True),
+                  ([700, 1348], 2, 128, 64, 1, torch.bfloat16, 4, True),
+                  ([1500, 548], 2, 128, 128, 2, torch.float16, 4, True),
+                  ([4096], 4, 128, 128, 2, torch.bfloat16, None, False)]
+    if args.cases is not None:
+        cases = [cases[i] for i in args.cases]
+    for case in cases:
+        try:
+            one_device_case(*case)
+        except Exception:
+            traceback.print_exc()
+            FAILURES.append(f"exception in {case}")
+    if args.backward:
+        for case in (([700, 1300, 64], 2, 128, 2, 4), ([1024], 2, 128, 1, None), ([500, 548], 2, 64, 3, 3)):
+            try:
+                backward_case(*case)
+            except Exception:
+                traceback.print_exc()
+                FAILURES.append(f"exception in backward {case}")
+    for layout in () if args.no_cp else ("spanning", "packed", "rows"):
+        try:
+            cp_case(layout, 2, torch.bfloat16)
+        except Exception:
+            traceback.print_exc()
+            FAILURES.append(f"exception in CP {layout}")
+    print(f"\n{len(FAILURES)} failed checks" + (": " + "; ".join(FAILURES) if FAILURES else ""), flush=True)
+    return 1 if FAILURES else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One GPU call: the tensor-core forward kernels checked stage by stage, benchmarked against FLA,
+# then (with 2 GPUs) the CP forward over NCCL. Logs go to $OUT (or out/gpu_tc_session).
+#   source .gpuwheels/b/install.sh && bash benchmarks/gpu_tc_session.sh [CHECK_ARGS...]
+# Kernels missing from the prebuilt library (.kernel_lib, carried) are compiled first, in parallel.
+set -uo pipefail
+out=${OUT:-out/gpu_tc_session}
+mkdir -p "$out" .kernel_lib
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export CP_LINEAR_KERNEL_LIBRARY=$PWD/.kernel_lib
+nvidia-smi -L | tee "$out/gpu.log"
+timeout 200 python3 -m cp_linear.kernels --compile --library .kernel_lib --jobs 16 2>&1 | tail -3 | tee "$out/compile.log"
+if [ -n "${PYTEST:-}" ]; then
+  timeout 240 python3 -m pytest -q -m gpu -rA -p no:cacheprovider tests/torch_api/test_cutedsl_backend.py ${PYTEST_K:+-k "$PYTEST_K"} > "$out/pytest_gpu.log" 2>&1
+  tail -5 "$out/pytest_gpu.log"
+fi
+if [ -z "${NO_CHECK:-}" ]; then
+  timeout 240 python3 benchmarks/check_tc_kernels.py "$@" 2>&1 | tee "$out/check.log"
+fi
+cases=${BENCH_CASES:-"1x8192:2 1x32768:2 1x131072:2 1x32768:1 32x1024:2"}
+variants=${BENCH_VARIANTS:-"default"}
+[ -z "${NO_BENCH:-}" ] && timeout 300 python3 benchmarks/bench_gdp_fwd.py --out "$out" --repeat 10 --cases $cases --variants $variants 2>&1 | tee "$out/bench.log"
+if [ -n "${NCU:-}" ]; then
+  timeout 150 ncu --kernel-name regex:"ChunkScan|ChunkPrep|SegmentFold" --launch-skip 4 --launch-count 4 \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section MemoryWorkloadAnalysis \
+    python3 benchmarks/bench_gdp_fwd.py --out "$out/ncu" --repeat 1 --no-fla --cases 1x32768:2 > "$out/ncu.log" 2>&1
+fi
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+  timeout 150 python3 benchmarks/cp_gdp_nccl.py --tokens 65536 --timeout 140 2>&1 | tee "$out/cp_nccl.log"
+fi

@@ -1,0 +1,185 @@
+"""Warp-level tensor-core helpers shared by the GDP kernels (imported only when compiling).
+
+Products run on ``mma.sync`` m16n8k16 (bf16/fp16 operands, float32 accumulation), tiled over
+the CTA's warps along M: warp w owns rows [16 w, 16 w + 16) of every product, so a product
+whose rows are the state's rows never needs another warp's data. Operands come either from
+shared memory through ``ldmatrix`` (``SmemOperand``) or from registers, by reading a float32
+accumulator as an A operand (``accumulator_as_a``: the C fragment of two adjacent n8 tiles is
+the A fragment of one k16 slice).
+
+Shared-memory tiles are bf16/fp16, rows of 64 elements swizzled (3, 3, 3) so that ``ldmatrix``
+and the 16-byte ``cp.async`` stores are free of bank conflicts.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync, warp
+
+COPY_BITS = 128
+
+
+def smem_tile_layout(rows: int, cols: int):
+    """Swizzled [rows, cols] layout for 16-bit elements (cols a multiple of 64, rows of 8)."""
+    atom = cute.make_composed_layout(cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1)))
+    return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+
+
+def transposed_view(tile: cute.Tensor, rows: int, cols: int) -> cute.Tensor:
+    """[cols, rows] view of a [rows, cols] tile (element (c, r) is tile[r, c])."""
+    return cute.composition(tile, cute.make_layout((cols, rows), stride=(rows, 1)))
+
+
+def make_tiled_mma(dtype, warps: int):
+    return cute.make_tiled_mma(warp.MmaF16BF16Op(dtype, cutlass.Float32, (16, 8, 16)), (warps, 1, 1),
+                               permutation_mnk=(warps * 16, 16, 16))
+
+
+def make_g2s_copy(dtype, threads: int):
+    """cp.async of 16-byte vectors; 8 threads cover one 64-element row."""
+    elems = COPY_BITS // dtype.width
+    atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
+                               num_bits_per_copy=COPY_BITS)
+    per_row = 64 // elems
+    return cute.make_tiled_copy_tv(atom, cute.make_layout((threads // per_row, per_row), stride=(per_row, 1)),
+                                   cute.make_layout((1, elems)))
+
+
+@cute.jit
+def copy_rows_g2s(tiled_copy: cute.TiledCopy, tidx, src: cute.Tensor, dst: cute.Tensor, valid_rows):
+    """Asynchronously copy ``src`` [rows, cols] (global) to ``dst`` (shared); rows >= valid_rows
+    are zero-filled instead, so padded rows never carry stale or non-finite data."""
+    thr = tiled_copy.get_slice(tidx)
+    s = thr.partition_S(src)
+    d = thr.partition_D(dst)
+    coords = thr.partition_S(cute.make_identity_tensor(src.shape))
+    for m in cutlass.range_constexpr(cute.size(s.shape[1])):
+        if coords[0, m, 0][0] < valid_rows:
+            cute.copy(tiled_copy, s[None, m, None], d[None, m, None])
+        else:
+            d[None, m, None].fill(0)
+
+
+class SmemOperand:
+    """One shared-memory operand (A or B) of ``tiled_mma``, loaded k-slice by k-slice by ldmatrix."""
+
+    def __init__(self, tiled_mma, tidx, tile: cute.Tensor, dtype, *, operand: str, transpose: bool):
+        thr_mma = tiled_mma.get_slice(tidx)
+        atom = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=transpose, num_matrices=4), dtype)
+        if operand == "A":
+            self.fragment = thr_mma.make_fragment_A(thr_mma.partition_A(tile))
+            tiled_copy = cute.make_tiled_copy_A(atom, tiled_mma)
+        else:
+            self.fragment = thr_mma.make_fragment_B(thr_mma.partition_B(tile))
+            tiled_copy = cute.make_tiled_copy_B(atom, tiled_mma)
+        thr_copy = tiled_copy.get_slice(tidx)
+        self.tiled_copy = tiled_copy
+        self.source = thr_copy.partition_S(tile)
+        self.view = thr_copy.retile(self.fragment)
+
+    def k_slices(self) -> int:
+        return cute.size(self.source.shape[2])
+
+    def load(self, k: int):
+        cute.copy(self.tiled_copy, self.source[None, None, k], self.view[None, None, k])
+
+
+def accumulator_as_a(acc: cute.Tensor, dtype) -> cute.Tensor:
+    """The float32 accumulator ``acc`` (C layout, N extent n) rounded to ``dtype`` and viewed as
+    the A operand of a product with K extent n: (4, M, N) -> ((4, 2), M, N / 2)."""
+    converted = cute.make_fragment_like(acc, dtype)
+    converted.store(acc.load().to(dtype))
+    divided = cute.logical_divide(converted.layout, (None, None, 2))
+    view = cute.make_layout(
+        ((divided.shape[0], divided.shape[2][0]), divided.shape[1], divided.shape[2][1]),
+        stride=((divided.stride[0], divided.stride[2][0]), divided.stride[1], divided.stride[2][1]))
+    return cute.make_tensor(converted.iterator, view)
+
+
+@cute.jit
+def gemm_smem_b(tiled_mma, acc: cute.Tensor, a_fragment: cute.Tensor, b: SmemOperand):
+    """acc += A B^T over every k-slice, B from shared memory (A already in registers)."""
+    b.load(0)
+    for k in cutlass.range_constexpr(b.k_slices()):
+        if cutlass.const_expr(k + 1 < b.k_slices()):
+            b.load(k + 1)
+        cute.gemm(tiled_mma, acc, a_fragment[None, None, k], b.fragment[None, None, k], acc)
+
+
+@cute.jit
+def gemm_smem_ab(tiled_mma, acc: cute.Tensor, a: SmemOperand, b: SmemOperand):
+    """acc += A B^T over every k-slice, both operands from shared memory."""
+    a.load(0)
+    b.load(0)
+    for k in cutlass.range_constexpr(b.k_slices()):
+        if cutlass.const_expr(k + 1 < b.k_slices()):
+            a.load(k + 1)
+            b.load(k + 1)
+        cute.gemm(tiled_mma, acc, a.fragment[None, None, k], b.fragment[None, None, k], acc)
+
+
+# ------------------------------------------------------------------------------------------ wgmma (Hopper)
+
+
+def wgmma_tile_layout(dtype, rows: int, cols: int, stages: int):
+    """[rows, cols, stages] shared tile, ``cols`` contiguous, in the 128-byte-swizzled K-major layout
+    that warpgroup MMAs read directly (cols a multiple of 64 for 16-bit types, rows of 8)."""
+    from cutlass.cute.nvgpu import warpgroup
+
+    atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, dtype)
+    return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
+
+
+def wgmma_transposed_view(tile: cute.Tensor, dtype, rows: int, cols: int, stages: int) -> cute.Tensor:
+    """The memory of a ``wgmma_tile_layout(dtype, rows, cols, stages)`` tile indexed [cols, rows, stages],
+    as an MN-major operand: the MN-major 128-byte atom, tiled K mode first, maps (c, r) to the offset
+    the K-major tile gives (r, c)."""
+    from cutlass.cute.nvgpu import warpgroup
+
+    atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, dtype)
+    layout = cute.tile_to_shape(atom, (cols, rows, stages), (1, 0, 2))
+    return cute.make_tensor(cute.recast_ptr(tile.iterator, layout.inner, dtype), layout.outer)
+
+
+def make_wgmma(dtype, warpgroups: int, n: int, *, a_from_smem: bool = False, b_mn_major: bool = False):
+    """Warpgroup MMA tiled over ``warpgroups`` x 64 rows, N = ``n``: A from registers (K-major) or
+    from shared memory (MN-major), B from shared memory (K-major or MN-major)."""
+    from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+
+    op = warpgroup.MmaF16BF16Op(
+        dtype, cutlass.Float32, (64, n, 16),
+        warpgroup.OperandSource.SMEM if a_from_smem else warpgroup.OperandSource.RMEM,
+        OperandMajorMode.MN if a_from_smem else OperandMajorMode.K,
+        OperandMajorMode.MN if b_mn_major else OperandMajorMode.K)
+    return cute.make_tiled_mma(cute.make_mma_atom(op), cute.make_layout((warpgroups, 1, 1)))
+
+
+def accumulator_as_wgmma_a(acc: cute.Tensor, tiled_mma, dtype) -> cute.Tensor:
+    """A float32 warpgroup-MMA accumulator rounded to ``dtype`` and laid out as the register A
+    operand of ``tiled_mma`` (whose K extent is the accumulator's N): each (2, 2, N/8) value mode
+    is regrouped into k16 slices of (2, 2, 2) values."""
+    a_values = tiled_mma.tv_layout_A.shape[1]
+    c = acc.layout
+    slices = cute.size(c, mode=[0]) // cute.size(a_values)
+    layout = cute.make_layout(
+        (a_values, c.shape[1], (c.shape[2], slices)),
+        stride=(c.stride[0], c.stride[1], (c.stride[2], cute.size(a_values, mode=[2]) * c.stride[0][2])))
+    operand = cute.make_rmem_tensor_like(layout, dtype)
+    cute.make_tensor(operand.iterator, c).store(acc.load().to(dtype))
+    return operand
+
+
+@cute.jit
+def wgmma(tiled_mma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor, accumulate: cutlass.Constexpr):
+    """acc (+)= A B^T over every k-slice on the warpgroup tensor cores, then wait for completion.
+
+    ``accumulate`` False starts from zero (the accumulator's registers are not read)."""
+    from cutlass.cute.nvgpu import warpgroup
+
+    warpgroup.fence()
+    for k in cutlass.range_constexpr(cute.size(a, mode=[2])):
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, accumulate or k != 0)
+        cute.gemm(tiled_mma, acc, a[None, None, k], b[None, None, k], acc)
+    warpgroup.commit_group()
+    warpgroup.wait_group(0)

@@ -1,0 +1,139 @@
+"""Per-chunk preparation on tensor cores: everything a chunk needs that does not depend on the state.
+
+One CTA of 4 warps per (chunk, head); chunks are independent, so this kernel fills the GPU at any
+batch size. For a chunk of C <= 64 steps (whole tokens; see ``emulation.py`` for the notation):
+
+* Gram = k k^T and QK = q k^T on ``mma.sync`` (float32 accumulation);
+* A[i, j] = beta_i f_i f_j exp(G_i - G_j) Gram[i, j] (j < i) and T = (I + A)^-1 by forward
+  substitution in float32 (one thread per column, 16 rows at a time in registers);
+* written for the scan: Ta = T diag(exp(G) f beta) and Tb = T diag(beta) (input dtype,
+  [64, 64]), P[t, j] = scale fq_t f_j exp(G_{i_t} - G_j) QK[t, j] for j <= i_t (input dtype,
+  [NQ, 64]), and float32 scalars [4, 64]: row 0 b_j = f_j exp(G_last - G_j), row 1
+  c_t = scale exp(G_{i_t}) fq_t, row 2 exp(G_last) (every column), row 3 unused.
+
+Padded steps (past the chunk's length) get beta = f = 0, so they contribute nothing downstream.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from cp_linear.kernels import _chunk_common as chunk_common
+from cp_linear.kernels import _mma
+from cp_linear.kernels._common import cutlass_dtype, smem_vector
+from cp_linear.kernels.configs import CHUNK_SIZE, ChunkPrepConfig
+
+C = CHUNK_SIZE
+WARPS = 4
+THREADS = 32 * WARPS
+A_PITCH = C + 4  # float32 rows of the A / T tiles: 16-byte aligned, conflict-free column reads
+
+
+class ChunkPrepKernel:
+    def __init__(self, config: ChunkPrepConfig):
+        config.validate()
+        self.dtype = cutlass_dtype(config.dtype)
+        self.key_dim = config.key_dim
+        self.query_tile = config.query_tile
+
+    @cute.jit
+    def __call__(self,
+                 q: cute.Tensor,  # [T_all, H, K] input dtype
+                 k: cute.Tensor,  # [S_all, H, K] input dtype
+                 g: cute.Tensor,  # [T_all, H] float32
+                 beta: cute.Tensor,  # [S_all, H] float32
+                 chunk_first_step: cute.Tensor,  # int32 [C_max]
+                 chunk_steps: cute.Tensor,  # int32 [C_max]
+                 num_chunks: cute.Tensor,  # int32 [1]
+                 ta: cute.Tensor,  # [C_max, H, 64, 64] input dtype (out)
+                 tb: cute.Tensor,  # [C_max, H, 64, 64] input dtype (out)
+                 p: cute.Tensor,  # [C_max, H, NQ, 64] input dtype (out)
+                 scalars: cute.Tensor,  # [C_max, H, 4, 64] float32 (out)
+                 scale: Float32, use_l2: Int32, num_householder: Int32, stream):
+        tiled_mma = _mma.make_tiled_mma(self.dtype, WARPS)
+        g2s = _mma.make_g2s_copy(self.dtype, THREADS)
+        self.kernel(q, k, g, beta, chunk_first_step, chunk_steps, num_chunks, ta, tb, p, scalars, scale, use_l2,
+                    num_householder, tiled_mma, g2s).launch(grid=(chunk_first_step.shape[0], k.shape[1], 1),
+                                           block=(THREADS, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, q: cute.Tensor, k: cute.Tensor, g: cute.Tensor, beta: cute.Tensor,
+               chunk_first_step: cute.Tensor, chunk_steps: cute.Tensor, num_chunks: cute.Tensor,
+               ta: cute.Tensor, tb: cute.Tensor, p: cute.Tensor, scalars: cute.Tensor,
+               scale: Float32, use_l2: Int32, num_householder: Int32, tiled_mma: cute.TiledMma,
+               g2s: cute.TiledCopy):
+        K, NH, NQ = self.key_dim, num_householder, self.query_tile
+        tidx, _, _ = cute.arch.thread_idx()
+        chunk, head, _ = cute.arch.block_idx()
+        allocator = cutlass.utils.SmemAllocator()
+        s_k = allocator.allocate_tensor(self.dtype, _mma.smem_tile_layout(C, K), 128)
+        s_q = allocator.allocate_tensor(self.dtype, _mma.smem_tile_layout(C, K), 128)
+        s_a = allocator.allocate_tensor(Float32, cute.make_layout((C, C), stride=(A_PITCH, 1)), 16)
+        s_x = allocator.allocate_tensor(Float32, cute.make_layout((C, C), stride=(A_PITCH, 1)), 16)
+        s_gate = smem_vector(allocator, C)
+        s_beta = smem_vector(allocator, C)
+        s_f = smem_vector(allocator, C)
+        s_fq = smem_vector(allocator, C)
+
+        if chunk < num_chunks[0]:
+            first = chunk_first_step[chunk]
+            steps = chunk_steps[chunk]
+            tokens = steps // NH
+            chunk_common.load_chunk_inputs(g2s, tidx, q, k, g, beta, head, first, steps, NH, s_k, s_q, s_gate,
+                                           s_beta, K)
+            chunk_common.gate_cumsum(tidx, s_gate)
+            chunk_common.row_norms(tidx, s_k, s_q, s_f, s_fq, steps, tokens, use_l2, K)
+            cute.arch.sync_threads()
+
+            thr_mma = tiled_mma.get_slice(tidx)
+            coords = thr_mma.partition_C(cute.make_identity_tensor((C, C)))
+            k_as_a = _mma.SmemOperand(tiled_mma, tidx, s_k, self.dtype, operand="A", transpose=False)
+            q_as_a = _mma.SmemOperand(tiled_mma, tidx, s_q, self.dtype, operand="A", transpose=False)
+            k_as_b = _mma.SmemOperand(tiled_mma, tidx, s_k, self.dtype, operand="B", transpose=False)
+
+            # A = strictly lower beta_i f_i f_j exp(G_i - G_j) (k_i . k_j), float32 in shared memory.
+            gram = cute.make_rmem_tensor(thr_mma.partition_shape_C((C, C)), Float32)
+            gram.fill(0.0)
+            _mma.gemm_smem_ab(tiled_mma, gram, k_as_a, k_as_b)
+            for e in cutlass.range_constexpr(cute.size(gram)):
+                i, j = coords[e]
+                value = Float32(0.0)
+                if j < i:
+                    value = s_beta[i] * s_f[i] * s_f[j] * cute.math.exp(s_gate[i] - s_gate[j]) * gram[e]
+                s_a[i, j] = value
+
+            # P = scale fq_t f_j exp(G_{i_t} - G_j) (q_t . k_j) for j <= i_t (i_t: token t's last step).
+            qk = cute.make_rmem_tensor(thr_mma.partition_shape_C((C, C)), Float32)
+            qk.fill(0.0)
+            _mma.gemm_smem_ab(tiled_mma, qk, q_as_a, k_as_b)
+            for e in cutlass.range_constexpr(cute.size(qk)):
+                t, j = coords[e]
+                if t < NQ:
+                    last = t * NH + NH - 1
+                    value = Float32(0.0)
+                    if (j <= last) & (t < tokens):
+                        value = scale * s_fq[t] * s_f[j] * cute.math.exp(s_gate[last] - s_gate[j]) * qk[e]
+                    p[chunk, head, t, j] = value.to(self.dtype)
+            cute.arch.sync_threads()
+
+            # T = (I + A)^-1, one thread per column, 16 rows at a time in registers.
+            chunk_common.solve_unit_lower(tidx, s_a, s_x)
+            if tidx < C:
+                column = tidx
+                a_scale = s_beta[column] * s_f[column] * cute.math.exp(s_gate[column])
+                b_scale = s_beta[column]
+                for i in cutlass.range(C, unroll=8):
+                    value = s_x[i, column]
+                    ta[chunk, head, i, column] = (value * a_scale).to(self.dtype)
+                    tb[chunk, head, i, column] = (value * b_scale).to(self.dtype)
+                last_step = cutlass.max(steps - 1, 0)
+                gate_last = s_gate[last_step]
+                scalars[chunk, head, 0, column] = s_f[column] * cute.math.exp(gate_last - s_gate[column])
+                token_scale = Float32(0.0)
+                if column < tokens:
+                    token_scale = scale * s_fq[column] * cute.math.exp(s_gate[column * NH + NH - 1])
+                scalars[chunk, head, 1, column] = token_scale
+                scalars[chunk, head, 2, column] = cute.math.exp(gate_last)
+                scalars[chunk, head, 3, column] = Float32(0.0)

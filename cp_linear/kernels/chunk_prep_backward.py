@@ -1,0 +1,354 @@
+"""The backward of ``chunk_prep``, one CTA of 4 warps per (chunk, head), float32 throughout.
+
+From the gradients of the prep outputs (``chunk_reverse`` wrote them: dTa, dTb [64, 64], dP
+[NQ, 64], and db, dc, dd) it recomputes the chunk's forward quantities (G, f, fq, Gram = k k^T and
+QK = q k^T on ``mma.sync``, A, T = (I + A)^-1) and runs ``backward_algorithm.prep_backward``:
+
+    dT = dTa diag(a) + dTb diag(beta)      da = colsum(dTa * T)      dA = -T^T dT T^T (strictly lower)
+    A_ij = beta_i f_i f_j E_ij Gram_ij  ->  dbeta, df, dG and dGram;  dk += (dGram + dGram^T) k
+    P_tj = scale fq_t f_j EP_tj QK_tj   ->  dfq, df, dG and dQK;      dq += dQK k, dk += dQK^T q
+    b, c, d (exponentials of G)         ->  df, dfq, dG
+    G = cumsum(gates)                   ->  dg = reverse cumsum of dG at each token's first step
+    f = (|k|^2 + eps)^-1/2              ->  dk -= df f^3 k (and dq likewise), with l2norm
+
+and adds the scan's parts of dq and dk. The 64 x 64 and 64 x K products run as float32 SIMT from
+shared memory, each output owned by one thread: exact to float32 and deterministic.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from cp_linear.kernels import _chunk_common as chunk_common
+from cp_linear.kernels import _mma
+from cp_linear.kernels._common import cutlass_dtype, smem_vector
+from cp_linear.kernels.configs import CHUNK_SIZE, ChunkPrepBackwardConfig
+
+C = CHUNK_SIZE
+WARPS = 4
+THREADS = 32 * WARPS
+PITCH = C + 4
+BLOCK_ROWS, BLOCK_COLS = 4, 16  # outputs per thread in the SIMT products
+
+
+class ChunkPrepBackwardKernel:
+    def __init__(self, config: ChunkPrepBackwardConfig):
+        config.validate()
+        self.dtype = cutlass_dtype(config.dtype)
+        self.key_dim = config.key_dim
+        self.query_tile = config.query_tile
+
+    @cute.jit
+    def __call__(self,
+                 q: cute.Tensor, k: cute.Tensor,  # [T_all, H, K], [S_all, H, K] input dtype
+                 g: cute.Tensor, beta: cute.Tensor,  # [T_all, H], [S_all, H] float32
+                 chunk_first_step: cute.Tensor, chunk_steps: cute.Tensor, num_chunks: cute.Tensor,
+                 d_ta: cute.Tensor, d_tb: cute.Tensor,  # [C_max, H, 64, 64] float32
+                 d_p: cute.Tensor,  # [C_max, H, NQ, 64] float32
+                 d_scalars: cute.Tensor,  # [C_max, H, 4, 64] float32: db, dc, dd
+                 dq_scan: cute.Tensor, dk_scan: cute.Tensor,  # [T_all, H, K], [S_all, H, K] float32
+                 dq: cute.Tensor, dk: cute.Tensor,  # (out) float32, like dq_scan / dk_scan
+                 dg: cute.Tensor, dbeta: cute.Tensor,  # (out) [T_all, H], [S_all, H] float32
+                 scale: Float32, use_l2: Int32, num_householder: Int32, stream):
+        tiled_mma = _mma.make_tiled_mma(self.dtype, WARPS)
+        g2s = _mma.make_g2s_copy(self.dtype, THREADS)
+        self.kernel(q, k, g, beta, chunk_first_step, chunk_steps, num_chunks, d_ta, d_tb, d_p, d_scalars, dq_scan,
+                    dk_scan, dq, dk, dg, dbeta, scale, use_l2, num_householder, tiled_mma, g2s).launch(
+            grid=(chunk_first_step.shape[0], k.shape[1], 1), block=(THREADS, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, q: cute.Tensor, k: cute.Tensor, g: cute.Tensor, beta: cute.Tensor,
+               chunk_first_step: cute.Tensor, chunk_steps: cute.Tensor, num_chunks: cute.Tensor,
+               d_ta: cute.Tensor, d_tb: cute.Tensor, d_p: cute.Tensor, d_scalars: cute.Tensor,
+               dq_scan: cute.Tensor, dk_scan: cute.Tensor, dq: cute.Tensor, dk: cute.Tensor, dg: cute.Tensor,
+               dbeta: cute.Tensor, scale: Float32, use_l2: Int32, num_householder: Int32,
+               tiled_mma: cute.TiledMma, g2s: cute.TiledCopy):
+        K, NQ, NH = self.key_dim, self.query_tile, num_householder
+        tidx, _, _ = cute.arch.thread_idx()
+        chunk, head, _ = cute.arch.block_idx()
+        allocator = cutlass.utils.SmemAllocator()
+        s_k = allocator.allocate_tensor(self.dtype, _mma.smem_tile_layout(C, K), 128)
+        s_q = allocator.allocate_tensor(self.dtype, _mma.smem_tile_layout(C, K), 128)
+        square = lambda: allocator.allocate_tensor(Float32, cute.make_layout((C, C), stride=(PITCH, 1)), 16)  # noqa: E731
+        s_a, s_t, s_gram, s_qk, s_work, s_m1 = square(), square(), square(), square(), square(), square()
+        s_gate, s_beta, s_f, s_fq = (smem_vector(allocator, C) for _ in range(4))
+        # partial gradients by step (j) or token (t), each entry written by one thread
+        s_dbeta, s_df, s_dg, s_dfq = (smem_vector(allocator, C) for _ in range(4))
+        s_row_s, s_row_w, s_col_s, s_col_w = (smem_vector(allocator, C) for _ in range(4))
+        s_col_p, s_col_u, s_row_u = (smem_vector(allocator, C) for _ in range(3))
+        s_sum = smem_vector(allocator, 2)
+
+        if chunk < num_chunks[0]:
+            first = chunk_first_step[chunk]
+            steps = chunk_steps[chunk]
+            first_token = first // NH
+            tokens = steps // NH
+            last_step = cutlass.max(steps - 1, 0)
+            chunk_common.load_chunk_inputs(g2s, tidx, q, k, g, beta, head, first, steps, NH, s_k, s_q, s_gate,
+                                           s_beta, K)
+            chunk_common.gate_cumsum(tidx, s_gate)
+            chunk_common.row_norms(tidx, s_k, s_q, s_f, s_fq, steps, tokens, use_l2, K)
+            cute.arch.sync_threads()
+
+            # 1. Gram = k k^T, QK = q k^T (raw) and A = strictly lower beta_i f_i f_j E_ij Gram_ij; T = (I + A)^-1
+            thr_mma = tiled_mma.get_slice(tidx)
+            coords = thr_mma.partition_C(cute.make_identity_tensor((C, C)))
+            k_as_b = _mma.SmemOperand(tiled_mma, tidx, s_k, self.dtype, operand="B", transpose=False)
+            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((C, C)), Float32)
+            acc.fill(0.0)
+            _mma.gemm_smem_ab(tiled_mma, acc,
+                              _mma.SmemOperand(tiled_mma, tidx, s_k, self.dtype, operand="A", transpose=False), k_as_b)
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                i, j = coords[e]
+                s_gram[i, j] = acc[e]
+                value = Float32(0.0)
+                if j < i:
+                    value = s_beta[i] * s_f[i] * s_f[j] * cute.math.exp(s_gate[i] - s_gate[j]) * acc[e]
+                s_a[i, j] = value
+            acc.fill(0.0)
+            _mma.gemm_smem_ab(tiled_mma, acc,
+                              _mma.SmemOperand(tiled_mma, tidx, s_q, self.dtype, operand="A", transpose=False), k_as_b)
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                t, j = coords[e]
+                s_qk[t, j] = acc[e]
+            cute.arch.sync_threads()
+            chunk_common.solve_unit_lower(tidx, s_a, s_t)
+            cute.arch.sync_threads()
+
+            # 2. dT = dTa diag(a) + dTb diag(beta); da = colsum(dTa * T) -> dbeta, df, dG (thread j)
+            if tidx < C:
+                j = tidx
+                growth = cute.math.exp(s_gate[j])
+                a_j = s_beta[j] * s_f[j] * growth
+                da = Float32(0.0)
+                dbeta_t = Float32(0.0)
+                for i in cutlass.range(C, unroll=4):
+                    grad_a = d_ta[chunk, head, i, j]
+                    grad_b = d_tb[chunk, head, i, j]
+                    da = da + grad_a * s_t[i, j]
+                    dbeta_t = dbeta_t + grad_b * s_t[i, j]
+                    s_work[i, j] = grad_a * a_j + grad_b * s_beta[j]
+                s_dbeta[j] = dbeta_t + da * s_f[j] * growth
+                s_df[j] = da * s_beta[j] * growth
+                s_dg[j] = da * a_j
+            cute.arch.sync_threads()
+
+            # 3. dA = -T^T dT T^T on the strictly lower part: M1 = T^T dT, then dA = -M1 T^T into s_work
+            square_product(tidx, s_t, s_work, s_m1, True, False, Float32(1.0))
+            cute.arch.sync_threads()
+            square_product(tidx, s_m1, s_t, s_work, False, True, Float32(-1.0))
+            cute.arch.sync_threads()
+
+            # 4. through A: rows (threads 0-63) and columns (64-127) of S = dA E Gram and W = dA A;
+            #    the symmetric dGram + dGram^T into s_m1
+            line = tidx % C
+            sum_s = Float32(0.0)
+            sum_w = Float32(0.0)
+            if tidx < C:
+                for j in cutlass.range(C, unroll=4):
+                    if j < line:
+                        grad_a = s_work[line, j]
+                        s_ij = grad_a * cute.math.exp(s_gate[line] - s_gate[j]) * s_gram[line, j]
+                        sum_s = sum_s + s_ij * s_f[j]
+                        sum_w = sum_w + grad_a * s_a[line, j]
+                s_row_s[line] = sum_s
+                s_row_w[line] = sum_w
+            else:
+                for i in cutlass.range(C, unroll=4):
+                    if i > line:
+                        grad_a = s_work[i, line]
+                        s_ij = grad_a * cute.math.exp(s_gate[i] - s_gate[line]) * s_gram[i, line]
+                        sum_s = sum_s + s_ij * s_beta[i] * s_f[i]
+                        sum_w = sum_w + grad_a * s_a[i, line]
+                s_col_s[line] = sum_s
+                s_col_w[line] = sum_w
+            for n in cutlass.range_constexpr(C * C // THREADS):
+                flat = tidx + n * THREADS
+                i = flat // C
+                j = flat % C
+                lo = cutlass.max(i, j)
+                hi = cutlass.min(i, j)
+                value = Float32(0.0)
+                if i != j:
+                    value = s_work[lo, hi] * s_beta[lo] * s_f[lo] * s_f[hi] * cute.math.exp(s_gate[lo] - s_gate[hi])
+                s_m1[i, j] = value
+            cute.arch.sync_threads()
+
+            # 5. through P: rows t (threads 0-63), columns j (64-127); dQK into s_a (A is consumed)
+            if tidx < C:
+                t = tidx
+                last = t * NH + NH - 1
+                dfq_t = Float32(0.0)
+                u_t = Float32(0.0)
+                if t < tokens:
+                    for j in cutlass.range(C, unroll=4):
+                        value = Float32(0.0)
+                        if j <= last:
+                            decay = cute.math.exp(s_gate[last] - s_gate[j])
+                            grad_p = d_p[chunk, head, t, j]
+                            base = scale * decay * s_qk[t, j]
+                            dfq_t = dfq_t + grad_p * base * s_f[j]
+                            u_t = u_t + grad_p * base * s_fq[t] * s_f[j]
+                            value = grad_p * scale * s_fq[t] * s_f[j] * decay
+                        s_a[t, j] = value
+                else:
+                    for j in cutlass.range(C, unroll=4):
+                        s_a[t, j] = Float32(0.0)
+                s_dfq[t] = dfq_t
+                s_row_u[t] = u_t
+            else:
+                j = line
+                col_p = Float32(0.0)
+                col_u = Float32(0.0)
+                for t in cutlass.range(NQ, unroll=4):
+                    last = t * NH + NH - 1
+                    if (t < tokens) & (j <= last):
+                        grad_p = d_p[chunk, head, t, j]
+                        base = scale * cute.math.exp(s_gate[last] - s_gate[j]) * s_qk[t, j]
+                        col_p = col_p + grad_p * base * s_fq[t]
+                        col_u = col_u + grad_p * base * s_fq[t] * s_f[j]
+                s_col_p[j] = col_p
+                s_col_u[j] = col_u
+            cute.arch.sync_threads()
+
+            # 6. assemble df, dbeta, dG per step and dfq per token; dg = reverse cumsum of dG
+            gate_last = s_gate[last_step]
+            if tidx < C:
+                j = tidx
+                grad_b = d_scalars[chunk, head, 0, j]
+                b_j = s_f[j] * cute.math.exp(gate_last - s_gate[j])
+                s_df[j] = s_df[j] + s_beta[j] * s_row_s[j] + s_col_s[j] + s_col_p[j] + \
+                    grad_b * cute.math.exp(gate_last - s_gate[j])
+                s_dbeta[j] = s_dbeta[j] + s_f[j] * s_row_s[j]
+                grad_g = s_dg[j] + s_row_w[j] - s_col_w[j] - s_col_u[j] - grad_b * b_j
+                if j % NH == NH - 1:  # token j // n_h ends here: its P rows and c read exp(G_j)
+                    t = j // NH
+                    if t < tokens:
+                        c_t = scale * s_fq[t] * cute.math.exp(s_gate[j])
+                        grad_g = grad_g + s_row_u[t] + d_scalars[chunk, head, 1, t] * c_t
+                s_dg[j] = grad_g
+                bb = cute.arch.warp_reduction_sum(grad_b * b_j)
+                if tidx % 32 == 0:
+                    s_sum[tidx // 32] = bb
+            elif tidx < C + NQ:
+                t = tidx - C
+                s_dfq[t] = s_dfq[t] + d_scalars[chunk, head, 1, t] * scale * cute.math.exp(s_gate[t * NH + NH - 1])
+            cute.arch.sync_threads()
+            if tidx == 0:
+                s_dg[last_step] = s_dg[last_step] + s_sum[0] + s_sum[1] + \
+                    d_scalars[chunk, head, 2, 0] * cute.math.exp(gate_last)
+            cute.arch.sync_threads()
+            reverse_cumsum(tidx, s_dg)
+            cute.arch.sync_threads()
+            if tidx < C:
+                j = tidx
+                if j < steps:
+                    dbeta[first + j, head] = s_dbeta[j]
+                    if j % NH == 0:
+                        dg[first_token + j // NH, head] = s_dg[j]
+
+            # 7. dk = dk_scan + (dGram + dGram^T) k + dQK^T q - df f^3 k;  dq = dq_scan + dQK k - dfq fq^3 q
+            self.key_products(tidx, s_m1, s_a, s_k, s_q, s_f, s_df, dk_scan, dk, first, steps, head, use_l2)
+            self.query_products(tidx, s_a, s_k, s_q, s_fq, s_dfq, dq_scan, dq, first_token, tokens, head, use_l2)
+
+    @cute.jit
+    def key_products(self, tidx, s_gsym, s_dqk, s_k, s_q, s_f, s_df, dk_scan, dk, first, steps, head, use_l2):
+        K, NQ = self.key_dim, self.query_tile
+        groups = K // BLOCK_COLS
+        if tidx < (C // BLOCK_ROWS) * groups:
+            row0 = (tidx // groups) * BLOCK_ROWS
+            col0 = (tidx % groups) * BLOCK_COLS
+            out = cute.make_rmem_tensor(cute.make_layout((BLOCK_ROWS, BLOCK_COLS), stride=(BLOCK_COLS, 1)), Float32)
+            out.fill(0.0)
+            for i in cutlass.range(C, unroll=2):
+                for r in cutlass.range_constexpr(BLOCK_ROWS):
+                    weight = s_gsym[row0 + r, i]
+                    for c in cutlass.range_constexpr(BLOCK_COLS):
+                        out[r, c] = out[r, c] + weight * s_k[i, col0 + c].to(Float32)
+            for t in cutlass.range(NQ, unroll=2):
+                for r in cutlass.range_constexpr(BLOCK_ROWS):
+                    weight = s_dqk[t, row0 + r]
+                    for c in cutlass.range_constexpr(BLOCK_COLS):
+                        out[r, c] = out[r, c] + weight * s_q[t, col0 + c].to(Float32)
+            for r in cutlass.range_constexpr(BLOCK_ROWS):
+                j = row0 + r
+                if j < steps:
+                    cube = Float32(0.0)
+                    if use_l2 != 0:
+                        cube = s_df[j] * s_f[j] * s_f[j] * s_f[j]
+                    for c in cutlass.range_constexpr(BLOCK_COLS):
+                        dk[first + j, head, col0 + c] = dk_scan[first + j, head, col0 + c] + out[r, c] - \
+                            cube * s_k[j, col0 + c].to(Float32)
+
+    @cute.jit
+    def query_products(self, tidx, s_dqk, s_k, s_q, s_fq, s_dfq, dq_scan, dq, first_token, tokens, head, use_l2):
+        K, NQ = self.key_dim, self.query_tile
+        groups = K // BLOCK_COLS
+        if tidx < (NQ // BLOCK_ROWS) * groups:
+            row0 = (tidx // groups) * BLOCK_ROWS
+            col0 = (tidx % groups) * BLOCK_COLS
+            out = cute.make_rmem_tensor(cute.make_layout((BLOCK_ROWS, BLOCK_COLS), stride=(BLOCK_COLS, 1)), Float32)
+            out.fill(0.0)
+            for j in cutlass.range(C, unroll=2):
+                for r in cutlass.range_constexpr(BLOCK_ROWS):
+                    weight = s_dqk[row0 + r, j]
+                    for c in cutlass.range_constexpr(BLOCK_COLS):
+                        out[r, c] = out[r, c] + weight * s_k[j, col0 + c].to(Float32)
+            for r in cutlass.range_constexpr(BLOCK_ROWS):
+                t = row0 + r
+                if t < tokens:
+                    cube = Float32(0.0)
+                    if use_l2 != 0:
+                        cube = s_dfq[t] * s_fq[t] * s_fq[t] * s_fq[t]
+                    for c in cutlass.range_constexpr(BLOCK_COLS):
+                        dq[first_token + t, head, col0 + c] = dq_scan[first_token + t, head, col0 + c] + out[r, c] - \
+                            cube * s_q[t, col0 + c].to(Float32)
+
+
+@cute.jit
+def square_product(tidx, left: cute.Tensor, right: cute.Tensor, out: cute.Tensor,
+                   transpose_left: cutlass.Constexpr, transpose_right: cutlass.Constexpr, sign: Float32):
+    """out = sign * op(left) op(right) for 64 x 64 float32 tiles (op: optional transpose), 32 outputs per
+    thread; with ``sign`` < 0 (the dA step) only the strictly lower part is kept, the rest zeroed."""
+    row0 = (tidx // 8) * 4
+    col0 = (tidx % 8) * 8
+    acc = cute.make_rmem_tensor(cute.make_layout((4, 8), stride=(8, 1)), Float32)
+    acc.fill(0.0)
+    for m in cutlass.range(C, unroll=2):
+        for r in cutlass.range_constexpr(4):
+            a = Float32(0.0)
+            if cutlass.const_expr(transpose_left):
+                a = left[m, row0 + r]
+            else:
+                a = left[row0 + r, m]
+            for c in cutlass.range_constexpr(8):
+                b = Float32(0.0)
+                if cutlass.const_expr(transpose_right):
+                    b = right[col0 + c, m]
+                else:
+                    b = right[m, col0 + c]
+                acc[r, c] = acc[r, c] + a * b
+    for r in cutlass.range_constexpr(4):
+        for c in cutlass.range_constexpr(8):
+            value = acc[r, c] * sign
+            if sign < Float32(0.0):
+                if row0 + r <= col0 + c:
+                    value = Float32(0.0)
+            out[row0 + r, col0 + c] = value
+
+
+@cute.jit
+def reverse_cumsum(tidx, s_values: cute.Tensor):
+    """s_values[i] <- sum of s_values[j] for j >= i over 64 entries (warp 0, two per lane)."""
+    if tidx < 32:
+        high = s_values[63 - 2 * tidx]
+        pair_total = high + s_values[62 - 2 * tidx]
+        scan = pair_total
+        for d in cutlass.range_constexpr(5):
+            up = cute.arch.shuffle_sync_up(scan, 1 << d)
+            if tidx >= (1 << d):
+                scan = scan + up
+        s_values[63 - 2 * tidx] = scan - pair_total + high
+        s_values[62 - 2 * tidx] = scan

@@ -1,0 +1,376 @@
+"""The chunk-to-chunk scan of a segment on tensor cores, with the state in registers.
+
+One CTA per (segment, head, row block). The state is held transposed, X = S^T, as a float32
+tensor-core accumulator [R, K] (R = 128 or 64 rows); warp w owns rows [16 w, 16 w + 16), so every
+product whose rows are state rows needs no other warp's data. Two instruction families
+(``ChunkScanConfig.mma``): "sync" runs warp-level ``mma.sync`` m16n8k16 with B operands loaded by
+every warp through ``ldmatrix``; "wgmma" runs Hopper warpgroup MMAs (m64nNk16, A from
+registers, B read by the tensor cores straight from shared memory, once per warpgroup of 4 warps
+instead of once per warp). Per chunk (``emulation.py`` gives the algebra; ``chunk_prep`` made Ta, Tb, P and the
+scalars), with rounding to the input dtype wherever a value becomes an MMA operand:
+
+    Y  = X k^T                                  A: X from registers, B: k (K-major)
+    D  = v^T Tb^T - Y Ta^T                      (delta^T; value rows only for the first term)
+    O  = (X q^T) diag(c) + D P^T                (mode "output" only)
+    X <- exp(G_last) X + (D diag(b)) k          B: k^T (the same k tile, read MN-major)
+
+Two modes (compile-time):
+* "summary": rows are the segment's [E^T ; M^T] (V value rows, then K transition rows that see
+  zero values), starting from [0 ; I]; the end rows go to ``summary`` [S, H, V + K, K]. Only
+  segments whose flag has bit 0 set run.
+* "output": rows are S^T from ``state_in`` [S, H, V, K] (the folded incoming state of each
+  segment); outputs go to ``o`` and the segment's end state to ``state_out``.
+
+The next chunk's tiles are fetched with cp.async into the other of two shared-memory stages
+while the current chunk is computed.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from cp_linear.kernels import _mma
+from cp_linear.kernels._common import cutlass_dtype
+from cp_linear.kernels.configs import CHUNK_SIZE, ChunkScanConfig
+
+C = CHUNK_SIZE
+STAGES = 2
+SUMMARY_FLAG = 1
+
+
+def _scaled_as_a(acc: cute.Tensor, scale_of, dtype) -> cute.Tensor:
+    """``accumulator_as_a`` of acc * scale_of(element index) (a per-element float32 factor)."""
+    scaled = cute.make_fragment_like(acc, Float32)
+    for e in range(cute.size(acc)):  # trace-time loop (plain helper, not a jit function)
+        scaled[e] = acc[e] * scale_of(e)
+    return _mma.accumulator_as_a(scaled, dtype)
+
+
+class ChunkScanKernel:
+    def __init__(self, config: ChunkScanConfig):
+        config.validate()
+        self.dtype = cutlass_dtype(config.dtype)
+        self.key_dim = config.key_dim
+        self.value_dim = config.value_dim
+        self.query_tile = config.query_tile
+        self.rows = config.rows_per_cta
+        self.warps = self.rows // 16
+        self.threads = 32 * self.warps
+        self.summary = config.mode == "summary"
+        self.wgmma = config.mma == "wgmma"
+
+    def row_blocks(self) -> int:
+        stacked = self.value_dim + (self.key_dim if self.summary else 0)
+        return stacked // self.rows
+
+    @cute.jit
+    def __call__(self,
+                 k: cute.Tensor,  # [S_all, H, K] input dtype
+                 v: cute.Tensor,  # [S_all, H, V] input dtype
+                 q: cute.Tensor,  # [T_all, H, K] input dtype (read in mode "output")
+                 ta: cute.Tensor,  # [C_max, H, 64, 64] input dtype
+                 tb: cute.Tensor,  # [C_max, H, 64, 64] input dtype
+                 p: cute.Tensor,  # [C_max, H, NQ, 64] input dtype (read in mode "output")
+                 scalars: cute.Tensor,  # [C_max, H, 4, 64] float32
+                 chunk_first_step: cute.Tensor,  # int32 [C_max]
+                 chunk_steps: cute.Tensor,  # int32 [C_max]
+                 seg_first_chunk: cute.Tensor,  # int32 [S_max]
+                 seg_chunks: cute.Tensor,  # int32 [S_max]
+                 seg_flags: cute.Tensor,  # int32 [S_max] (bit 0: build this segment's summary)
+                 num_segments: cute.Tensor,  # int32 [1]
+                 state_in: cute.Tensor,  # [S_max, H, V, K] float32 (mode "output")
+                 state_out: cute.Tensor,  # [S_max, H, V, K] float32 (out, mode "output") or
+                                          # [S_max, H, V + K, K] (out, mode "summary")
+                 o: cute.Tensor,  # [T_all, H, V] input dtype (out, mode "output")
+                 num_householder: Int32, stream):
+        tiled_mma = _mma.make_tiled_mma(self.dtype, self.warps)  # the "sync" products (unused for "wgmma")
+        g2s = _mma.make_g2s_copy(self.dtype, self.threads)
+        self.kernel(k, v, q, ta, tb, p, scalars, chunk_first_step, chunk_steps, seg_first_chunk, seg_chunks,
+                    seg_flags, num_segments, state_in, state_out, o, num_householder, tiled_mma, g2s).launch(
+            grid=(seg_first_chunk.shape[0], k.shape[1], self.row_blocks()), block=(self.threads, 1, 1),
+            stream=stream)
+
+    @cute.jit
+    def load_chunk(self, g2s, tidx, chunk, head, value_col, is_value_rows, k, v, q, ta, tb, p,
+                   chunk_first_step, chunk_steps, s_k, s_v, s_ta, s_tb, s_q, s_p, num_householder):
+        """Issue the cp.async copies of one chunk's tiles into one stage (rows past the chunk are zero)."""
+        K, R, NQ = self.key_dim, self.rows, self.query_tile
+        first = chunk_first_step[chunk]
+        steps = chunk_steps[chunk]
+        _mma.copy_rows_g2s(g2s, tidx, cute.local_tile(cute.domain_offset((first, 0), k[None, head, None]), (C, K),
+                                                      (0, 0)), s_k, steps)
+        if is_value_rows:
+            g_v = cute.local_tile(cute.domain_offset((first, value_col), v[None, head, None]), (C, R), (0, 0))
+            _mma.copy_rows_g2s(g2s, tidx, g_v, s_v, steps)
+        _mma.copy_rows_g2s(g2s, tidx, ta[chunk, head, None, None], s_ta, C)
+        _mma.copy_rows_g2s(g2s, tidx, tb[chunk, head, None, None], s_tb, C)
+        if cutlass.const_expr(not self.summary):
+            first_token = first // num_householder
+            tokens = steps // num_householder
+            g_q = cute.local_tile(cute.domain_offset((first_token, 0), q[None, head, None]), (NQ, K), (0, 0))
+            _mma.copy_rows_g2s(g2s, tidx, g_q, s_q, tokens)
+            _mma.copy_rows_g2s(g2s, tidx, p[chunk, head, None, None], s_p, NQ)
+        cute.arch.cp_async_commit_group()
+
+    def _tile(self, allocator, rows: int, cols: int) -> cute.Tensor:
+        """A staged [rows, cols, STAGES] shared tile of one operand (the swizzle each MMA family reads;
+        warpgroup MMAs want it on the pointer, not in the layout)."""
+        if cutlass.const_expr(self.wgmma):
+            layout = _mma.wgmma_tile_layout(self.dtype, rows, cols, STAGES)
+            return allocator.allocate_tensor(self.dtype, layout.outer, 1024, swizzle=layout.inner)
+        return allocator.allocate_tensor(self.dtype, _staged(rows, cols), 128)
+
+    @cute.kernel
+    def kernel(self, k: cute.Tensor, v: cute.Tensor, q: cute.Tensor, ta: cute.Tensor, tb: cute.Tensor,
+               p: cute.Tensor, scalars: cute.Tensor, chunk_first_step: cute.Tensor, chunk_steps: cute.Tensor,
+               seg_first_chunk: cute.Tensor, seg_chunks: cute.Tensor, seg_flags: cute.Tensor,
+               num_segments: cute.Tensor, state_in: cute.Tensor, state_out: cute.Tensor, o: cute.Tensor,
+               num_householder: Int32, tiled_mma: cute.TiledMma, g2s: cute.TiledCopy):
+        K, V, R, NQ, NH = self.key_dim, self.value_dim, self.rows, self.query_tile, num_householder
+        tidx, _, _ = cute.arch.thread_idx()
+        segment, head, row_block = cute.arch.block_idx()
+        allocator = cutlass.utils.SmemAllocator()
+        s_k_all = self._tile(allocator, C, K)
+        s_v_all = self._tile(allocator, C, R)
+        s_ta_all = self._tile(allocator, C, C)
+        s_tb_all = self._tile(allocator, C, C)
+        s_q_all = s_k_all
+        s_p_all = s_ta_all
+        if cutlass.const_expr(not self.summary):
+            s_q_all = self._tile(allocator, NQ, K)
+            s_p_all = self._tile(allocator, NQ, C)
+        s_scalars = allocator.allocate_tensor(Float32, cute.make_layout((4, C, STAGES), stride=(C, 1, 4 * C)), 16)
+
+        run = segment < num_segments[0]
+        if cutlass.const_expr(self.summary):
+            run = run & ((seg_flags[cutlass.min(segment, seg_flags.shape[0] - 1)] & SUMMARY_FLAG) != 0)
+        if run:
+            row0 = row_block * R
+            is_value_rows = row0 < V
+            value_col = cute.assume(cutlass.min(row0, V - R), divby=64)  # keeps 16-byte alignment known
+            first_chunk = seg_first_chunk[segment]
+            chunk_count = seg_chunks[segment]
+
+            if cutlass.const_expr(self.wgmma):
+                products = _WgmmaProducts(self, tidx, s_k_all, s_v_all, s_ta_all, s_tb_all, s_q_all, s_p_all)
+            else:
+                products = _SyncProducts(self, tidx, tiled_mma)
+            state = products.state_accumulator()
+            state_coords = products.coordinates(state, (R, K))
+            for e in cutlass.range_constexpr(cute.size(state)):
+                r, c = state_coords[e]
+                if cutlass.const_expr(self.summary):
+                    state[e] = Float32(0.0)
+                    if (row0 + r - V) == c:
+                        state[e] = Float32(1.0)
+                else:
+                    state[e] = state_in[segment, head, row0 + r, c]
+
+            if not is_value_rows:  # transition rows: a zero value tile in both stages, never loaded
+                elements = C * R * STAGES
+                flat = cute.make_tensor(s_v_all.iterator, cute.make_layout(elements))
+                for i in cutlass.range(elements // self.threads, unroll=8):
+                    flat[tidx + i * self.threads] = self.dtype(0.0)
+            self.load_chunk(g2s, tidx, first_chunk, head, value_col, is_value_rows, k, v, q, ta, tb, p,
+                            chunk_first_step, chunk_steps, s_k_all[None, None, 0], s_v_all[None, None, 0],
+                            s_ta_all[None, None, 0], s_tb_all[None, None, 0], s_q_all[None, None, 0],
+                            s_p_all[None, None, 0], NH)
+            # the chunk's 4 x 64 float32 scalars travel through registers, one chunk ahead
+            per_thread = 4 * C // self.threads
+            scalar_next = cute.make_rmem_tensor(cute.make_layout((per_thread,)), Float32)
+            for j in cutlass.range_constexpr(per_thread):
+                index = tidx + j * self.threads
+                scalar_next[j] = scalars[first_chunk, head, index // C, index % C]
+            for it in range(chunk_count):
+                stage = it % STAGES
+                chunk = first_chunk + it
+                for j in cutlass.range_constexpr(per_thread):
+                    index = tidx + j * self.threads
+                    s_scalars[index // C, index % C, stage] = scalar_next[j]
+                cute.arch.cp_async_wait_group(0)
+                if cutlass.const_expr(self.wgmma):
+                    cute.arch.fence_view_async_shared()  # cp.async/st.shared data -> the async proxy of wgmma
+                cute.arch.sync_threads()
+                if it + 1 < chunk_count:
+                    other = 1 - stage
+                    self.load_chunk(g2s, tidx, chunk + 1, head, value_col, is_value_rows, k, v, q, ta, tb, p,
+                                    chunk_first_step, chunk_steps, s_k_all[None, None, other],
+                                    s_v_all[None, None, other], s_ta_all[None, None, other],
+                                    s_tb_all[None, None, other], s_q_all[None, None, other],
+                                    s_p_all[None, None, other], NH)
+                    for j in cutlass.range_constexpr(per_thread):
+                        index = tidx + j * self.threads
+                        scalar_next[j] = scalars[chunk + 1, head, index // C, index % C]
+                s_sc = s_scalars[None, None, stage]
+                first_token = chunk_first_step[chunk] // NH
+                tokens = chunk_steps[chunk] // NH
+                self.chunk_step(products, state, stage, s_sc, s_k_all, s_v_all, s_ta_all, s_tb_all,
+                                s_q_all, s_p_all, o, head, row0, first_token, tokens)
+
+            for e in cutlass.range_constexpr(cute.size(state)):
+                r, c = state_coords[e]
+                state_out[segment, head, row0 + r, c] = state[e]
+
+    @cute.jit
+    def chunk_step(self, products, state: cute.Tensor, stage, s_sc: cute.Tensor, s_k_all, s_v_all,
+                   s_ta_all, s_tb_all, s_q_all, s_p_all, o: cute.Tensor, head, row0, first_token, tokens):
+        """One chunk: Y, D, (O), and the state update, on the chunk's tiles in shared-memory ``stage``."""
+        R, NQ = self.rows, self.query_tile
+        state_a = products.as_a(state)
+        y = products.product_accumulator(C)
+        products.y_from_state(y, state_a, s_k_all, stage)
+        delta = products.product_accumulator(C)
+        minus_y = products.as_a(y, lambda e: Float32(-1.0))
+        # transition rows see zero values: their value tile stays zero (filled once), no branch here
+        products.delta_from_values(delta, s_v_all, s_tb_all, stage)
+        products.delta_add_y(delta, minus_y, s_ta_all, stage)
+
+        if cutlass.const_expr(not self.summary):
+            # O = (X q^T) diag(c) + D P^T on the chunk's tokens
+            out = products.product_accumulator(NQ)
+            token_coords = products.coordinates(out, (R, NQ))
+            products.out_from_state(out, state_a, s_q_all, stage)
+            for e in cutlass.range_constexpr(cute.size(out)):
+                out[e] = out[e] * s_sc[1, token_coords[e][1]]
+            products.out_add_delta(out, products.as_a(delta), s_p_all, stage)
+            for e in cutlass.range_constexpr(cute.size(out)):
+                r, t = token_coords[e]
+                if t < tokens:
+                    o[first_token + t, head, row0 + r] = out[e].to(self.dtype)
+
+        # X <- exp(G_last) X + (D diag(b)) k
+        step_coords = products.coordinates(delta, (R, C))
+        scaled_delta = products.as_a(delta, lambda e: s_sc[0, step_coords[e][1]])
+        decay = s_sc[2, 0]
+        for e in cutlass.range_constexpr(cute.size(state)):
+            state[e] = state[e] * decay
+        products.update_state(state, scaled_delta, s_k_all, stage)
+
+
+class _SyncProducts:
+    """The chunk's products on warp-level mma.sync: B operands through ldmatrix, every warp."""
+
+    def __init__(self, kernel: ChunkScanKernel, tidx, tiled_mma):
+        self.kernel, self.tidx, self.tiled_mma = kernel, tidx, tiled_mma
+        self.thr = tiled_mma.get_slice(tidx)
+
+    def state_accumulator(self):
+        return self.product_accumulator(self.kernel.key_dim)
+
+    def product_accumulator(self, n: int):
+        acc = cute.make_rmem_tensor(self.thr.partition_shape_C((self.kernel.rows, n)), Float32)
+        acc.fill(0.0)
+        return acc
+
+    def coordinates(self, acc, shape):
+        return self.thr.partition_C(cute.make_identity_tensor(shape))
+
+    def as_a(self, acc, scale_of=None):
+        if scale_of is None:
+            return _mma.accumulator_as_a(acc, self.kernel.dtype)
+        return _scaled_as_a(acc, scale_of, self.kernel.dtype)
+
+    def _b(self, tile, transpose=False):
+        return _mma.SmemOperand(self.tiled_mma, self.tidx, tile, self.kernel.dtype, operand="B", transpose=transpose)
+
+    def y_from_state(self, y, state_a, s_k_all, stage):
+        _mma.gemm_smem_b(self.tiled_mma, y, state_a, self._b(s_k_all[None, None, stage]))
+
+    def delta_from_values(self, delta, s_v_all, s_tb_all, stage):
+        vt = _mma.SmemOperand(self.tiled_mma, self.tidx,
+                              _mma.transposed_view(s_v_all[None, None, stage], C, self.kernel.rows),
+                              self.kernel.dtype, operand="A", transpose=True)
+        _mma.gemm_smem_ab(self.tiled_mma, delta, vt, self._b(s_tb_all[None, None, stage]))
+
+    def delta_add_y(self, delta, minus_y, s_ta_all, stage):
+        _mma.gemm_smem_b(self.tiled_mma, delta, minus_y, self._b(s_ta_all[None, None, stage]))
+
+    def out_from_state(self, out, state_a, s_q_all, stage):
+        _mma.gemm_smem_b(self.tiled_mma, out, state_a, self._b(s_q_all[None, None, stage]))
+
+    def out_add_delta(self, out, delta_a, s_p_all, stage):
+        _mma.gemm_smem_b(self.tiled_mma, out, delta_a, self._b(s_p_all[None, None, stage]))
+
+    def update_state(self, state, scaled_delta, s_k_all, stage):
+        kt = _mma.transposed_view(s_k_all[None, None, stage], C, self.kernel.key_dim)
+        _mma.gemm_smem_b(self.tiled_mma, state, scaled_delta, self._b(kt, transpose=True))
+
+
+class _WgmmaProducts:
+    """The chunk's products on Hopper warpgroup MMAs: B (and the value tile as A) read by the tensor
+    cores from shared memory through descriptors built once for both stages."""
+
+    def __init__(self, kernel: ChunkScanKernel, tidx, s_k_all, s_v_all, s_ta_all, s_tb_all, s_q_all, s_p_all):
+        K, R, NQ, dtype = kernel.key_dim, kernel.rows, kernel.query_tile, kernel.dtype
+        groups = R // 64
+        self.kernel = kernel
+        self.state_mma = _mma.make_wgmma(dtype, groups, K, b_mn_major=True)  # X += A k (k read as k^T)
+        self.step_mma = _mma.make_wgmma(dtype, groups, C)  # Y = X k^T, D -= Y Ta^T
+        self.value_mma = _mma.make_wgmma(dtype, groups, C, a_from_smem=True)  # D = v^T Tb^T
+        self.state_thr = self.state_mma.get_slice(tidx)
+        self.step_thr = self.step_mma.get_slice(tidx)
+        value_thr = self.value_mma.get_slice(tidx)
+        kt_all = _mma.wgmma_transposed_view(s_k_all, dtype, C, K, STAGES)
+        vt_all = _mma.wgmma_transposed_view(s_v_all, dtype, C, R, STAGES)
+        self.k_b = self.step_thr.make_fragment_B(self.step_thr.partition_B(s_k_all))
+        self.kt_b = self.state_thr.make_fragment_B(self.state_thr.partition_B(kt_all))
+        self.ta_b = self.step_thr.make_fragment_B(self.step_thr.partition_B(s_ta_all))
+        self.tb_b = value_thr.make_fragment_B(value_thr.partition_B(s_tb_all))
+        self.vt_a = value_thr.make_fragment_A(value_thr.partition_A(vt_all))
+        if cutlass.const_expr(not kernel.summary):
+            self.out_mma = _mma.make_wgmma(dtype, groups, NQ)  # O = X q^T + D P^T
+            self.out_thr = self.out_mma.get_slice(tidx)
+            self.q_b = self.out_thr.make_fragment_B(self.out_thr.partition_B(s_q_all))
+            self.p_b = self.out_thr.make_fragment_B(self.out_thr.partition_B(s_p_all))
+
+    def state_accumulator(self):
+        acc = self.state_thr.make_fragment_C(self.state_thr.partition_shape_C((self.kernel.rows, self.kernel.key_dim)))
+        acc.fill(0.0)
+        return acc
+
+    def _thr(self, n: int):
+        """A thread slice whose accumulator is [R, n] (the C layout depends on N only)."""
+        if n == self.kernel.key_dim:
+            return self.state_thr
+        return self.step_thr if n == C else self.out_thr
+
+    def product_accumulator(self, n: int):
+        thr = self._thr(n)
+        return thr.make_fragment_C(thr.partition_shape_C((self.kernel.rows, n)))
+
+    def coordinates(self, acc, shape):
+        return self._thr(shape[1]).partition_C(cute.make_identity_tensor(shape))
+
+    def as_a(self, acc, scale_of=None):
+        if scale_of is not None:
+            scaled = cute.make_fragment_like(acc, Float32)
+            for e in range(cute.size(acc)):
+                scaled[e] = acc[e] * scale_of(e)
+            acc = scaled
+        return _mma.accumulator_as_wgmma_a(acc, self.step_mma, self.kernel.dtype)
+
+    def y_from_state(self, y, state_a, s_k_all, stage):
+        _mma.wgmma(self.step_mma, y, state_a, self.k_b[None, None, None, stage], False)
+
+    def delta_from_values(self, delta, s_v_all, s_tb_all, stage):
+        _mma.wgmma(self.value_mma, delta, self.vt_a[None, None, None, stage], self.tb_b[None, None, None, stage],
+                   False)
+
+    def delta_add_y(self, delta, minus_y, s_ta_all, stage):
+        _mma.wgmma(self.step_mma, delta, minus_y, self.ta_b[None, None, None, stage], True)
+
+    def out_from_state(self, out, state_a, s_q_all, stage):
+        _mma.wgmma(self.out_mma, out, state_a, self.q_b[None, None, None, stage], False)
+
+    def out_add_delta(self, out, delta_a, s_p_all, stage):
+        _mma.wgmma(self.out_mma, out, delta_a, self.p_b[None, None, None, stage], True)
+
+    def update_state(self, state, scaled_delta, s_k_all, stage):
+        _mma.wgmma(self.state_mma, state, scaled_delta, self.kt_b[None, None, None, stage], True)
+
+
+def _staged(rows: int, cols: int):
+    atom = cute.make_composed_layout(cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1)))
+    return cute.tile_to_shape(atom, (rows, cols, STAGES), (0, 1, 2))

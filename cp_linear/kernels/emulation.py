@@ -1,0 +1,157 @@
+"""The tensor-core GDP kernels, emulated launch by launch in torch (any device, the CPU here).
+
+``run_emulated(launch)`` does what ``launch.run()`` does on the GPU, on the same buffers, with
+float32 arithmetic and rounding to the input dtype exactly where a kernel feeds a tensor-core
+operand. It checks the algebra, the work layout, the segment folds and the precision budget
+without a GPU, and is the oracle the GPU tests compare the kernels against. Slow and explicit.
+
+Notation (per chunk and head; the kernels' module docs use the same letters). A chunk holds
+whole tokens, C <= 64 steps; step i carries its token's gate on the token's first step, G is the
+inclusive cumulative gate inside the chunk, f_i = 1/||k_i|| and fq_t = 1/||q_t|| (1 without
+l2norm), i_t is token t's last step:
+
+    A  = strictly lower beta_i f_i f_j exp(G_i - G_j) (k_i . k_j);   T = (I + A)^-1
+    Ta = T diag(beta f exp(G)),  Tb = T diag(beta),  P[t, j] = [j <= i_t] scale fq_t f_j exp(G_{i_t} - G_j) (q_t . k_j)
+    b_j = f_j exp(G_last - G_j),  c_t = scale fq_t exp(G_{i_t}),  d = exp(G_last)
+
+and, with the state held transposed as rows X = S^T [R, K] (value rows see v, transition rows 0):
+
+    Y = X k^T;   D = v^T Tb^T - Y Ta^T;   O^T = (X q^T) diag(c) + D P^T;   X <- d X + (D diag(b)) k
+"""
+
+from __future__ import annotations
+
+L2NORM_EPS = 1e-6
+
+
+def _rounder(dtype):
+    return lambda x: x.to(dtype).float()
+
+
+def emulate_chunk_prep(launch) -> None:
+    import torch
+
+    n_h = int(launch.num_householder)
+    rnd = _rounder(launch.ta.dtype)
+    q, k = launch.q.float(), launch.k.float()
+    heads = k.shape[1]
+    tile = launch.p.shape[2]
+    for chunk in range(int(launch.num_chunks[0])):
+        first, steps = int(launch.chunk_first_step[chunk]), int(launch.chunk_steps[chunk])
+        tokens = steps // n_h
+        kc = k[first:first + steps].permute(1, 0, 2)  # [H, C, K]
+        qc = q[first // n_h:first // n_h + tokens].permute(1, 0, 2)
+        gc = launch.g[first // n_h:first // n_h + tokens].float().T
+        bc = launch.beta[first:first + steps].float().T
+        use_l2 = bool(launch.use_l2)
+        f = torch.rsqrt((kc * kc).sum(-1) + L2NORM_EPS) if use_l2 else torch.ones(heads, steps)
+        fq = torch.rsqrt((qc * qc).sum(-1) + L2NORM_EPS) if use_l2 else torch.ones(heads, tokens)
+        step_gate = torch.zeros(heads, steps)
+        step_gate[:, ::n_h] = gc
+        G = torch.cumsum(step_gate, 1)
+        lower = torch.tril(torch.ones(steps, steps), -1)
+        A = bc[:, :, None] * f[:, :, None] * f[:, None, :] * torch.exp(torch.tril(G[:, :, None] - G[:, None, :]))
+        A = A * (kc @ kc.transpose(1, 2)) * lower
+        T = torch.linalg.solve_triangular(torch.eye(steps) + A, torch.eye(steps).expand(heads, steps, steps),
+                                          upper=False, unitriangular=True)
+        last = torch.arange(tokens) * n_h + n_h - 1
+        causal = (torch.arange(steps)[None, :] <= last[:, None]).float()
+        decay = torch.exp(torch.clamp(G[:, last, None] - G[:, None, :], max=0.0))
+        P = float(launch.scale) * fq[:, :, None] * f[:, None, :] * decay * (qc @ kc.transpose(1, 2)) * causal
+        ta = torch.zeros(heads, 64, 64)
+        tb = torch.zeros(heads, 64, 64)
+        ta[:, :steps, :steps] = T * (bc * f * torch.exp(G))[:, None, :]
+        tb[:, :steps, :steps] = T * bc[:, None, :]
+        p = torch.zeros(heads, tile, 64)
+        p[:, :tokens, :steps] = P
+        scalars = torch.zeros(heads, 4, 64)
+        g_last = G[:, steps - 1:steps]
+        scalars[:, 0, :steps] = f * torch.exp(g_last - G)
+        scalars[:, 1, :tokens] = float(launch.scale) * fq * torch.exp(G[:, last])
+        scalars[:, 2, :] = torch.exp(g_last)
+        launch.ta[chunk] = rnd(ta).to(launch.ta.dtype)
+        launch.tb[chunk] = rnd(tb).to(launch.tb.dtype)
+        launch.p[chunk] = rnd(p).to(launch.p.dtype)
+        launch.scalars[chunk] = scalars
+
+
+def emulate_chunk_scan(launch) -> None:
+    import torch
+
+    config = launch.config
+    rnd = _rounder(launch.k.dtype)
+    n_h = int(launch.num_householder)
+    K, V = config.key_dim, config.value_dim
+    summary = config.mode == "summary"
+    rows = V + K if summary else V
+    k, v, q = launch.k.float(), launch.v.float(), launch.q.float()
+    heads = k.shape[1]
+    for segment in range(int(launch.num_segments[0])):
+        if summary and not int(launch.seg_flags[segment]) & 1:
+            continue
+        if summary:
+            X = torch.cat([torch.zeros(heads, V, K), torch.eye(K).expand(heads, K, K)], 1)
+        else:
+            X = launch.state_in[segment].float().clone()
+        first_chunk = int(launch.seg_first_chunk[segment])
+        for chunk in range(first_chunk, first_chunk + int(launch.seg_chunks[segment])):
+            first, steps = int(launch.chunk_first_step[chunk]), int(launch.chunk_steps[chunk])
+            kc = torch.zeros(heads, 64, K)
+            kc[:, :steps] = k[first:first + steps].permute(1, 0, 2)
+            vin = torch.zeros(heads, 64, rows)
+            vin[:, :steps, :V] = v[first:first + steps].permute(1, 0, 2)
+            ta, tb = launch.ta[chunk].float(), launch.tb[chunk].float()
+            sc = launch.scalars[chunk].float()
+            Xb = rnd(X)
+            Y = Xb @ kc.transpose(1, 2)
+            D = vin.transpose(1, 2) @ tb.transpose(1, 2) - rnd(Y) @ ta.transpose(1, 2)
+            if not summary:
+                tokens = steps // n_h
+                tile = launch.p.shape[2]
+                qc = torch.zeros(heads, tile, K)
+                qc[:, :tokens] = q[first // n_h:first // n_h + tokens].permute(1, 0, 2)
+                out = (Xb @ qc.transpose(1, 2)) * sc[:, 1, None, :tile]
+                out = out + rnd(D) @ launch.p[chunk].float().transpose(1, 2)
+                launch.o[first // n_h:first // n_h + tokens] = out[:, :, :tokens].permute(2, 0, 1).to(launch.o.dtype)
+            X = sc[:, 2, 0, None, None] * X + rnd(D * sc[:, 0, None, :]) @ kc
+        launch.state_out[segment] = X
+
+
+def emulate_segment_fold(launch) -> None:
+    import torch
+
+    rows = launch.incoming.shape[2]
+    value_rows, identity_row = int(launch.value_rows), int(launch.identity_row)
+    heads, K = launch.summaries.shape[1], launch.summaries.shape[3]
+    sequences = launch.seq_first_segment.shape[0] - 1
+    for sequence in range(int(launch.first_sequence), sequences):
+        if sequence < int(launch.init_count):
+            X = launch.init[sequence].float().clone()
+        else:
+            X = torch.zeros(heads, rows, K)
+            eye_rows = rows - identity_row
+            if eye_rows > 0:
+                X[:, identity_row:] = torch.eye(eye_rows, K)
+        order = range(int(launch.seq_first_segment[sequence]), int(launch.seq_first_segment[sequence + 1]))
+        for segment in (reversed(order) if int(launch.descending) else order):
+            launch.incoming[segment] = X
+            summary = launch.summaries[segment]
+            E = torch.zeros(heads, rows, K)
+            E[:, :min(rows, value_rows)] = summary[:, :min(rows, value_rows)]
+            X = X @ summary[:, value_rows:] + E
+        if int(launch.write_final):
+            launch.final[sequence] = X
+
+
+def run_emulated(launch) -> None:
+    """Carry out ``launch`` (a ``cp_linear.kernels.launch`` dataclass) in torch, in place."""
+    from cp_linear.kernels import emulation_backward as eb
+    from cp_linear.kernels import launch as kl
+
+    emulations = {kl.ChunkPrepLaunch: emulate_chunk_prep, kl.ChunkScanLaunch: emulate_chunk_scan,
+                  kl.SegmentFoldLaunch: emulate_segment_fold, kl.ChunkGammaLaunch: eb.emulate_chunk_gamma,
+                  kl.ChunkReverseLaunch: eb.emulate_chunk_reverse,
+                  kl.ChunkPrepBackwardLaunch: eb.emulate_chunk_prep_backward}
+    if type(launch) not in emulations:
+        raise TypeError(f"no emulation for {type(launch).__name__}")
+    emulations[type(launch)](launch)

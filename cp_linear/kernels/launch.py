@@ -1,0 +1,380 @@
+"""Framework-neutral launch plan of the tensor-core GDP forward.
+
+Two halves, both free of torch and jax imports:
+
+* **Typed launches.** One dataclass per kernel (``ChunkPrepLaunch``, ``ChunkScanLaunch``,
+  ``SegmentFoldLaunch``) whose fields are the kernel's arguments in order, each with a spec
+  (dtype and shape, symbolic where the extent varies at run time). The compile-time fake
+  arguments are derived from the same specs (``fake_arguments``), so the launch site and the
+  compiled signature cannot drift apart; ``run()`` calls the compiled kernel with the fields.
+  A frontend passes its own arrays (torch tensors, or XLA buffers through its bridge).
+
+* **The work layout** (``forward_layout``): chunk and segment tables computed on the device from
+  ``cu_seqlens`` with array-API operations (any namespace: torch, jax, numpy) and fixed-size
+  bounds from host-known shapes, so a new packing never recompiles and never synchronises.
+
+    sequence n:  tokens [cu[n], cu[n+1]);  chunks of ``tokens_per_chunk`` whole tokens
+    chunk c:     first_step, steps (0 for c >= the real chunk count)
+    segment s:   ``segment_chunks`` consecutive chunks of one sequence (the last may be shorter);
+                 flags bit 0 = build its [E | M] summary (every segment but a sequence's last,
+                 and every segment of ``summary_sequence`` for the CP summary)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+from cp_linear.kernels import configs as cfg
+
+SUMMARY_FLAG = 1
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """dtype: "input" (the config's dtype), "float32" or "int32"; shape entries: an int, a config
+    attribute name (static), or None (symbolic); align: the base alignment in bytes the kernel
+    relies on (16 for tensors it copies with 16-byte vectors; None: one element)."""
+
+    dtype: str
+    shape: tuple
+    align: int | None = None
+
+
+@dataclass(frozen=True)
+class ScalarSpec:
+    dtype: str  # "float32" or "int32"
+
+
+def _spec(*shape, dtype="input", align=None) -> Any:
+    return field(metadata={"spec": TensorSpec(dtype, tuple(shape), align)})
+
+
+def _scalar(dtype: str) -> Any:
+    return field(metadata={"spec": ScalarSpec(dtype)})
+
+
+class _Launch:
+    """Base of the typed launches: fields after ``config`` are the kernel's arguments in order."""
+
+    config: Any
+    KERNEL: ClassVar[str]
+
+    @classmethod
+    def argument_specs(cls) -> list[tuple[str, Any]]:
+        return [(f.name, f.metadata["spec"]) for f in fields(cls) if "spec" in f.metadata]
+
+    def arguments(self) -> tuple:
+        return tuple(getattr(self, name) for name, _ in self.argument_specs())
+
+    def run(self) -> None:
+        from cp_linear.kernels.cache import compiled
+
+        compiled(self.config)(*self.arguments())
+
+
+@dataclass
+class ChunkPrepLaunch(_Launch):
+    KERNEL: ClassVar[str] = "cp_linear.kernels.chunk_prep:ChunkPrepKernel"
+    config: cfg.ChunkPrepConfig
+    q: Any = _spec(None, None, "key_dim", align=16)
+    k: Any = _spec(None, None, "key_dim", align=16)
+    g: Any = _spec(None, None, dtype="float32")
+    beta: Any = _spec(None, None, dtype="float32")
+    chunk_first_step: Any = _spec(None, dtype="int32")
+    chunk_steps: Any = _spec(None, dtype="int32")
+    num_chunks: Any = _spec(1, dtype="int32")
+    ta: Any = _spec(None, None, 64, 64)
+    tb: Any = _spec(None, None, 64, 64)
+    p: Any = _spec(None, None, "query_tile", 64)
+    scalars: Any = _spec(None, None, 4, 64, dtype="float32")
+    scale: Any = _scalar("float32")
+    use_l2: Any = _scalar("int32")
+    num_householder: Any = _scalar("int32")
+
+
+@dataclass
+class ChunkScanLaunch(_Launch):
+    """``state_out`` is [S, H, V, K] in mode "output", [S, H, V + K, K] (summaries) in "summary";
+    mode "summary" does not read q, p, state_in or o (pass any array of the right type)."""
+
+    KERNEL: ClassVar[str] = "cp_linear.kernels.chunk_scan:ChunkScanKernel"
+    config: cfg.ChunkScanConfig
+    k: Any = _spec(None, None, "key_dim", align=16)
+    v: Any = _spec(None, None, "value_dim", align=16)
+    q: Any = _spec(None, None, "key_dim", align=16)
+    ta: Any = _spec(None, None, 64, 64, align=16)
+    tb: Any = _spec(None, None, 64, 64, align=16)
+    p: Any = _spec(None, None, "query_tile", 64, align=16)
+    scalars: Any = _spec(None, None, 4, 64, dtype="float32")
+    chunk_first_step: Any = _spec(None, dtype="int32")
+    chunk_steps: Any = _spec(None, dtype="int32")
+    seg_first_chunk: Any = _spec(None, dtype="int32")
+    seg_chunks: Any = _spec(None, dtype="int32")
+    seg_flags: Any = _spec(None, dtype="int32")
+    num_segments: Any = _spec(1, dtype="int32")
+    state_in: Any = _spec(None, None, "value_dim", "key_dim", dtype="float32")
+    state_out: Any = _spec(None, None, "state_rows", "key_dim", dtype="float32")
+    o: Any = _spec(None, None, "value_dim")
+    num_householder: Any = _scalar("int32")
+
+
+@dataclass
+class SegmentFoldLaunch(_Launch):
+    KERNEL: ClassVar[str] = "cp_linear.kernels.segment_fold:SegmentFoldKernel"
+    config: cfg.SegmentFoldConfig
+    summaries: Any = _spec(None, None, None, "key_dim", dtype="float32", align=16)
+    seq_first_segment: Any = _spec(None, dtype="int32")
+    init: Any = _spec(None, None, None, "key_dim", dtype="float32")
+    incoming: Any = _spec(None, None, None, "key_dim", dtype="float32")
+    final: Any = _spec(None, None, None, "key_dim", dtype="float32")
+    init_count: Any = _scalar("int32")
+    value_rows: Any = _scalar("int32")
+    identity_row: Any = _scalar("int32")
+    first_sequence: Any = _scalar("int32")
+    write_final: Any = _scalar("int32")
+    descending: Any = _scalar("int32")  # fold each sequence's segments last to first (the backward)
+
+
+@dataclass
+class ChunkGammaLaunch(_Launch):
+    """Backward segment summaries into ``summaries`` [S, H, V + K, K] for segments flagged in ``seg_flags``."""
+
+    KERNEL: ClassVar[str] = "cp_linear.kernels.chunk_reverse:ChunkGammaKernel"
+    config: cfg.ChunkGammaConfig
+    k: Any = _spec(None, None, "key_dim", align=16)
+    q: Any = _spec(None, None, "key_dim", align=16)
+    do: Any = _spec(None, None, "value_dim", align=16)
+    ta: Any = _spec(None, None, 64, 64, align=16)
+    p: Any = _spec(None, None, "query_tile", 64, align=16)
+    scalars: Any = _spec(None, None, 4, 64, dtype="float32")
+    chunk_first_step: Any = _spec(None, dtype="int32")
+    chunk_steps: Any = _spec(None, dtype="int32")
+    seg_first_chunk: Any = _spec(None, dtype="int32")
+    seg_chunks: Any = _spec(None, dtype="int32")
+    seg_flags: Any = _spec(None, dtype="int32")
+    num_segments: Any = _spec(1, dtype="int32")
+    summaries: Any = _spec(None, None, "gamma_rows", "key_dim", dtype="float32")
+    num_householder: Any = _scalar("int32")
+
+
+@dataclass
+class ChunkReverseLaunch(_Launch):
+    """The backward of every segment: chunk states recomputed from ``state_in`` into ``chunk_states``,
+    then the reverse pass from ``grad_out``; writes ``grad_in`` and the per-step / per-chunk gradients.
+
+    d_scalars rows: 0 db, 1 dc, 2 dd (column 0), 3 unused."""
+
+    KERNEL: ClassVar[str] = "cp_linear.kernels.chunk_reverse:ChunkReverseKernel"
+    config: cfg.ChunkReverseConfig
+    k: Any = _spec(None, None, "key_dim", align=16)
+    v: Any = _spec(None, None, "value_dim", align=16)
+    q: Any = _spec(None, None, "key_dim", align=16)
+    do: Any = _spec(None, None, "value_dim", align=16)
+    ta: Any = _spec(None, None, 64, 64, align=16)
+    tb: Any = _spec(None, None, 64, 64, align=16)
+    p: Any = _spec(None, None, "query_tile", 64, align=16)
+    scalars: Any = _spec(None, None, 4, 64, dtype="float32")
+    chunk_first_step: Any = _spec(None, dtype="int32")
+    chunk_steps: Any = _spec(None, dtype="int32")
+    seg_first_chunk: Any = _spec(None, dtype="int32")
+    seg_chunks: Any = _spec(None, dtype="int32")
+    num_segments: Any = _spec(1, dtype="int32")
+    state_in: Any = _spec(None, None, "value_dim", "key_dim", dtype="float32")
+    grad_out: Any = _spec(None, None, "value_dim", "key_dim", dtype="float32")
+    chunk_states: Any = _spec(None, None, "value_dim", "key_dim", align=16)
+    grad_in: Any = _spec(None, None, "value_dim", "key_dim", dtype="float32")
+    dv: Any = _spec(None, None, "value_dim", dtype="float32")
+    dq_scan: Any = _spec(None, None, "key_dim", dtype="float32")
+    dk_scan: Any = _spec(None, None, "key_dim", dtype="float32")
+    d_ta: Any = _spec(None, None, 64, 64, dtype="float32")
+    d_tb: Any = _spec(None, None, 64, 64, dtype="float32")
+    d_p: Any = _spec(None, None, "query_tile", 64, dtype="float32")
+    d_scalars: Any = _spec(None, None, 4, 64, dtype="float32")
+    num_householder: Any = _scalar("int32")
+
+
+@dataclass
+class ChunkPrepBackwardLaunch(_Launch):
+    """dq, dk, dg, dbeta from the prep outputs' gradients plus the scan's parts of dq and dk."""
+
+    KERNEL: ClassVar[str] = "cp_linear.kernels.chunk_prep_backward:ChunkPrepBackwardKernel"
+    config: cfg.ChunkPrepBackwardConfig
+    q: Any = _spec(None, None, "key_dim", align=16)
+    k: Any = _spec(None, None, "key_dim", align=16)
+    g: Any = _spec(None, None, dtype="float32")
+    beta: Any = _spec(None, None, dtype="float32")
+    chunk_first_step: Any = _spec(None, dtype="int32")
+    chunk_steps: Any = _spec(None, dtype="int32")
+    num_chunks: Any = _spec(1, dtype="int32")
+    d_ta: Any = _spec(None, None, 64, 64, dtype="float32")
+    d_tb: Any = _spec(None, None, 64, 64, dtype="float32")
+    d_p: Any = _spec(None, None, "query_tile", 64, dtype="float32")
+    d_scalars: Any = _spec(None, None, 4, 64, dtype="float32")
+    dq_scan: Any = _spec(None, None, "key_dim", dtype="float32")
+    dk_scan: Any = _spec(None, None, "key_dim", dtype="float32")
+    dq: Any = _spec(None, None, "key_dim", dtype="float32")
+    dk: Any = _spec(None, None, "key_dim", dtype="float32")
+    dg: Any = _spec(None, None, dtype="float32")
+    dbeta: Any = _spec(None, None, dtype="float32")
+    scale: Any = _scalar("float32")
+    use_l2: Any = _scalar("int32")
+    num_householder: Any = _scalar("int32")
+
+
+LAUNCHES = {cfg.ChunkPrepConfig: ChunkPrepLaunch, cfg.ChunkScanConfig: ChunkScanLaunch,
+            cfg.SegmentFoldConfig: SegmentFoldLaunch, cfg.ChunkGammaConfig: ChunkGammaLaunch,
+            cfg.ChunkReverseConfig: ChunkReverseLaunch, cfg.ChunkPrepBackwardConfig: ChunkPrepBackwardLaunch}
+
+
+def _extent(config, entry):
+    if entry is None or isinstance(entry, int):
+        return entry
+    if entry == "query_tile" and config.query_tile == 0:  # mode "summary" reads no query tiles: any size
+        return None
+    if entry == "gamma_rows":
+        return config.value_dim + config.key_dim
+    if entry == "state_rows":
+        return config.value_dim + config.key_dim if config.mode == "summary" else config.value_dim
+    return getattr(config, entry)
+
+
+def fake_arguments(config) -> tuple:
+    """Compile-time arguments of ``config``'s kernel, derived from its launch specs (stream excluded)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    from cp_linear.kernels._common import cutlass_dtype
+
+    types = {"float32": cutlass.Float32, "int32": cutlass.Int32}
+    out = []
+    for _, spec in LAUNCHES[type(config)].argument_specs():
+        dtype = cutlass_dtype(config.dtype) if spec.dtype == "input" else types[spec.dtype]
+        if isinstance(spec, ScalarSpec):
+            out.append(dtype(0))
+            continue
+        extents = tuple(_extent(config, entry) for entry in spec.shape)
+        extents = tuple(cute.sym_int() if e is None else e for e in extents)
+        out.append(make_fake_compact_tensor(dtype, extents, stride_order=tuple(reversed(range(len(extents)))),
+                                            assumed_align=spec.align))
+    return tuple(out)
+
+
+def kernel_class(config):
+    import importlib
+
+    module, name = LAUNCHES[type(config)].KERNEL.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+# ---------------------------------------------------------------------------------------------- work layout
+
+
+def scan_row_block(key_dim: int, value_dim: int, num_householder: int) -> int:
+    """State rows per scan CTA (``ChunkScanConfig.row_block``), as measured on an H200 at
+    H = 16, K = V = 128 (benchmarks/NOTES.md): 64-row CTAs (two per SM) were faster for n_h >= 2
+    (32k tokens: 1.85 vs 1.96 ms), 128-row CTAs for n_h = 1 (1.19 vs 1.24 ms)."""
+    if key_dim == value_dim == 128 and num_householder >= 2:
+        return 64
+    return 0
+
+
+def segment_chunks_for(total_chunks_bound: int, heads: int, row_blocks: int, sm_count: int,
+                       *, ctas_per_sm: float = 2, min_chunks: int = 8) -> int:
+    """Chunks per segment so that the output pass has about ``ctas_per_sm`` CTAs per SM when one
+    long sequence is all there is (host ints only: shapes, never data)."""
+    target = max(1, sm_count * ctas_per_sm)
+    return max(min_chunks, math.ceil(total_chunks_bound * heads * row_blocks / target))
+
+
+@dataclass
+class ForwardLayout:
+    """Device tables of one forward (arrays of the caller's namespace) and their host bounds."""
+
+    num_householder: int
+    tokens_per_chunk: int
+    segment_chunks: int
+    max_chunks: int
+    max_segments: int
+    num_sequences: int
+    chunk_first_step: Any  # int32 [max_chunks]
+    chunk_steps: Any  # int32 [max_chunks]
+    num_chunks: Any  # int32 [1]
+    seq_first_segment: Any  # int32 [N + 1]
+    seq_segments: Any  # int32 [N]
+    seg_first_chunk: Any  # int32 [max_segments]
+    seg_chunks: Any  # int32 [max_segments]
+    seg_flags: Any  # int32 [max_segments]
+    num_segments: Any  # int32 [1]
+    seg_grad_flags: Any = None  # int32 [max_segments]: backward summaries (segments after a sequence's first)
+
+
+def forward_layout(cu_seqlens, *, total_tokens: int, num_householder: int, heads: int, row_blocks: int,
+                   sm_count: int, segment_chunks: int | None = None, summary_sequence: int | None = None,
+                   ctas_per_sm: float = 2, grad_summary_sequence: int | None = None) -> ForwardLayout:
+    """Chunk and segment tables from ``cu_seqlens`` (int [N + 1], on the device; any array namespace).
+
+    ``total_tokens`` (T_all) and N = len(cu_seqlens) - 1 are host ints, so every table has a fixed
+    size. ``summary_sequence``: also build summaries of every segment of that sequence (the CP
+    trailing fragment), not only of segments that are followed by another one.
+    ``seg_grad_flags`` marks the backward summaries: every segment after its sequence's first, and
+    every segment of ``grad_summary_sequence`` (the CP leading fragment).
+    """
+    import array_api_compat
+
+    xp = array_api_compat.array_namespace(cu_seqlens)
+    n_h = num_householder
+    per_chunk = cfg.tokens_per_chunk(n_h)
+    num_sequences = int(cu_seqlens.shape[0]) - 1
+    max_chunks = max(1, total_tokens // per_chunk + num_sequences)
+    if segment_chunks is None:
+        segment_chunks = segment_chunks_for(max_chunks, heads, row_blocks, sm_count, ctas_per_sm=ctas_per_sm)
+    max_segments = max(1, max_chunks // segment_chunks + num_sequences)
+    i32 = xp.int32
+    device = array_api_compat.device(cu_seqlens)
+    cu = xp.astype(cu_seqlens, i32)
+    lengths = cu[1:] - cu[:-1]
+    seq_chunks = (lengths + per_chunk - 1) // per_chunk
+    chunk_offsets = xp.concat([xp.zeros(1, dtype=i32, device=device), xp.cumulative_sum(seq_chunks, dtype=i32)])
+    num_chunks = chunk_offsets[-1:]
+
+    chunk_ids = xp.arange(max_chunks, dtype=i32, device=device)
+    chunk_seq = xp.clip(xp.searchsorted(chunk_offsets[1:], chunk_ids, side="right"), 0, num_sequences - 1)
+    chunk_seq = xp.astype(chunk_seq, i32)
+    index_in_seq = chunk_ids - xp.take(chunk_offsets, chunk_seq)
+    seq_start = xp.take(cu, chunk_seq)
+    seq_len = xp.take(lengths, chunk_seq)
+    tokens_here = xp.clip(seq_len - index_in_seq * per_chunk, 0, per_chunk)
+    real = chunk_ids < num_chunks
+    chunk_first_step = xp.where(real, (seq_start + index_in_seq * per_chunk) * n_h, 0)
+    chunk_steps = xp.where(real, tokens_here * n_h, 0)
+
+    seq_segments = (seq_chunks + segment_chunks - 1) // segment_chunks
+    seq_first_segment = xp.concat([xp.zeros(1, dtype=i32, device=device),
+                                   xp.cumulative_sum(seq_segments, dtype=i32)])
+    num_segments = seq_first_segment[-1:]
+    seg_ids = xp.arange(max_segments, dtype=i32, device=device)
+    seg_seq = xp.astype(xp.clip(xp.searchsorted(seq_first_segment[1:], seg_ids, side="right"), 0,
+                                num_sequences - 1), i32)
+    seg_index = seg_ids - xp.take(seq_first_segment, seg_seq)
+    seg_real = seg_ids < num_segments
+    seg_first_chunk = xp.where(seg_real, xp.take(chunk_offsets, seg_seq) + seg_index * segment_chunks, 0)
+    seg_chunks = xp.where(seg_real, xp.clip(xp.take(seq_chunks, seg_seq) - seg_index * segment_chunks, 0,
+                                            segment_chunks), 0)
+    followed = seg_index < xp.take(seq_segments, seg_seq) - 1
+    if summary_sequence is not None:
+        followed = followed | (seg_seq == summary_sequence)
+    seg_flags = xp.where(seg_real & followed, SUMMARY_FLAG, 0)
+    preceded = seg_index >= 1
+    if grad_summary_sequence is not None:
+        preceded = preceded | (seg_seq == grad_summary_sequence)
+    seg_grad_flags = xp.where(seg_real & preceded, SUMMARY_FLAG, 0)
+    as32 = lambda x: xp.astype(x, i32)  # noqa: E731
+    return ForwardLayout(
+        num_householder=n_h, tokens_per_chunk=per_chunk, segment_chunks=segment_chunks, max_chunks=max_chunks,
+        max_segments=max_segments, num_sequences=num_sequences, chunk_first_step=as32(chunk_first_step),
+        chunk_steps=as32(chunk_steps), num_chunks=as32(num_chunks), seq_first_segment=as32(seq_first_segment),
+        seq_segments=as32(seq_segments), seg_first_chunk=as32(seg_first_chunk), seg_chunks=as32(seg_chunks),
+        seg_flags=as32(seg_flags), num_segments=as32(num_segments), seg_grad_flags=as32(seg_grad_flags))
