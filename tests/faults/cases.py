@@ -3,7 +3,7 @@
 Issue 16 classes (``FaultCase.fault_class``):
   1  ranks hold different packed ids (same length)          5  NaN/Inf in the inputs
   2  layer / model configuration differs across ranks       6  domain: g > 0, beta outside [0, 2], K, V, empty T
-  3  ``check_inputs`` differs across ranks                   7  metadata edited after it was built
+  3  ``check_inputs`` (or another flag) differs across ranks  7  metadata edited after it was built
   4  a later call changes shape, dtype or ids on one rank
 
 A case either expects the *same* ValueError on every rank (``expect="error"``, its message matching
@@ -429,6 +429,29 @@ def gdp_domain(rank, world, fault):
     run_gdp_cp(rank, world, full, lengths)
 
 
+def attention_scale_differs(rank, world):
+    """A scale that differs on one rank would only change that rank's numbers: silently wrong."""
+    from torch_api.attention.blockdiag import blockdiag_attention
+
+    total = world * LOCAL_LEN
+    q, k, v = attention_shard(attention_full_inputs(total), rank, device(rank))
+    blockdiag_attention(q, k, v, torch.tensor(docs((1, 5), (2, total - 5))), cp_group=dist.group.WORLD,
+                        scale=0.5 if rank == world - 1 else None)
+
+
+def decoder_token_out_of_range(rank, world):
+    from torch_api.layers import HybridDecoder
+
+    torch.manual_seed(0)
+    config = DecoderConfig(vocab_size=32, hidden_size=HIDDEN, num_layers=2, num_heads=2, head_dim=8, num_kv_heads=1)
+    model = HybridDecoder(config).to(device(rank))
+    ids = torch.randint(0, 32, (1, LOCAL_LEN))
+    if rank == world - 1:
+        ids[0, 3] = 32  # an embedding lookup would fail on this rank alone
+    model(ids.to(device(rank)), doc_ids=torch.tensor(docs((1, 5), (2, world * LOCAL_LEN - 5))),
+          cp_group=dist.group.WORLD)
+
+
 # --------------------------------------------------------------------------- class 7: edited metadata
 
 
@@ -491,6 +514,7 @@ CASES = [
     FaultCase(3, "gdp-op", gdp_check_inputs_differs, pattern=_DIFFER),
     FaultCase(3, "attention-op", attention_check_inputs_differs, world=3, pattern=_DIFFER),
     FaultCase(3, "gdp-layer", gdp_layer_check_inputs_differs, pattern=_DIFFER),
+    FaultCase(3, "attention-scale", attention_scale_differs, pattern=_DIFFER),
     FaultCase(4, "attention-dtype", attention_later_call_changes, ("dtype",), pattern=_DIFFER),
     FaultCase(4, "attention-local-length", attention_later_call_changes, ("length",),
               pattern=r"rejected on 1 rank\(s\) — rank \d: expected q \[B, L=8"),
@@ -517,6 +541,8 @@ CASES = [
     FaultCase(6, "gdp-key-dim-300", gdp_domain, ("key_dim_300",), pattern=r"K = 300 exceeds the supported maximum"),
     FaultCase(6, "gdp-value-dim-600", gdp_domain, ("value_dim_600",), pattern=r"V = 600 exceeds the supported maximum"),
     FaultCase(6, "gdp-empty-shards", gdp_domain, ("empty_shards",), pattern=r"empty inputs are not supported"),
+    FaultCase(6, "decoder-token-id-out-of-range", decoder_token_out_of_range,
+              pattern=r"model inputs rejected on 1 rank\(s\) — rank \d: token ids outside \[0, 32\)"),
     FaultCase(7, "gdp-metadata-edited-on-one-rank", gdp_edited_metadata, ("one",),
               pattern=r"rank (\d): metadata.preceding_rank_start = \1 does not match"),
     FaultCase(7, "gdp-metadata-edited-on-every-rank", gdp_edited_metadata, ("all",), world=3,

@@ -277,8 +277,9 @@ def attend(q, k, v, doc_ids, *, cp_group, mode: str = "auto", scale: float | Non
     if not agreed or check_inputs or error is not None:
         kernel_id = KERNELS.index(kernel_name) if kernel_name in KERNELS else -1
         routing_signature = routing.signature() if isinstance(routing, BlockDiagRouting) else [-1]
-        signature = [*routing_signature, kernel_id, needs_grad, int(bool(check_inputs)), *_call_signature(q, k),
-                     *extra_signature]
+        scale_id = -1 if scale is None else digest([float(scale)]) if isinstance(scale, (int, float)) else -2
+        signature = [*routing_signature, kernel_id, needs_grad, int(bool(check_inputs)), scale_id,
+                     *_call_signature(q, k), *extra_signature]
         flags = nonfinite_flags(q, k, v) if check_inputs and error is None else None
         agree_or_raise(group, error, signature, what=what, value_flags=flags, value_checks=QKV_CHECKS)
     window = exchange_window(routing, stack_kv(k, v))
