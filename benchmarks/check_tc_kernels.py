@@ -134,7 +134,7 @@ class Recorder:
 def reference(q, k, v, g, beta, n_h, cu, initial=None):
     f64 = lambda x: x.double().cpu().numpy()  # noqa: E731
     return naive_gated_delta_product(f64(q), f64(k), f64(v), f64(g), f64(beta), scale=q.shape[-1] ** -0.5,
-                                     num_householder=n_h, cu_seqlens=cu, use_qk_l2norm=True,
+                                     num_householder=n_h, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
                                      initial_state=None if initial is None else f64(initial))
 
 

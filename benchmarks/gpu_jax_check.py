@@ -93,7 +93,7 @@ def gdp_checks(mesh) -> bool:
     g = (-np.log1p(np.exp(-rng.normal(size=(1, tokens, heads)) - 1))).astype(np.float32)
     beta = (1 / (1 + np.exp(-rng.normal(size=(1, tokens * n, heads))))).astype(np.float32)
     ids = np.repeat(np.arange(len(lengths)), lengths).reshape(1, -1)
-    ref_out, _ = reference.naive_gated_delta_product(q, k, v, g, beta, num_householder=n, use_qk_l2norm=True,
+    ref_out, _ = reference.naive_gated_delta_product(q, k, v, g, beta, num_householder=n, use_qk_l2norm_in_kernel=True,
                                                      cu_seqlens=np.r_[0, np.cumsum(lengths)])
     fn = jax.jit(lambda *xs: gdp_chunkwise_context_parallel(*xs, mesh=mesh, global_seq_idx=jnp.asarray(ids),
                                                             num_householder=n, use_qk_l2norm_in_kernel=True))

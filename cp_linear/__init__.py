@@ -6,13 +6,20 @@ algebra, the backend protocol and float64 references. Frontends live in ``torch_
 """
 
 from cp_linear.plan import (
+    EXCHANGE_MODES,
+    MODE_CHOICES,
     BlockDiagPlan,
+    ExchangeRouting,
+    ExchangeShape,
     PackedSequenceCPMetadata,
     build_blockdiag_plan,
     build_packed_sequence_cp_metadata,
     exchange_bytes,
+    exchange_routing,
+    exchange_shape,
     exchange_tokens_received,
     needed_kv_a2a_splits,
+    resolve_exchange_mode,
 )
 from cp_linear.protocol import CPForwardResult, CPSavedContext, LinearAttentionCPBackend
 from cp_linear.summary import (
@@ -32,6 +39,8 @@ from cp_linear.summary import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "EXCHANGE_MODES",
+    "MODE_CHOICES",
     "BlockDiagPlan",
     "CPBackwardPackedSummary",
     "CPBackwardUnpackedSummary",
@@ -39,6 +48,8 @@ __all__ = [
     "CPForwardResult",
     "CPForwardUnpackedSummary",
     "CPSavedContext",
+    "ExchangeRouting",
+    "ExchangeShape",
     "LinearAttentionCPBackend",
     "PackedSequenceCPMetadata",
     "build_blockdiag_plan",
@@ -47,10 +58,13 @@ __all__ = [
     "compose_backward",
     "compose_forward",
     "exchange_bytes",
+    "exchange_routing",
+    "exchange_shape",
     "exchange_tokens_received",
     "inclusive_scan",
     "needed_kv_a2a_splits",
     "pack",
+    "resolve_exchange_mode",
     "unpack",
     "validate_packed_summary",
 ]

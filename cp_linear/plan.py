@@ -22,6 +22,14 @@ Worked example: lengths [5, 4, 7] packed into T = 16, cp_size = 4 (L = 4)::
 GDP: incoming state of rank r = summaries of ranks [preceding_rank_start, r) folded in order.
 Attention: rank r needs keys/values ``[s_first[r], real_end[r])``; ``back[r] = r*L - s_first[r]``
 tokens of them live on earlier ranks.
+
+Attention exchange policy (the frontends only turn a routing into their collectives):
+  mode       "allgather" | "halo" | "a2a", or "auto" (halo when every back[r] <= L, else a2a);
+             ``resolve_exchange_mode`` validates a forced mode before any collective
+  routing    ``exchange_routing(plan, mode, rank)``: the key window a rank receives and the a2a
+             splits (torch), ``exchange_shape`` + ``ppermute_piece_lens`` / ``ragged_routing``: the
+             static sizes and tables of the JAX exchanges
+  bytes      ``exchange_tokens_received`` / ``exchange_bytes``: what each rank receives per direction
 """
 
 from __future__ import annotations
@@ -29,11 +37,14 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 
+import array_api_compat
 import numpy as np
 
 from cp_linear._host import to_host_int_array
 
 EXCHANGE_MODES = ("allgather", "halo", "a2a")
+MODE_CHOICES = ("auto", *EXCHANGE_MODES)
+A2A_IMPLEMENTATIONS = ("exact", "ragged", "ppermute")  # how an a2a runs: "exact" = needed rows only
 
 
 def _check_cp(cp_rank: int | None, cp_size: int) -> None:
@@ -161,11 +172,9 @@ def _packed_fields(ids: np.ndarray, cp_rank: int, cp_size: int) -> dict:
     local = ids[shard_start : shard_start + local_len]
     changes = np.nonzero(np.diff(local) != 0)[0] + 1
     cu = np.concatenate([[0], changes, [local_len]]).astype(np.int32)
-    # ids are nondecreasing, so each sequence is one run: searchsorted finds its ends.
-    first_index = int(np.searchsorted(ids, local[0], side="left"))
-    last_index = int(np.searchsorted(ids, local[-1], side="right")) - 1
+    preceding_rank_start, following_rank_stop = sequence_rank_range(ids, cp_rank, local_len)
     return dict(local_seq_idx=local.reshape(1, local_len), local_cu_seqlens=cu,
-                preceding_rank_start=first_index // local_len, following_rank_stop=last_index // local_len + 1)
+                preceding_rank_start=int(preceding_rank_start), following_rank_stop=int(following_rank_stop))
 
 
 def build_packed_sequence_cp_metadata(global_seq_idx, cp_rank: int, cp_size: int) -> PackedSequenceCPMetadata:
@@ -176,11 +185,25 @@ def build_packed_sequence_cp_metadata(global_seq_idx, cp_rank: int, cp_size: int
                                     cp_size=int(cp_size), global_seq_idx=ids)
 
 
+def sequence_rank_range(ids, rank, local_len: int):
+    """``(preceding_rank_start, following_rank_stop)`` of shard ``rank`` from nondecreasing ids [T].
+
+    Array-API generic (numpy, torch, jax; ``rank`` may be traced): ids are nondecreasing, so the
+    first and last index of a sequence are the counts of smaller / not larger ids.
+    """
+    xp = array_api_compat.array_namespace(ids)
+    first_id, last_id = ids[rank * local_len], ids[(rank + 1) * local_len - 1]
+    first_index = xp.sum(xp.astype(ids < first_id, xp.int32))
+    last_index = xp.sum(xp.astype(ids <= last_id, xp.int32)) - 1
+    return first_index // local_len, last_index // local_len + 1
+
+
 def cu_seqlens_to_seq_idx(cu_seqlens) -> np.ndarray:
-    """int [N + 1] cumulative lengths -> int64 [1, T] sequence ids 0..N-1."""
+    """int [N + 1] cumulative lengths (nondecreasing: empty sequences own no token) -> int64 [1, T]
+    sequence ids, the index of each token's sequence."""
     cu = to_host_int_array(cu_seqlens, "cu_seqlens")
-    if cu.ndim != 1 or cu.shape[0] < 2 or cu[0] != 0 or np.any(np.diff(cu) <= 0):
-        raise ValueError(f"cu_seqlens must be [0, ...] strictly increasing with ≥ 2 entries; received {cu.tolist()}")
+    if cu.ndim != 1 or cu.shape[0] < 2 or cu[0] != 0 or np.any(np.diff(cu) < 0) or cu[-1] <= 0:
+        raise ValueError(f"cu_seqlens must be [0, ...] nondecreasing to T > 0 with ≥ 2 entries; received {cu.tolist()}")
     return np.repeat(np.arange(cu.shape[0] - 1), np.diff(cu)).reshape(1, -1)
 
 
@@ -299,28 +322,221 @@ def needed_kv_a2a_splits(plan: BlockDiagPlan, rank: int) -> tuple[list[int], lis
     return in_splits, out_splits, send_index
 
 
-def exchange_tokens_received(plan: BlockDiagPlan, mode: str) -> list[int]:
-    """Tokens of K/V each rank receives from other ranks in one direction of ``mode``.
+# --------------------------------------------------------------------------- exchange policy
 
-    all-gather: every other shard; halo: ``halo_len`` from the left neighbour (rank 0 gets none);
-    a2a: only the needed tokens that live elsewhere. The backward pass moves the same amounts.
+
+def resolve_exchange_mode(mode: str, plan: BlockDiagPlan) -> str:
+    """The exchange a plan runs for ``mode``: "auto" -> "halo" when every straddle fits in the left
+    neighbour (``plan.use_halo``), else "a2a"; a forced mode is validated (ValueError when "halo"
+    cannot serve the plan). Every rank resolves the same replicated plan the same way."""
+    if mode not in MODE_CHOICES:
+        raise ValueError(f"mode must be one of {MODE_CHOICES}; received {mode!r}")
+    if mode == "auto":
+        return "halo" if plan.use_halo else "a2a"
+    if mode == "halo" and not plan.use_halo:
+        worst = int(np.argmax(plan.back))
+        raise ValueError(
+            f"mode='halo' needs every document straddle to fit in the left neighbour (back[r] <= L = "
+            f"{plan.local_len}), but rank {worst}'s first document starts {plan.back[worst]} tokens before its "
+            f"shard (back = {list(plan.back)}): a document spans more than two ranks. Use mode='a2a' or 'auto'")
+    return mode
+
+
+@dataclass(frozen=True)
+class ExchangeRouting:
+    """What one rank receives in one direction of the exchange (host ints, no tensors).
+
+    mode                 the resolved exchange: "allgather" | "halo" | "a2a"
+    window_start         global position of row 0 of the received (token-major) window
+    key_start, key_stop  the global key range the rank attends to, ``[s_first[r], real_end[r])``
+    halo_len             rows received from the left neighbour (mode "halo")
+    in_splits, out_splits, send_index   the needed-only all-to-all-v (mode "a2a"; see
+                         ``needed_kv_a2a_splits``), else empty
     """
-    if mode not in EXCHANGE_MODES:
-        raise ValueError(f"mode must be one of {EXCHANGE_MODES}; received {mode!r}")
+
+    mode: str
+    rank: int
+    window_start: int
+    key_start: int
+    key_stop: int
+    halo_len: int = 0
+    in_splits: tuple[int, ...] = ()
+    out_splits: tuple[int, ...] = ()
+    send_index: np.ndarray | None = None
+
+
+def exchange_routing(plan: BlockDiagPlan, mode: str, rank: int) -> ExchangeRouting:
+    """Rank ``rank``'s routing of the exchange ``mode`` ("auto" resolves) for ``plan``."""
+    _check_cp(rank, plan.cp_size)
+    resolved = resolve_exchange_mode(mode, plan)
+    key_start, key_stop = plan.s_first[rank], plan.real_end[rank]
+    shard_start = rank * plan.local_len
+    if resolved == "allgather":
+        return ExchangeRouting(resolved, rank, 0, key_start, key_stop)
+    if resolved == "halo":
+        return ExchangeRouting(resolved, rank, shard_start - plan.halo_len, key_start, key_stop, plan.halo_len)
+    in_splits, out_splits, send_index = needed_kv_a2a_splits(plan, rank)
+    return ExchangeRouting(resolved, rank, key_start, key_start, key_stop, 0, tuple(in_splits), tuple(out_splits),
+                           send_index)
+
+
+def size_class(tokens: int, cap: int, bucket: bool) -> int:
+    """Static buffer length for ``tokens`` rows: the next power of two (capped at ``cap``), or exact."""
+    if tokens <= 0:
+        return 0
+    if not bucket:
+        return tokens
+    return min(cap, 1 << (tokens - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class ExchangeShape:
+    """The static sizes an exchange runs with (what a compiled program is specialised on).
+
+    mode        "allgather" | "halo" | "a2a";  a2a_impl  "exact" | "ragged" | "ppermute" for "a2a", else ""
+    halo_len    rows from the left neighbour (mode "halo"; bucketed: the max back rounded up)
+    piece_lens  rows sent over rank distance 1..cp-1 (a2a "ppermute": a suffix of the source shard)
+    recv_len, send_len   receive / send buffer rows of every rank (a2a "ragged")
+    """
+
+    mode: str
+    a2a_impl: str = ""
+    halo_len: int = 0
+    piece_lens: tuple[int, ...] = ()
+    recv_len: int = 0
+    send_len: int = 0
+
+
+def ppermute_piece_lens(plan: BlockDiagPlan, bucket: bool) -> tuple[int, ...]:
+    """Rows sent over rank distance s = 1..cp-1: the largest suffix any rank needs from s ranks back."""
     cp, length = plan.cp_size, plan.local_len
-    if mode == "allgather":
+    lens = []
+    for distance in range(1, cp):
+        widest = 0
+        for dst in range(distance, cp):
+            start, stop = plan.recv[dst][dst - distance]
+            widest = max(widest, stop - start)
+        lens.append(size_class(widest, length, bucket))
+    return tuple(lens)
+
+
+def _remote_sizes(plan: BlockDiagPlan) -> list[list[int]]:
+    """[src][dst]: tokens src sends to another rank dst."""
+    cp = plan.cp_size
+    return [[0 if dst == src else plan.send[src][dst][1] - plan.send[src][dst][0] for dst in range(cp)]
+            for src in range(cp)]
+
+
+def ragged_buffer_lens(plan: BlockDiagPlan, bucket: bool) -> tuple[int, int]:
+    """(recv_len, send_len): rows of every rank's receive and send buffers of a ragged all-to-all."""
+    cp, length = plan.cp_size, plan.local_len
+    recv_len = size_class(max(plan.back), (cp - 1) * length, bucket)
+    send_len = size_class(max(sum(row) for row in _remote_sizes(plan)), (cp - 1) * length, bucket)
+    return recv_len, send_len
+
+
+def ragged_routing(plan: BlockDiagPlan, shape: ExchangeShape) -> tuple[np.ndarray, ...]:
+    """Per-rank tables of a ragged all-to-all (rank-indexed rows, int32), for ``shape`` of mode "a2a".
+
+    Receive buffer of rank r: ``recv_len`` rows, right-aligned so that row j holds global token
+    ``r*L - recv_len + j``; the piece from ``src`` lands at ``recv_len - (r*L - start)``. Send
+    buffer of rank r: its pieces for destinations 0..cp-1 concatenated (``send_index`` = local
+    rows), so overlapping pieces for different destinations occupy distinct rows.
+    Returns (send_index [cp, send_len], input_offsets, send_sizes, output_offsets, recv_sizes [cp, cp]).
+    """
+    cp, length = plan.cp_size, plan.local_len
+    remote_sizes = _remote_sizes(plan)
+    send_index = np.zeros((cp, max(shape.send_len, 1)), np.int32)
+    input_offsets = np.zeros((cp, cp), np.int32)
+    send_sizes = np.zeros((cp, cp), np.int32)
+    output_offsets = np.zeros((cp, cp), np.int32)
+    for src in range(cp):
+        cursor = 0
+        for dst in range(cp):
+            size = remote_sizes[src][dst]
+            if size == 0:
+                continue
+            start, _ = plan.send[src][dst]
+            send_index[src, cursor: cursor + size] = np.arange(start, start + size) - src * length
+            input_offsets[src, dst] = cursor
+            send_sizes[src, dst] = size
+            output_offsets[src, dst] = shape.recv_len - (dst * length - start)
+            cursor += size
+    recv_sizes = np.ascontiguousarray(send_sizes.T)  # recv_sizes[dst][src] = send_sizes[src][dst]
+    return send_index, input_offsets, send_sizes, output_offsets, recv_sizes
+
+
+def exchange_shape(plan: BlockDiagPlan, mode: str, *, a2a_impl: str = "exact", bucket: bool = False) -> ExchangeShape:
+    """The static sizes of the exchange ``mode`` ("auto" resolves) runs for ``plan``.
+
+    ``bucket`` rounds sizes up to powers of two (fewer distinct compiled programs, at most twice the
+    exact rows); ``a2a_impl`` says how "a2a" runs (torch: "exact"; JAX: "ragged" or "ppermute").
+    """
+    if a2a_impl not in A2A_IMPLEMENTATIONS:
+        raise ValueError(f"a2a_impl must be one of {A2A_IMPLEMENTATIONS}; received {a2a_impl!r}")
+    resolved = resolve_exchange_mode(mode, plan)
+    if resolved == "allgather":
+        return ExchangeShape(resolved)
+    if resolved == "halo":
+        return ExchangeShape(resolved, halo_len=size_class(plan.halo_len, plan.local_len, bucket))
+    if a2a_impl == "ppermute":
+        return ExchangeShape(resolved, a2a_impl, piece_lens=ppermute_piece_lens(plan, bucket))
+    if a2a_impl == "ragged":
+        recv_len, send_len = ragged_buffer_lens(plan, bucket)
+        return ExchangeShape(resolved, a2a_impl, recv_len=recv_len, send_len=send_len)
+    return ExchangeShape(resolved, a2a_impl)
+
+
+def exchange_shape_error(plan: BlockDiagPlan, shape: ExchangeShape) -> str | None:
+    """Why ``shape`` cannot serve ``plan``, or None: every static size must cover what each rank needs
+    and stay within the shard (a larger size is fine: the extra rows belong to other documents and
+    the doc mask drops them). Used to reject an edited exchange description (tamper evidence)."""
+    cp, length = plan.cp_size, plan.local_len
+    if shape.mode not in EXCHANGE_MODES:
+        return f"mode {shape.mode!r} is not a resolved exchange {EXCHANGE_MODES}"
+    if shape.mode != "a2a" and (shape.a2a_impl or shape.piece_lens or shape.recv_len or shape.send_len):
+        return f"mode {shape.mode!r} carries a2a sizes {shape}"
+    if shape.mode == "halo" and (not plan.use_halo or not plan.halo_len <= shape.halo_len <= length):
+        return f"halo_len = {shape.halo_len} must lie in [{plan.halo_len}, L = {length}] (back = {list(plan.back)})"
+    if shape.mode != "halo" and shape.halo_len:
+        return f"mode {shape.mode!r} carries halo_len = {shape.halo_len}"
+    if shape.mode == "a2a" and shape.a2a_impl == "ppermute":
+        needed = ppermute_piece_lens(plan, bucket=False)
+        if len(shape.piece_lens) != cp - 1 or any(not n <= p <= length for n, p in zip(needed, shape.piece_lens)):
+            return f"piece_lens = {shape.piece_lens} must cover {needed} and stay ≤ L = {length}"
+    if shape.mode == "a2a" and shape.a2a_impl == "ragged":
+        recv_len, send_len = ragged_buffer_lens(plan, bucket=False)
+        if not (recv_len <= shape.recv_len <= (cp - 1) * length and send_len <= shape.send_len <= (cp - 1) * length):
+            return f"recv_len, send_len = {shape.recv_len}, {shape.send_len} must cover {recv_len}, {send_len}"
+    if shape.mode == "a2a" and shape.a2a_impl not in ("ragged", "ppermute", "exact"):
+        return f"a2a_impl {shape.a2a_impl!r} is not one of ('exact', 'ragged', 'ppermute')"
+    return None
+
+
+def exchange_tokens_received(plan: BlockDiagPlan, mode) -> list[int]:
+    """Tokens of K/V each rank receives from other ranks in one direction of an exchange.
+
+    ``mode``: a mode name ("auto" resolves; sizes exact) or an ``ExchangeShape`` (sizes as it runs:
+    static, bucketed sizes travel in full). all-gather: every other shard; halo: ``halo_len`` from the
+    left neighbour (rank 0 gets none); a2a: only the needed tokens that live elsewhere ("exact" and
+    "ragged"), or the static pieces per rank distance ("ppermute"). The backward moves the same amounts.
+    """
+    shape = mode if isinstance(mode, ExchangeShape) else exchange_shape(plan, mode)
+    cp, length = plan.cp_size, plan.local_len
+    if shape.mode == "allgather":
         return [(cp - 1) * length] * cp
-    if mode == "halo":
-        if not plan.use_halo:
-            raise ValueError(f"halo needs every back ≤ L = {length}; back = {list(plan.back)}")
-        return [0] + [plan.halo_len] * (cp - 1)
+    if shape.mode == "halo":
+        return [0] + [shape.halo_len] * (cp - 1)
+    if shape.a2a_impl == "ppermute":
+        return [sum(shape.piece_lens[:rank]) for rank in range(cp)]
     return [sum(stop - start for src, (start, stop) in enumerate(plan.recv[rank]) if src != rank) for rank in range(cp)]
 
 
-def exchange_bytes(
-    plan: BlockDiagPlan, mode: str, *, batch: int, kv_heads: int, head_dim: int, itemsize: int
-) -> dict[str, int]:
-    """Bytes of K and V one forward exchange moves: total over ranks and the busiest rank's share."""
+def exchange_bytes(plan: BlockDiagPlan, mode, *, batch: int, kv_heads: int, head_dim: int,
+                   itemsize: int) -> dict[str, int]:
+    """Bytes of K and V one forward exchange moves: total over ranks and the busiest rank's share.
+
+    ``mode`` as in ``exchange_tokens_received`` (a name or an ``ExchangeShape``)."""
     per_token = 2 * batch * kv_heads * head_dim * itemsize  # K and V travel together
     received = exchange_tokens_received(plan, mode)
     return {"total": sum(received) * per_token, "max_per_rank": max(received) * per_token}

@@ -2,8 +2,9 @@
 document-masked softmax attention. Slow and obvious on purpose; every backend is tested
 against these.
 
-Shapes follow DESIGN.md §2: q [B, T, H, K], k [B, T*n_h, H, K], v [B, T*n_h, H, V],
-beta [B, T*n_h, H], g [B, T, H]; states [N, H, K, V].
+Shapes follow DESIGN.md §2 (docs/design.md): q [B, T, H, K], k [B, T*n_h, H, K], v [B, T*n_h, H, V],
+beta [B, T*n_h, H], g [B, T, H] (None: no gate); states [N, H, K, V]. ``cu_seqlens`` may hold empty
+sequences, whose final state is their initial state.
 """
 
 from __future__ import annotations
@@ -11,9 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from cp_linear._host import to_host_array, to_host_int_array
-
-L2NORM_EPS = 1e-6
-DEFAULT_CHUNK_SIZE = 64
+from cp_linear.chunking import CHUNK_SIZE
+from cp_linear.gdp import L2NORM_EPS, check_gdp_shapes, cu_seqlens_error
 
 
 def _f64(x, name: str) -> np.ndarray:
@@ -21,31 +21,8 @@ def _f64(x, name: str) -> np.ndarray:
 
 
 def l2norm(x: np.ndarray) -> np.ndarray:
-    """x / sqrt(sum(x^2) + 1e-6) over the last axis."""
+    """x / sqrt(sum(x^2) + L2NORM_EPS) over the last axis (``cp_linear.gdp``)."""
     return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
-
-
-def check_gdp_shapes(q_shape, k_shape, v_shape, g_shape, beta_shape, num_householder: int) -> None:
-    """Raise ValueError unless the five shapes agree with DESIGN.md §2."""
-    if not isinstance(num_householder, int) or num_householder < 1:
-        raise ValueError(f"num_householder must be a positive int; received {num_householder!r}")
-    if len(q_shape) != 4:
-        raise ValueError(f"q must be [B, T, H, K]; received shape {tuple(q_shape)}")
-    batch, tokens, heads, key_dim = q_shape
-    steps = tokens * num_householder
-    expected = {
-        "k": (batch, steps, heads, key_dim),
-        "g": (batch, tokens, heads),
-        "beta": (batch, steps, heads),
-    }
-    for name, shape in (("k", k_shape), ("g", g_shape), ("beta", beta_shape)):
-        if tuple(shape) != expected[name]:
-            raise ValueError(
-                f"{name} must have shape {expected[name]} for q {tuple(q_shape)} and num_householder "
-                f"{num_householder}; received {tuple(shape)}"
-            )
-    if len(v_shape) != 4 or tuple(v_shape[:3]) != (batch, steps, heads):
-        raise ValueError(f"v must have shape ({batch}, {steps}, {heads}, V); received {tuple(v_shape)}")
 
 
 def _sequences(batch: int, tokens: int, cu_seqlens) -> list[tuple[int, int, int]]:
@@ -55,15 +32,22 @@ def _sequences(batch: int, tokens: int, cu_seqlens) -> list[tuple[int, int, int]
     cu = to_host_int_array(cu_seqlens, "cu_seqlens")
     if batch != 1:
         raise ValueError(f"cu_seqlens needs B = 1 (a packed batch); received B = {batch}")
-    if cu.ndim != 1 or cu[0] != 0 or cu[-1] != tokens or np.any(np.diff(cu) <= 0):
-        raise ValueError(f"cu_seqlens must rise strictly from 0 to T = {tokens}; received {cu.tolist()}")
+    error = cu_seqlens_error(cu.tolist(), tokens) if cu.ndim == 1 else f"cu_seqlens must be 1-D; received {cu.shape}"
+    if error:
+        raise ValueError(error)
     return [(0, int(cu[n]), int(cu[n + 1])) for n in range(cu.shape[0] - 1)]
 
 
-def _prepare(q, k, v, g, beta, scale, num_householder, initial_state, cu_seqlens, use_qk_l2norm):
-    q, k, v, g, beta = (_f64(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v"), (g, "g"), (beta, "beta")))
+def _gate(g, q) -> np.ndarray:
+    """g as float64, or zeros [B, T, H] for no gate."""
+    return np.zeros(np.shape(q)[:3]) if g is None else _f64(g, "g")
+
+
+def _prepare(q, k, v, g, beta, scale, num_householder, initial_state, cu_seqlens, use_qk_l2norm_in_kernel):
+    g = _gate(g, q)
+    q, k, v, beta = (_f64(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v"), (beta, "beta")))
     check_gdp_shapes(q.shape, k.shape, v.shape, g.shape, beta.shape, num_householder)
-    if use_qk_l2norm:
+    if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     batch, tokens, heads, key_dim = q.shape
     value_dim = v.shape[-1]
@@ -81,10 +65,10 @@ def _prepare(q, k, v, g, beta, scale, num_householder, initial_state, cu_seqlens
 
 
 def naive_gated_delta_product(q, k, v, g, beta, *, scale=None, num_householder=1, initial_state=None,
-                              cu_seqlens=None, use_qk_l2norm=False):
+                              cu_seqlens=None, use_qk_l2norm_in_kernel=False):
     """The GDP recurrence token by token. Returns (o [B, T, H, V], final_state [N, H, K, V])."""
     q, k, v, g, beta, scale, sequences, initial_state = _prepare(
-        q, k, v, g, beta, scale, num_householder, initial_state, cu_seqlens, use_qk_l2norm)
+        q, k, v, g, beta, scale, num_householder, initial_state, cu_seqlens, use_qk_l2norm_in_kernel)
     output = np.zeros(q.shape[:3] + (v.shape[-1],))
     final_state = np.zeros_like(initial_state)
     for seq, (row, start, stop) in enumerate(sequences):
@@ -166,13 +150,13 @@ def _chunked_sequence(q_steps, k, v, g_steps, beta, scale, state, chunk_size):
 
 
 def chunked_gated_delta_product(q, k, v, g, beta, *, scale=None, num_householder=1, initial_state=None,
-                                cu_seqlens=None, use_qk_l2norm=False, chunk_size=DEFAULT_CHUNK_SIZE):
+                                cu_seqlens=None, use_qk_l2norm_in_kernel=False, chunk_size=CHUNK_SIZE):
     """The same function as ``naive_gated_delta_product``, computed by the chunked WY/UT algorithm.
 
     Chunks hold ``chunk_size`` interleaved steps and start at each sequence's start.
     """
     q, k, v, g, beta, scale, sequences, initial_state = _prepare(
-        q, k, v, g, beta, scale, num_householder, initial_state, cu_seqlens, use_qk_l2norm)
+        q, k, v, g, beta, scale, num_householder, initial_state, cu_seqlens, use_qk_l2norm_in_kernel)
     q_steps, g_steps = expand_householder(q, g, num_householder)
     n = num_householder
     output = np.zeros(q.shape[:3] + (v.shape[-1],))
@@ -186,8 +170,8 @@ def chunked_gated_delta_product(q, k, v, g, beta, *, scale=None, num_householder
     return output, final_state
 
 
-def shard_forward_summary(k, v, g, beta, *, num_householder=1, cu_seqlens=None, use_qk_l2norm=False,
-                          chunk_size=DEFAULT_CHUNK_SIZE):
+def shard_forward_summary(k, v, g, beta, *, num_householder=1, cu_seqlens=None, use_qk_l2norm_in_kernel=False,
+                          chunk_size=CHUNK_SIZE):
     """Packed forward summary ``[E | M]`` of one shard's trailing fragment, float64.
 
     Inputs are one shard (B = 1 with local ``cu_seqlens``, or B rows that each continue a
@@ -196,7 +180,7 @@ def shard_forward_summary(k, v, g, beta, *, num_householder=1, cu_seqlens=None, 
     and is zero when the trailing fragment starts inside the shard.
     """
     k, v, g, beta = (_f64(x, name) for x, name in ((k, "k"), (v, "v"), (g, "g"), (beta, "beta")))
-    if use_qk_l2norm:
+    if use_qk_l2norm_in_kernel:
         k = l2norm(k)
     batch, steps, heads, key_dim = k.shape
     tokens = g.shape[1]

@@ -25,12 +25,10 @@ from typing import Any, Sequence
 
 import array_api_compat
 
+from cp_linear.gdp import MAX_KEY_DIM, MAX_VALUE_DIM  # the largest key / value head dims both frontends accept
+
 Array = Any  # numpy.ndarray | torch.Tensor | jax.Array
 
-# Largest key / value head dims the GDP ops accept (both frontends). K bounds the [K, K] transition
-# every summary carries; V = 512 covers flash-linear-attention's default layer (head_dim 256, expand_v 2).
-MAX_KEY_DIM = 256
-MAX_VALUE_DIM = 512
 BETA_MAX = 2.0  # beta in [0, 2]: sigmoid, or 2 sigmoid with allow_neg_eigval
 
 NONFINITE = "non-finite values (NaN or Inf)"

@@ -35,7 +35,7 @@ def main(argv=None) -> float:
     ids = np.repeat(np.arange(len(lengths)), lengths).reshape(1, -1)
     cu = np.r_[0, np.cumsum(lengths)]
     o_full, _ = ref.naive_gated_delta_product(q, k, v, g, beta, num_householder=n, cu_seqlens=cu,
-                                              use_qk_l2norm=True)
+                                              use_qk_l2norm_in_kernel=True)
     local = tokens // cp
     metas = [build_packed_sequence_cp_metadata(ids, rank, cp) for rank in range(cp)]
     print(f"packed lengths {lengths} -> T = {tokens}, cp = {cp}, L = {local}, n_h = {n}")
@@ -49,7 +49,7 @@ def main(argv=None) -> float:
     # every rank: summary with zero incoming state; then an "all-gather" (a stack here)
     gathered = np.stack([
         ref.shard_forward_summary(shard(k, r, n), shard(v, r, n), shard(g, r, 1), shard(beta, r, n),
-                                  num_householder=n, cu_seqlens=metas[r].local_cu_seqlens, use_qk_l2norm=True)
+                                  num_householder=n, cu_seqlens=metas[r].local_cu_seqlens, use_qk_l2norm_in_kernel=True)
         for r in range(cp)]).astype(np.float32)
     worst = 0.0
     for rank, md in enumerate(metas):
@@ -58,7 +58,7 @@ def main(argv=None) -> float:
         init[0] = incoming
         o_local, _ = ref.naive_gated_delta_product(
             shard(q, rank, 1), shard(k, rank, n), shard(v, rank, n), shard(g, rank, 1), shard(beta, rank, n),
-            num_householder=n, cu_seqlens=md.local_cu_seqlens, initial_state=init, use_qk_l2norm=True)
+            num_householder=n, cu_seqlens=md.local_cu_seqlens, initial_state=init, use_qk_l2norm_in_kernel=True)
         err = np.linalg.norm(o_local - shard(o_full, rank, 1)) / np.linalg.norm(shard(o_full, rank, 1))
         worst = max(worst, err)
         print(f"rank {rank}: folded {rank - md.preceding_rank_start} summaries, output rel err vs one-device "

@@ -20,7 +20,7 @@ from cp_linear.kernels.configs import (
     ChunkPrepConfig,
     ChunkScanConfig,
     SegmentFoldConfig,
-    all_forward_configs,
+    all_configs,
     describe,
 )
 
@@ -28,6 +28,6 @@ __all__ = [
     "ChunkPrepConfig",
     "ChunkScanConfig",
     "SegmentFoldConfig",
-    "all_forward_configs",
+    "all_configs",
     "describe",
 ]

@@ -32,7 +32,7 @@ from cp_linear.kernels.configs import (
     ChunkPrepConfig,
     ChunkReverseConfig,
     ChunkScanConfig,
-    all_forward_configs,
+    all_configs,
     ci_configs,
     describe,
 )
@@ -83,13 +83,14 @@ def _use_private_dump_dir(arch: str) -> None:
     os.environ["CUTE_DSL_DUMP_DIR"] = _DUMP_DIR[0]
 
 
-def _compile_one(index: int, arch: str, library: str | None, ptxas: bool
+def _compile_one(index: int, arch: str, library: str | None, ptxas: bool, keep_ptx: str | None = None
                  ) -> tuple[int, float, str | None, list[str] | None, str | None]:
-    """Compile config ``index`` -> (index, seconds, error, tensor-core ops in its PTX, ptxas report)."""
+    """Compile config ``index`` -> (index, seconds, error, tensor-core ops in its PTX, ptxas report);
+    with ``keep_ptx`` the PTX is also written to that directory as ``<artifact name>.ptx``."""
     from cp_linear.kernels.cache import artifact_name, compile_kernel, export_kernel
 
     _use_private_dump_dir(arch)
-    config = all_forward_configs()[index]
+    config = all_configs()[index]
     started = time.perf_counter()
     try:
         if library and (Path(library) / f"{artifact_name(config)}.so").exists():
@@ -104,6 +105,8 @@ def _compile_one(index: int, arch: str, library: str | None, ptxas: bool
     ptx = getattr(function, "__ptx__", None) if function is not None else None
     if not ptx:
         return index, seconds, None, None, None
+    if keep_ptx:
+        (Path(keep_ptx) / f"{artifact_name(config)}.ptx").write_text(ptx)
     return index, seconds, None, _tensor_core_ops(ptx), _ptxas_report(ptx, arch) if ptxas else None
 
 
@@ -117,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ci", action="store_true", help="only the configs CI compiles (configs.ci_configs)")
     parser.add_argument("--jobs", type=int, default=1, help="compile in N processes (default 1)")
     parser.add_argument("--library", default=None, help="export every kernel to DIR as a prebuilt library")
+    parser.add_argument("--keep-ptx", default=None, metavar="DIR", help="write each config's PTX to DIR")
     parser.add_argument("--check-tensor-cores", action="store_true",
                         help="fail unless every tensor-core kernel's PTX holds mma/wgmma instructions")
     args = parser.parse_args(argv)
@@ -129,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.ptxas and not ptxas:
         print("ptxas is not on PATH: no register report", file=sys.stderr)
 
-    configs = all_forward_configs()
+    configs = all_configs()
     in_ci = set(ci_configs())
     chosen = [i for i, config in enumerate(configs) if (args.only is None or args.only in describe(config))
               and (args.dtype is None or getattr(config, "dtype", args.dtype) == args.dtype)
@@ -155,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
             line += "  |  " + registers
         print(line, flush=True)
 
-    work = [(index, args.arch, args.library, ptxas) for index in chosen]
+    if args.keep_ptx:
+        Path(args.keep_ptx).mkdir(parents=True, exist_ok=True)
+    work = [(index, args.arch, args.library, ptxas, args.keep_ptx) for index in chosen]
     if args.jobs == 1:
         for item in work:
             report(*_compile_one(*item))

@@ -5,7 +5,7 @@ Each is a ``cute.jit`` function over shared-memory tiles of one chunk (C = 64 st
 * ``load_chunk_inputs``: k and q tiles (cp.async, zero rows past the chunk), step gates and betas;
 * ``gate_cumsum``: the inclusive cumulative gate G inside the chunk (warp 0);
 * ``row_norms``: f = 1/||k_i|| and fq = 1/||q_t|| (1 without l2norm; 0 past the chunk);
-* ``solve_unit_lower``: X = (I + A)^-1 for a strictly lower float32 A, one thread per column.
+* ``invert_unit_lower``: X = (I + A)^-1 for a strictly lower float32 A, blocked (16 -> 32 -> 64).
 """
 
 from __future__ import annotations
@@ -85,24 +85,85 @@ def row_norms(tidx, s_k: cute.Tensor, s_q: cute.Tensor, s_f: cute.Tensor, s_fq: 
 
 
 @cute.jit
-def solve_unit_lower(tidx, s_a: cute.Tensor, s_x: cute.Tensor):
-    """s_x = (I + s_a)^-1 for a strictly lower s_a: threads [0, 64) own one column each and solve it
-    16 rows at a time in registers (earlier blocks read back from s_x)."""
+def invert_unit_lower(tidx, s_a: cute.Tensor, s_x: cute.Tensor):
+    """s_x = (I + s_a)^-1 for a strictly lower float32 s_a [64, 64], on all 128 threads, blocked:
+
+    1. the four 16 x 16 diagonal blocks by substitution (threads [0, 64), one column each; the
+       others zero the upper 16 x 16 blocks (0, 1) and (2, 3));
+    2. 16 -> 32: X_ij = -X_ii (A_ij X_jj) for the blocks (1, 0) and (3, 2) (64 threads each);
+    3. 32 -> 64: X_10 = -X_11 (A_10 X_00) on the 32 x 32 blocks (128 threads).
+
+    Every thread does about 600 multiply-adds, against 2000 for one column's substitution. The
+    products A_ij X_jj live in the upper 32 x 32 block, which is zeroed at the end. Both tiles need
+    rows of a multiple of 4 floats (16-byte vectors). Ends with a barrier.
+    """
     if tidx < C:
-        column = tidx
+        block = tidx // SOLVE_BLOCK
+        column = tidx % SOLVE_BLOCK
+        diag_a = cute.local_tile(s_a, (SOLVE_BLOCK, SOLVE_BLOCK), (block, block))
+        diag_x = cute.local_tile(s_x, (SOLVE_BLOCK, SOLVE_BLOCK), (block, block))
         x = cute.make_rmem_tensor(cute.make_layout((SOLVE_BLOCK,)), Float32)
-        for block in cutlass.range_constexpr(C // SOLVE_BLOCK):
-            base = block * SOLVE_BLOCK
-            for r in cutlass.range_constexpr(SOLVE_BLOCK):
-                x[r] = zero_unless(base + r == column, Float32(1.0))
-            for l in range(base):
-                earlier = s_x[l, column]
-                for r in cutlass.range_constexpr(SOLVE_BLOCK):
-                    x[r] -= s_a[base + r, l] * earlier
-            for r in cutlass.range_constexpr(1, SOLVE_BLOCK):
-                total = x[r]
-                for jj in cutlass.range_constexpr(r):
-                    total -= s_a[base + r, base + jj] * x[jj]
-                x[r] = total
-            for r in cutlass.range_constexpr(SOLVE_BLOCK):
-                s_x[base + r, column] = x[r]
+        for r in cutlass.range_constexpr(SOLVE_BLOCK):
+            total = zero_unless(column == r, Float32(1.0))
+            for m in cutlass.range_constexpr(r):
+                total -= diag_a[r, m] * x[m]
+            x[r] = total
+        for r in cutlass.range_constexpr(SOLVE_BLOCK):
+            diag_x[r, column] = x[r]
+    else:
+        for it in cutlass.range_constexpr(2):
+            flat = tidx - C + it * C  # [0, 64): block (0, 1); [64, 128): block (2, 3)
+            corner = cute.local_tile(s_x, (SOLVE_BLOCK, SOLVE_BLOCK), (2 * (flat // C), 2 * (flat // C) + 1))
+            cute.local_tile(corner, (1, 4), ((flat % C) // 4, flat % 4)).fill(0.0)
+    cute.arch.sync_threads()
+
+    pair = tidx // 64  # the blocks (2 pair + 1, 2 pair); the product in scratch block (pair, 2 + pair)
+    lane = tidx % 64
+    product = cute.local_tile(s_x, (SOLVE_BLOCK, SOLVE_BLOCK), (pair, 2 + pair))
+    _block_product(lane, cute.local_tile(s_a, (SOLVE_BLOCK, SOLVE_BLOCK), (2 * pair + 1, 2 * pair)),
+                   cute.local_tile(s_x, (SOLVE_BLOCK, SOLVE_BLOCK), (2 * pair, 2 * pair)), product,
+                   SOLVE_BLOCK, SOLVE_BLOCK, SOLVE_BLOCK, 1, False)
+    cute.arch.sync_threads()
+    _block_product(lane, cute.local_tile(s_x, (SOLVE_BLOCK, SOLVE_BLOCK), (2 * pair + 1, 2 * pair + 1)), product,
+                   cute.local_tile(s_x, (SOLVE_BLOCK, SOLVE_BLOCK), (2 * pair + 1, 2 * pair)),
+                   SOLVE_BLOCK, SOLVE_BLOCK, SOLVE_BLOCK, 1, True)
+    cute.arch.sync_threads()
+
+    half = C // 2
+    scratch = cute.local_tile(s_x, (half, half), (0, 1))
+    _block_product(tidx, cute.local_tile(s_a, (half, half), (1, 0)), cute.local_tile(s_x, (half, half), (0, 0)),
+                   scratch, half, half, half, 2, False)
+    cute.arch.sync_threads()
+    _block_product(tidx, cute.local_tile(s_x, (half, half), (1, 1)), scratch,
+                   cute.local_tile(s_x, (half, half), (1, 0)), half, half, half, 2, True)
+    cute.arch.sync_threads()
+    for it in cutlass.range_constexpr(2):  # the upper 32 x 32 block back to zero: two float4 per thread
+        flat = tidx + it * 128
+        cute.local_tile(scratch, (1, 4), (flat // 8, flat % 8)).fill(0.0)
+    cute.arch.sync_threads()
+
+
+@cute.jit
+def _block_product(lane, left: cute.Tensor, right: cute.Tensor, out: cute.Tensor, rows: cutlass.Constexpr,
+                   cols: cutlass.Constexpr, inner: cutlass.Constexpr, rows_per_thread: cutlass.Constexpr,
+                   negate: cutlass.Constexpr):
+    """out = (-)left right for float32 tiles [rows, inner] x [inner, cols]: thread ``lane`` of
+    rows * cols / (4 rows_per_thread) computes ``rows_per_thread`` rows (spaced rows / rows_per_thread
+    apart) of 4 adjacent columns; a row of ``right`` is read as one 16-byte vector."""
+    groups = cols // 4
+    col_group = lane % groups
+    first_row = lane // groups
+    spacing = rows // rows_per_thread
+    acc = cute.make_rmem_tensor(cute.make_layout((rows_per_thread, 4), stride=(4, 1)), Float32)
+    acc.fill(0.0)
+    for m in cutlass.range_constexpr(inner):
+        b = cute.local_tile(right, (1, 4), (m, col_group)).load()
+        for r in cutlass.range_constexpr(rows_per_thread):
+            a = left[first_row + r * spacing, m]
+            for c in cutlass.range_constexpr(4):
+                acc[r, c] = acc[r, c] + a * b[c]
+    for r in cutlass.range_constexpr(rows_per_thread):
+        result = acc[r, None].load()
+        if cutlass.const_expr(negate):
+            result = -result
+        cute.local_tile(out, (1, 4), (first_row + r * spacing, col_group)).store(result)

@@ -12,7 +12,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-L2NORM_EPS = 1e-6
+from cp_linear.gdp import L2NORM_EPS
 
 CUTLASS_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32}
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-L2NORM_EPS = 1e-6
+from cp_linear.gdp import L2NORM_EPS
 
 
 @dataclass

@@ -4,8 +4,8 @@ One CTA of 4 warps per (chunk, head); chunks are independent, so this kernel fil
 batch size. For a chunk of C <= 64 steps (whole tokens; see ``emulation.py`` for the notation):
 
 * Gram = k k^T and QK = q k^T on ``mma.sync`` (float32 accumulation);
-* A[i, j] = beta_i f_i f_j exp(G_i - G_j) Gram[i, j] (j < i) and T = (I + A)^-1 by forward
-  substitution in float32 (one thread per column, 16 rows at a time in registers);
+* A[i, j] = beta_i f_i f_j exp(G_i - G_j) Gram[i, j] (j < i) and T = (I + A)^-1 in float32,
+  blocked (16 x 16 diagonal blocks by substitution, merged 16 -> 32 -> 64 by products);
 * written for the scan: Ta = T diag(exp(G) f beta) and Tb = T diag(beta) (input dtype,
   [64, 64]), P[t, j] = scale fq_t f_j exp(G_{i_t} - G_j) QK[t, j] for j <= i_t (input dtype,
   [NQ, 64]), and float32 scalars [4, 64]: row 0 b_j = f_j exp(G_last - G_j), row 1
@@ -71,11 +71,18 @@ class ChunkPrepKernel:
         s_k = allocator.allocate_tensor(self.dtype, _mma.smem_tile_layout(C, K), 128)
         s_q = allocator.allocate_tensor(self.dtype, _mma.smem_tile_layout(C, K), 128)
         s_a = allocator.allocate_tensor(Float32, cute.make_layout((C, C), stride=(A_PITCH, 1)), 16)
-        s_x = allocator.allocate_tensor(Float32, cute.make_layout((C, C), stride=(A_PITCH, 1)), 16)
+        # T overlays the k and q tiles (dead once A and P are formed) where they are large enough:
+        # 51 KB per CTA at K = 128, four CTAs per SM
+        x_layout = cute.make_layout((C, C), stride=(A_PITCH, 1))
+        if cutlass.const_expr(2 * C * K * self.dtype.width // 8 >= C * A_PITCH * 4):
+            s_x = cute.make_tensor(cute.recast_ptr(s_k.iterator, dtype=Float32), x_layout)
+        else:
+            s_x = allocator.allocate_tensor(Float32, x_layout, 16)
         s_gate = smem_vector(allocator, C)
         s_beta = smem_vector(allocator, C)
         s_f = smem_vector(allocator, C)
         s_fq = smem_vector(allocator, C)
+        s_ta_scale = smem_vector(allocator, C)
 
         if chunk < num_chunks[0]:
             first = chunk_first_step[chunk]
@@ -118,16 +125,20 @@ class ChunkPrepKernel:
                     p[chunk, head, t, j] = value.to(self.dtype)
             cute.arch.sync_threads()
 
-            # T = (I + A)^-1, one thread per column, 16 rows at a time in registers.
-            chunk_common.solve_unit_lower(tidx, s_a, s_x)
+            # T = (I + A)^-1 (blocked, every thread), then Ta and Tb written 8 columns (16 bytes) at a time
+            if tidx < C:
+                s_ta_scale[tidx] = s_beta[tidx] * s_f[tidx] * cute.math.exp(s_gate[tidx])
+            chunk_common.invert_unit_lower(tidx, s_a, s_x)
+            for it in cutlass.range_constexpr(C * C // 8 // THREADS):
+                flat = tidx + it * THREADS
+                row, group = flat // 8, flat % 8
+                t_row = cute.local_tile(s_x[row, None], (8,), (group,)).load()
+                a_scale = cute.local_tile(s_ta_scale, (8,), (group,)).load()
+                b_scale = cute.local_tile(s_beta, (8,), (group,)).load()
+                cute.local_tile(ta[chunk, head, row, None], (8,), (group,)).store((t_row * a_scale).to(self.dtype))
+                cute.local_tile(tb[chunk, head, row, None], (8,), (group,)).store((t_row * b_scale).to(self.dtype))
             if tidx < C:
                 column = tidx
-                a_scale = s_beta[column] * s_f[column] * cute.math.exp(s_gate[column])
-                b_scale = s_beta[column]
-                for i in cutlass.range(C, unroll=8):
-                    value = s_x[i, column]
-                    ta[chunk, head, i, column] = (value * a_scale).to(self.dtype)
-                    tb[chunk, head, i, column] = (value * b_scale).to(self.dtype)
                 last_step = cutlass.max(steps - 1, 0)
                 gate_last = s_gate[last_step]
                 scalars[chunk, head, 0, column] = s_f[column] * cute.math.exp(gate_last - s_gate[column])

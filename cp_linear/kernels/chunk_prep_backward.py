@@ -114,7 +114,7 @@ class ChunkPrepBackwardKernel:
                 t, j = coords[e]
                 s_qk[t, j] = acc[e]
             cute.arch.sync_threads()
-            chunk_common.solve_unit_lower(tidx, s_a, s_t)
+            chunk_common.invert_unit_lower(tidx, s_a, s_t)
             cute.arch.sync_threads()
 
             # 2. dT = dTa diag(a) + dTb diag(beta); da = colsum(dTa * T) -> dbeta, df, dG (thread j)

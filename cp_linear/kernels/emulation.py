@@ -21,7 +21,7 @@ and, with the state held transposed as rows X = S^T [R, K] (value rows see v, tr
 
 from __future__ import annotations
 
-L2NORM_EPS = 1e-6
+from cp_linear.gdp import L2NORM_EPS
 
 
 def _rounder(dtype):

@@ -20,10 +20,10 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from cp_linear.plan import MODE_CHOICES
 from cp_linear.validation import NONFINITE, any_in_ranges, attention_dims_error, nonfinite_rows, poison, sanitize
 from jax_api._checks import is_concrete, raise_failed_value_checks
 from jax_api.attention.exchange import (
-    ATTENTION_MODES,
     BlockDiagExchangePlan,
     check_exchange_plan,
     exchange_kv,
@@ -70,8 +70,8 @@ def _check_qkv(q, k, v, *, where: str) -> None:
 
 def _check_plan_mode(plan: BlockDiagExchangePlan, mode: str) -> None:
     """``mode`` must be "auto" (use the plan's) or the mode the plan was built for."""
-    if mode not in ATTENTION_MODES:
-        raise ValueError(f"mode must be one of {ATTENTION_MODES}; received {mode!r}")
+    if mode not in MODE_CHOICES:
+        raise ValueError(f"mode must be one of {MODE_CHOICES}; received {mode!r}")
     if mode != "auto" and mode != plan.mode:
         raise ValueError(
             f"mode={mode!r} was requested but the plan was built for mode={plan.mode!r}; build it with "

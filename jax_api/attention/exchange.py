@@ -28,10 +28,12 @@ Exchanges (all differentiable through JAX's own transpose rules):
                from separate rows (the transpose then scatter-adds their gradients instead of
                letting one overwrite the other)
 
-Shapes are static per *shape class* (``BlockDiagExchangePlan``'s meta fields): the exchange
-sizes are rounded up to powers of two, so a new packing recompiles only when a rounded size, the
-resolved mode, ``T`` or ``cp_size`` changes. Positions and routing tables are ordinary (traced)
-arrays of the plan.
+Shapes are static per *shape class* (``BlockDiagExchangePlan``'s meta fields, a
+``cp_linear.plan.ExchangeShape``): the exchange sizes are rounded up to powers of two, so a new
+packing recompiles only when a rounded size, the resolved mode, ``T`` or ``cp_size`` changes.
+Positions and routing tables are ordinary (traced) arrays of the plan. The policy (modes, their
+resolution, the sizes, the ragged tables, the bytes moved) is the core's (``cp_linear.plan``);
+this module only runs it as JAX collectives.
 """
 
 from __future__ import annotations
@@ -42,21 +44,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cp_linear.plan import BlockDiagPlan, build_blockdiag_plan, ids_fingerprint, validate_doc_ids
+from cp_linear.plan import (
+    ExchangeShape,
+    build_blockdiag_plan,
+    exchange_shape,
+    exchange_shape_error,
+    exchange_tokens_received,
+    ids_fingerprint,
+    ragged_routing,
+    validate_doc_ids,
+)
 
-ATTENTION_MODES = ("auto", "allgather", "halo", "a2a")
 A2A_IMPLEMENTATIONS = ("auto", "ragged", "ppermute")
 # Platforms whose XLA backend implements the ragged-all-to-all HLO.
 RAGGED_A2A_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
-
-
-def size_class(tokens: int, cap: int, bucket: bool) -> int:
-    """Static buffer length for ``tokens`` rows: the next power of two (capped), or exact."""
-    if tokens <= 0:
-        return 0
-    if not bucket:
-        return tokens
-    return min(cap, 1 << (tokens - 1).bit_length())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,27 +93,17 @@ class BlockDiagExchangePlan:
     def total_len(self) -> int:
         return self.cp_size * self.local_len
 
+    @property
+    def shape(self) -> ExchangeShape:
+        """The static sizes as the core describes them (``cp_linear.plan.ExchangeShape``)."""
+        return ExchangeShape(self.mode, self.a2a_impl, self.halo_len, self.piece_lens, self.recv_len, self.send_len)
+
 
 jax.tree_util.register_dataclass(
     BlockDiagExchangePlan,
     data_fields=["doc_ids", "routing"],
     meta_fields=["cp_size", "local_len", "mode", "a2a_impl", "halo_len", "piece_lens", "recv_len", "send_len"],
 )
-
-
-def resolve_mode(mode: str, host_plan: BlockDiagPlan) -> str:
-    """auto -> halo when every straddle fits in the left neighbour, else a2a; validate forced modes."""
-    if mode not in ATTENTION_MODES:
-        raise ValueError(f"mode must be one of {ATTENTION_MODES}; received {mode!r}")
-    if mode == "auto":
-        return "halo" if host_plan.use_halo else "a2a"
-    if mode == "halo" and not host_plan.use_halo:
-        raise ValueError(
-            f"mode='halo' needs every document straddle to fit in the left neighbour (back ≤ L = "
-            f"{host_plan.local_len}); received back = {list(host_plan.back)}: a document spans more than two "
-            "ranks. Use mode='a2a' or 'auto'"
-        )
-    return mode
 
 
 def default_a2a_impl(platform: str) -> str:
@@ -146,44 +137,25 @@ def plan_blockdiag_exchange(doc_ids, cp_size: int, *, mode: str = "auto", platfo
     host_plan = build_blockdiag_plan(ids, cp_size)
     if ids.max() > np.iinfo(np.int32).max:
         raise ValueError(f"doc_ids must fit in int32; received a maximum of {int(ids.max())}")
-    ids = ids.astype(np.int32)
-    resolved = resolve_mode(mode, host_plan)
-    length = host_plan.local_len
-    common = dict(doc_ids=ids, cp_size=int(cp_size), local_len=length, mode=resolved)
-    if resolved == "allgather":
-        return BlockDiagExchangePlan(routing=(), a2a_impl="", **common)
-    if resolved == "halo":
-        halo = size_class(host_plan.halo_len, length, bucket_sizes)
-        return BlockDiagExchangePlan(routing=(), a2a_impl="", halo_len=halo, **common)
-    impl = default_a2a_impl(platform or jax.default_backend()) if a2a_impl == "auto" else a2a_impl
-    if impl == "ppermute":
-        return BlockDiagExchangePlan(routing=(), a2a_impl=impl,
-                                     piece_lens=ppermute_piece_lens(host_plan, bucket_sizes), **common)
-    routing, recv_len, send_len = ragged_routing(host_plan, bucket_sizes)
-    return BlockDiagExchangePlan(routing=routing, a2a_impl=impl, recv_len=recv_len, send_len=send_len, **common)
-
-
-def ppermute_piece_lens(host_plan: BlockDiagPlan, bucket: bool) -> tuple[int, ...]:
-    """Static rows sent over rank distance s = 1..cp-1: the largest suffix any rank needs from s back."""
-    cp, length = host_plan.cp_size, host_plan.local_len
-    lens = []
-    for distance in range(1, cp):
-        widest = 0
-        for dst in range(distance, cp):
-            start, stop = host_plan.recv[dst][dst - distance]
-            widest = max(widest, stop - start)
-        lens.append(size_class(widest, length, bucket))
-    return tuple(lens)
+    impl = a2a_impl
+    if impl == "auto":
+        impl = default_a2a_impl(platform or jax.default_backend())
+    shape = exchange_shape(host_plan, mode, a2a_impl=impl, bucket=bucket_sizes)  # ValueError: impossible halo
+    routing = ragged_routing(host_plan, shape) if shape.a2a_impl == "ragged" else ()
+    return BlockDiagExchangePlan(doc_ids=ids.astype(np.int32), routing=routing, cp_size=int(cp_size),
+                                 local_len=host_plan.local_len, mode=shape.mode, a2a_impl=shape.a2a_impl,
+                                 halo_len=shape.halo_len, piece_lens=shape.piece_lens, recv_len=shape.recv_len,
+                                 send_len=shape.send_len)
 
 
 def check_exchange_plan(plan: BlockDiagExchangePlan) -> None:
     """Raise ValueError unless ``plan`` still serves its own ``doc_ids`` (tamper-evident plans).
 
     An edited plan (``dataclasses.replace`` of a halo length, piece sizes, mode or routing tables)
-    would drop needed keys silently; this rebuilds the host plan from the ids and checks that every
-    static size covers what each rank needs (larger is fine: extra rows are masked by doc ids) and
-    that the ragged tables equal the rebuilt ones. Needs concrete ids (skipped for traced ones, e.g.
-    inside the caller's own ``jax.jit``); the result is cached per plan object and ids fingerprint.
+    would drop needed keys silently. This rebuilds the host plan from the ids, checks the static sizes
+    with ``cp_linear.plan.exchange_shape_error`` (larger is fine: extra rows are masked by doc ids)
+    and the ragged tables against the rebuilt ones. Needs concrete ids (skipped for traced ones,
+    e.g. inside the caller's own ``jax.jit``); cached per plan object and ids fingerprint.
     """
     ids = plan.doc_ids
     if isinstance(ids, jax.core.Tracer):
@@ -200,94 +172,33 @@ def check_exchange_plan(plan: BlockDiagExchangePlan) -> None:
 
 
 def _plan_problem(plan: BlockDiagExchangePlan, ids: np.ndarray) -> str | None:
-    cp, length = plan.cp_size, plan.local_len
-    if ids.ndim != 1 or ids.shape[0] != cp * length:
-        return f"doc_ids have shape {ids.shape}; the plan is for T = cp_size * L = {cp} * {length}"
+    if ids.ndim != 1 or ids.shape[0] != plan.total_len:
+        return f"doc_ids have shape {ids.shape}; the plan is for T = cp_size * L = {plan.cp_size} * {plan.local_len}"
     try:
-        host_plan = build_blockdiag_plan(validate_doc_ids(ids, cp), cp)
+        host_plan = build_blockdiag_plan(validate_doc_ids(ids, plan.cp_size), plan.cp_size)
     except ValueError as err:
         return str(err)
-    if plan.mode not in ("allgather", "halo", "a2a"):
-        return f"mode {plan.mode!r} is not a resolved exchange"
-    if plan.mode != "a2a" and (plan.a2a_impl or plan.piece_lens or plan.recv_len or plan.send_len or plan.routing):
-        return f"mode {plan.mode!r} carries a2a fields"
-    if plan.mode == "halo":
-        if not host_plan.use_halo or not host_plan.halo_len <= plan.halo_len <= length:
-            return (f"halo_len = {plan.halo_len} must lie in [{host_plan.halo_len}, L = {length}] "
-                    f"(back = {host_plan.back})")
-    if plan.mode == "a2a" and plan.a2a_impl == "ppermute":
-        needed = ppermute_piece_lens(host_plan, bucket=False)
-        if len(plan.piece_lens) != cp - 1 or any(not n <= p <= length for n, p in zip(needed, plan.piece_lens)):
-            return f"piece_lens = {plan.piece_lens} must cover {needed} and stay ≤ L = {length}"
-    elif plan.mode == "a2a":
-        if plan.a2a_impl != "ragged":
-            return f"a2a_impl must be 'ragged' or 'ppermute'; received {plan.a2a_impl!r}"
-        _, recv_len, send_len = ragged_routing(host_plan, bucket=False)
-        if plan.recv_len < recv_len or plan.send_len < send_len:
-            return f"recv_len, send_len = {plan.recv_len}, {plan.send_len} must cover {recv_len}, {send_len}"
-        expected, _, _ = ragged_routing(host_plan, bucket=False, recv_len=plan.recv_len, send_len=plan.send_len)
-        tables = [np.asarray(t) for t in plan.routing]
+    problem = exchange_shape_error(host_plan, plan.shape)
+    if problem is None and plan.a2a_impl == "ragged":
+        expected = ragged_routing(host_plan, plan.shape)
+        tables = [np.asarray(table) for table in plan.routing]
         if len(tables) != len(expected) or any(t.shape != e.shape or not np.array_equal(t, e)
                                               for t, e in zip(tables, expected)):
-            return "the ragged routing tables differ from the ones the ids give"
-    return None
-
-
-def ragged_routing(host_plan: BlockDiagPlan, bucket: bool, *, recv_len: int | None = None,
-                   send_len: int | None = None) -> tuple[tuple[np.ndarray, ...], int, int]:
-    """Per-rank tables for ``lax.ragged_all_to_all`` (rank-indexed rows, host int32).
-
-    Receive buffer of rank r: ``recv_len`` rows, right-aligned so that row j holds global token
-    ``r*L - recv_len + j``; the piece from ``src`` lands at ``recv_len - (r*L - start)``. Send
-    buffer of rank r: its pieces for destinations 0..cp-1 concatenated (``send_index`` = local
-    rows), so overlapping pieces for different destinations occupy distinct rows.
-    """
-    cp, length = host_plan.cp_size, host_plan.local_len
-    remote_sizes = [[0] * cp for _ in range(cp)]  # [src][dst]
-    for src in range(cp):
-        for dst in range(cp):
-            if dst != src:
-                start, stop = host_plan.send[src][dst]
-                remote_sizes[src][dst] = stop - start
-    if recv_len is None:
-        recv_len = size_class(max(host_plan.back), (cp - 1) * length, bucket)
-    if send_len is None:
-        send_len = size_class(max(sum(row) for row in remote_sizes), (cp - 1) * length, bucket)
-    send_index = np.zeros((cp, max(send_len, 1)), np.int32)
-    input_offsets = np.zeros((cp, cp), np.int32)
-    send_sizes = np.zeros((cp, cp), np.int32)
-    output_offsets = np.zeros((cp, cp), np.int32)
-    for src in range(cp):
-        cursor = 0
-        for dst in range(cp):
-            size = remote_sizes[src][dst]
-            if size == 0:
-                continue
-            start, _ = host_plan.send[src][dst]
-            send_index[src, cursor : cursor + size] = np.arange(start, start + size) - src * length
-            input_offsets[src, dst] = cursor
-            send_sizes[src, dst] = size
-            output_offsets[src, dst] = recv_len - (dst * length - start)
-            cursor += size
-    recv_sizes = np.ascontiguousarray(send_sizes.T)  # recv_sizes[dst][src] = send_sizes[src][dst]
-    return (send_index, input_offsets, send_sizes, output_offsets, recv_sizes), recv_len, send_len
+            problem = "the ragged routing tables differ from the ones the ids give"
+    elif problem is None and plan.routing:
+        problem = f"mode {plan.mode!r} ({plan.a2a_impl or 'no a2a'}) carries routing tables"
+    return problem
 
 
 def received_tokens_per_rank(plan: BlockDiagExchangePlan) -> list[int]:
     """K/V rows each rank receives from other ranks in one direction, as this plan runs it.
 
     Static (bucketed) sizes count in full because they travel in full; the ragged exchange moves
-    exactly the needed rows. Multiply by ``2 * B * Hkv * D * itemsize`` for bytes (K and V).
+    exactly the needed rows (``cp_linear.plan.exchange_tokens_received``). Multiply by
+    ``2 * B * Hkv * D * itemsize`` for bytes (K and V), or use ``cp_linear.exchange_bytes``.
     """
-    cp, length = plan.cp_size, plan.local_len
-    if plan.mode == "allgather":
-        return [(cp - 1) * length] * cp
-    if plan.mode == "halo":
-        return [0] + [plan.halo_len] * (cp - 1)
-    if plan.a2a_impl == "ppermute":
-        return [sum(plan.piece_lens[: rank]) for rank in range(cp)]
-    recv_sizes = np.asarray(plan.routing[4])
-    return [int(recv_sizes[rank].sum()) for rank in range(cp)]
+    host_plan = build_blockdiag_plan(np.asarray(plan.doc_ids), plan.cp_size)
+    return exchange_tokens_received(host_plan, plan.shape)
 
 
 # --------------------------------------------------------------------------- exchanges (inside shard_map)

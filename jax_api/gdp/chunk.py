@@ -1,43 +1,29 @@
 """Pure-JAX chunkwise Gated DeltaProduct (WY/UT form) and the CP backend built on it.
 
-Vocabulary (DESIGN.md §2)
-  step        GDP over T tokens is a gated delta rule over T*n_h *steps*: the gate g[t] sits on
-              step t*n_h, q[t] is read on step t*n_h + n_h - 1
-  chunk       ``chunk_size`` consecutive steps (64 by default) handled by dense matmuls; the
-              last chunk of a shard is padded with identity steps (k = v = beta = g = 0)
-  segment     the steps of one sequence inside a chunk. A token flagged in ``sequence_starts``
-              resets the state; decay and the UT transform act within a segment only, the
-              state entering a chunk reaches only its first segment, and the chunk's end state
-              comes only from its last segment. Flags are data, not shapes: a new packing reuses
-              the compiled program.
-  summary     ``[E | M]`` float32: the shard's trailing fragment ends in ``M S_in + E``
+The layout is ``cp_linear.chunking`` (the one every backend uses): chunks of at most C steps, each
+inside one sequence, built from ``cu_seqlens`` with static shapes, so a new packing with the same
+number of sequences reuses the compiled program. Chunk-major arrays are [NC, B, H, C, ...].
 
 Per chunk, with G the cumulative gate and the unit lower triangular UT transform
-``T = (I + tril(beta_i k_i.k_j exp(G_i - G_j), -1))^-1`` (masked to equal segments)::
+``T = (I + tril(beta_i k_i.k_j exp(G_i - G_j), -1))^-1``::
 
-    w = T diag(beta exp(G) [first segment]) k      u = T diag(beta) v
+    w = T diag(beta exp(G)) k      u = T diag(beta) v
     new values = u - w S0
-    o_i = scale * (exp(G_i) [first segment] q_i S0 + sum_j (q_i.k_j) exp(G_i - G_j) new_j)
-    S_end = M S0 + E,  M = exp(G_C) [no reset] I - k_end^T w,  E = k_end^T u
+    o_i = scale * (exp(G_i) q_i S0 + sum_j (q_i.k_j) exp(G_i - G_j) new_j)
+    S_end = M S0 + E,  M = exp(G_C) I - k_end^T w,  E = k_end^T u
 
+and from chunk to chunk ``S_{c+1} = keep_c (M_c S_c + E_c) + reset_c``: keep is 0 where chunk c + 1
+starts a sequence, whose state is then its initial state (zero under CP).
 ``cp_linear.reference.wy_chunk`` is the float64 version of the same formulas.
 
-Example: a shard of 6 tokens, n_h = 2, chunk_size = 8, sequence_starts = [0 0 0 1 0 0]::
-
-    step     0 1 2 3 4 5 6 7 | 8 9 10 11 (12..15 padding)
-    segment  0 0 0 0 0 0 1 1 | 0 0  0  0
-    chunk 0 reads S_in on steps 0-5 and passes on the state of steps 6-7; M = 0.
-
-Backward: ``jax.vjp`` of a recomputation of the forward (prepare, then apply). gamma is the
-vjp of the local outputs with respect to the incoming state at zero outgoing state-gradient;
-the input gradients add the vjp of the summary ``(E, M)`` with ``dE = dS_out``,
-``dM = dS_out S_in^T``.
+Backward: ``jax.vjp`` of a recomputation, split like the forward: ``prepare`` (inputs -> chunk
+terms and the summary ``(E, M)``) and ``apply`` (terms, incoming state -> outputs). gamma is the
+vjp of the local outputs with respect to the incoming state; the input gradients add the vjp of
+the summary with ``dE = dS_out`` and ``dM = dS_out S_in^T``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
@@ -45,23 +31,34 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cp_linear.chunking import CHUNK_SIZE, chunk_layout
+from cp_linear.gdp import GDPInputGradients, GDPInputs, L2NORM_EPS, check_gdp_shapes
 from cp_linear.protocol import CPForwardResult, CPSavedContext
-from cp_linear.reference import check_gdp_shapes
-from cp_linear.validation import gdp_dims_error
 from cp_linear.summary import (
     CPBackwardPackedSummary,
     CPForwardPackedSummary,
+    as_packed_array,
     compose_backward,
     compose_forward,
 )
-from jax_api.gdp.naive import l2norm
+from cp_linear.validation import gdp_dims_error
 
-DEFAULT_CHUNK_SIZE = 64
 _HIGHEST = jax.lax.Precision.HIGHEST  # float32 matmuls stay float32 on GPUs too (no TF32)
+
+jax.tree_util.register_dataclass(
+    GDPInputs,
+    data_fields=["q", "k", "v", "g", "beta", "cu_seqlens", "initial_state"],
+    meta_fields=["scale", "num_householder", "use_qk_l2norm_in_kernel", "output_final_state"],
+)
 
 
 def _einsum(spec: str, *operands):
     return jnp.einsum(spec, *operands, precision=_HIGHEST)
+
+
+def l2norm(x: jax.Array) -> jax.Array:
+    """x / sqrt(sum(x^2) + L2NORM_EPS) over the last axis (``cp_linear.gdp``)."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
 
 
 def match_vma(x: jax.Array, *likes: jax.Array) -> jax.Array:
@@ -76,9 +73,6 @@ def match_vma(x: jax.Array, *likes: jax.Array) -> jax.Array:
     return x
 
 
-# --------------------------------------------------------------------------- inputs and validation
-
-
 def host_value_or_none(x):
     """``x`` as a numpy array, or None when it is traced (no value until the program runs).
 
@@ -90,54 +84,9 @@ def host_value_or_none(x):
         return None
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["q", "k", "v", "g", "beta", "sequence_starts"],
-    meta_fields=["scale", "num_householder", "use_qk_l2norm_in_kernel"],
-)
-@dataclass(frozen=True)
-class JaxGDPInputs:
-    """One shard of a GDP layer (DESIGN.md §2 layouts).
-
-    q     [B, T, H, K]
-    k     [B, T*n_h, H, K]      the j-th key of token t at index t*n_h + j
-    v     [B, T*n_h, H, V]
-    g     [B, T, H]             natural-log decay, applied once per token
-    beta  [B, T*n_h, H]
-    sequence_starts  bool [1, T]: True where a new sequence begins inside the shard (packed
-                     batch, B = 1; a flag on token 0 is ignored because the incoming state
-                     always belongs to the shard's first sequence), or None when each batch row
-                     continues one sequence.
-    """
-
-    q: jax.Array
-    k: jax.Array
-    v: jax.Array
-    g: jax.Array
-    beta: jax.Array
-    scale: float
-    sequence_starts: jax.Array | None = None
-    num_householder: int = 1
-    use_qk_l2norm_in_kernel: bool = False
-
-    @property
-    def is_packed(self) -> bool:
-        return self.sequence_starts is not None
-
-
-class JaxGDPInputGradients(NamedTuple):
-    """Gradients with the shapes and dtypes of the matching ``JaxGDPInputs`` fields."""
-
-    dq: jax.Array
-    dk: jax.Array
-    dv: jax.Array
-    dg: jax.Array
-    dbeta: jax.Array
-
-
-def check_gdp_inputs(q, k, v, g, beta, num_householder: int, sequence_starts=None) -> None:
-    """Raise ValueError unless shapes and dtypes follow DESIGN.md §2 and the sizes are supported
-    (non-empty, K ≤ 256, V ≤ 512: ``cp_linear.validation``); trace-time, static checks.
+def check_gdp_inputs(q, k, v, g, beta, num_householder: int, cu_seqlens=None) -> None:
+    """Raise ValueError unless shapes and dtypes follow DESIGN.md §2 (docs/design.md) and the sizes are
+    supported (non-empty, K ≤ 256, V ≤ 512: ``cp_linear.validation``); trace-time, static checks.
 
     q, k, v share one floating dtype; g and beta may use any floating dtype (often float32).
     """
@@ -152,41 +101,68 @@ def check_gdp_inputs(q, k, v, g, beta, num_householder: int, sequence_starts=Non
     error = gdp_dims_error(q.shape, v.shape)  # empty sizes, K and V limits: the same rule as torch_api
     if error:
         raise ValueError(error)
-    if sequence_starts is not None:
-        expected = (1, q.shape[1])
-        if tuple(sequence_starts.shape) != expected or sequence_starts.dtype != jnp.bool_:
-            raise ValueError(f"sequence_starts must be bool {expected} (packed batch, B = 1); received "
-                             f"{sequence_starts.dtype} {tuple(sequence_starts.shape)} for q {tuple(q.shape)}")
+    if cu_seqlens is not None:
+        if getattr(cu_seqlens, "ndim", None) != 1 or cu_seqlens.shape[0] < 2:
+            raise ValueError(f"cu_seqlens must be int [N + 1] with N >= 1; received shape "
+                             f"{tuple(getattr(cu_seqlens, 'shape', ()))}")
+        if not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
+            raise ValueError(f"cu_seqlens must hold integers; received dtype {cu_seqlens.dtype}")
+        if q.shape[0] != 1:
+            raise ValueError(f"cu_seqlens describes one packed row: B must be 1; received B = {q.shape[0]}")
 
 
-# --------------------------------------------------------------------------- the chunked algorithm
+# --------------------------------------------------------------------------- the layout in chunks
 
 
-class StepInputs(NamedTuple):
-    """Inputs laid out per head and step, float32: [B, H, S, ...] with S = T*n_h."""
+class Placement(NamedTuple):
+    """``cp_linear.chunking.ChunkLayout`` as jnp index arrays (traced when cu_seqlens is).
 
-    q: jax.Array  # [B, H, S, K], q[t] on step t*n_h + n_h - 1, zeros elsewhere
-    k: jax.Array  # [B, H, S, K]
-    v: jax.Array  # [B, H, S, V]
-    g: jax.Array  # [B, H, S], g[t] on step t*n_h, zeros elsewhere
-    beta: jax.Array  # [B, H, S]
-    resets: jax.Array | None  # bool [B, S]: the state is zeroed before this step
+    source  int32 [NC * C] step of every slot (S = padding);  slot  int32 [S] slot of every step
+    keep    float32 [NC]  0 where the next chunk starts a sequence;  starts  bool [NC]
+    chunk_seq int32 [NC];  first_chunk, last_chunk int32 [N];  nonempty bool [N]
+    """
 
-
-class ChunkTerms(NamedTuple):
-    """Per-chunk WY/UT quantities, float32, [B, H, N, C, ...] with N chunks of C steps."""
-
-    q: jax.Array  # [B, H, N, C, K]
-    w: jax.Array  # [B, H, N, C, K]   how the chunk's incoming state enters the new values
-    u: jax.Array  # [B, H, N, C, V]   new values from a zero incoming state
-    gate: jax.Array  # [B, H, N, C]   exp(G), zero outside the chunk's first segment
-    attention: jax.Array  # [B, H, N, C, C]   (q_i . k_j) exp(G_i - G_j), causal, same segment
-    transition: jax.Array  # [B, H, N, K, K]   M of the chunk
-    update: jax.Array  # [B, H, N, K, V]   E of the chunk
+    source: jax.Array
+    slot: jax.Array
+    keep: jax.Array
+    starts: jax.Array
+    chunk_seq: jax.Array
+    first_chunk: jax.Array
+    last_chunk: jax.Array
+    nonempty: jax.Array
 
 
-def step_layout(inputs: JaxGDPInputs) -> StepInputs:
-    """Interleave tokens into steps, apply the optional l2norm, cast to float32, heads first."""
+def placement(inputs: GDPInputs, chunk_size: int) -> Placement:
+    """The chunk layout of a shard: of ``inputs.cu_seqlens`` (packed) or of one row (rows)."""
+    tokens = inputs.q.shape[1]
+    steps = tokens * inputs.num_householder
+    cu = inputs.cu_seqlens if inputs.is_packed else jnp.asarray([0, tokens], jnp.int32)
+    layout, bounds = chunk_layout(jnp.asarray(cu, jnp.int32), total_steps=steps,
+                                  num_householder=inputs.num_householder, chunk_size=chunk_size)
+    starts = layout.starts_sequence()
+    keep = jnp.concatenate([jnp.logical_not(starts[1:]), jnp.ones((1,), bool)]).astype(jnp.float32)
+    return Placement(layout.slot_source(), layout.step_slot(bounds), keep, starts, layout.chunk_seq,
+                     layout.first_chunk(), layout.last_chunk(), layout.sequence_nonempty())
+
+
+def to_chunks(x: jax.Array, where: Placement, chunk_size: int) -> jax.Array:
+    """[B, S, H, ...] -> [NC, B, H, C, ...], padding slots zero."""
+    padded = jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1)
+    gathered = jnp.take(padded, where.source, axis=1)  # [B, NC * C, H, ...]
+    chunked = gathered.reshape(x.shape[0], -1, chunk_size, *x.shape[2:])
+    return jnp.moveaxis(jnp.moveaxis(chunked, 1, 0), 3, 2)  # [NC, B, H, C, ...]
+
+
+def from_chunks(y: jax.Array, where: Placement) -> jax.Array:
+    """[NC, B, H, C, ...] -> [B, S, H, ...] (drops the padding slots)."""
+    per_slot = jnp.moveaxis(jnp.moveaxis(y, 2, 3), 0, 1)  # [B, NC, C, H, ...]
+    per_slot = per_slot.reshape(y.shape[1], -1, *per_slot.shape[3:])
+    return jnp.take(per_slot, where.slot, axis=1)
+
+
+def step_arrays(inputs: GDPInputs):
+    """q, k, v, g, beta per step [B, S, H, ...], float32, l2-normalised when asked: q on each token's
+    last step and g on its first (zeros elsewhere)."""
     batch, tokens, heads, key_dim = inputs.q.shape
     n = inputs.num_householder
     q = inputs.q.astype(jnp.float32)
@@ -196,28 +172,11 @@ def step_layout(inputs: JaxGDPInputs) -> StepInputs:
     q_steps = jnp.concatenate([jnp.zeros((batch, tokens, n - 1, heads, key_dim), q.dtype), q[:, :, None]], axis=2)
     g = inputs.g.astype(jnp.float32)
     g_steps = jnp.concatenate([g[:, :, None], jnp.zeros((batch, tokens, n - 1, heads), g.dtype)], axis=2)
-    resets = None
-    if inputs.sequence_starts is not None:
-        starts = inputs.sequence_starts.at[:, 0].set(False)  # the incoming state owns token 0
-        resets = jnp.concatenate([starts[:, :, None], jnp.zeros((batch, tokens, n - 1), bool)], axis=2)
-        resets = resets.reshape(batch, tokens * n)
-
-    def heads_first(x):
-        return jnp.moveaxis(x.reshape(batch, tokens * n, *x.shape[3:]), 2, 1)
-
-    return StepInputs(
-        q=heads_first(q_steps),
-        k=jnp.moveaxis(k, 2, 1),
-        v=jnp.moveaxis(inputs.v.astype(jnp.float32), 2, 1),
-        g=heads_first(g_steps),
-        beta=jnp.moveaxis(inputs.beta.astype(jnp.float32), 2, 1),
-        resets=resets,
-    )
+    return (q_steps.reshape(batch, tokens * n, heads, key_dim), k, inputs.v.astype(jnp.float32),
+            g_steps.reshape(batch, tokens * n, heads), inputs.beta.astype(jnp.float32))
 
 
-def _masked_exp(x: jax.Array, mask) -> jax.Array:
-    """exp(x) where mask, else 0, without overflow (or NaN gradients) from the masked entries."""
-    return jnp.where(mask, jnp.exp(jnp.where(mask, x, 0.0)), 0.0)
+# --------------------------------------------------------------------------- per-chunk math
 
 
 def unit_lower_inverse(strict_lower: jax.Array) -> jax.Array:
@@ -249,36 +208,36 @@ def unit_lower_inverse(strict_lower: jax.Array) -> jax.Array:
     return inverse[..., 0, :chunk, :chunk]
 
 
-def chunk_terms(steps: StepInputs, chunk_size: int) -> ChunkTerms:
-    """Pad the steps to whole chunks and compute every chunk's WY/UT quantities at once."""
-    batch, heads, num_steps, key_dim = steps.k.shape
-    padded = -(-num_steps // chunk_size) * chunk_size
-    pad = padded - num_steps
+class ChunkTerms(NamedTuple):
+    """Per-chunk WY/UT quantities, float32, chunk-major [NC, B, H, C, ...]."""
 
-    def chunked(x):  # [B, H, S, ...] -> [B, H, N, C, ...]
-        x = jnp.pad(x, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 3))
-        return x.reshape(batch, heads, padded // chunk_size, chunk_size, *x.shape[3:])
+    q: jax.Array  # [NC, B, H, C, K]
+    w: jax.Array  # [NC, B, H, C, K]   how the chunk's incoming state enters the new values
+    u: jax.Array  # [NC, B, H, C, V]   new values from a zero incoming state
+    gate: jax.Array  # [NC, B, H, C]   exp(G)
+    attention: jax.Array  # [NC, B, H, C, C]   (q_i . k_j) exp(G_i - G_j), causal
+    transition: jax.Array  # [NC, B, H, K, K]   M of the chunk
+    update: jax.Array  # [NC, B, H, K, V]   E of the chunk
 
-    q, k, v, g, beta = (chunked(x) for x in steps[:5])
+
+def _masked_exp(x: jax.Array, mask) -> jax.Array:
+    """exp(x) where mask, else 0, without overflow (or NaN gradients) from the masked entries."""
+    return jnp.where(mask, jnp.exp(jnp.where(mask, x, 0.0)), 0.0)
+
+
+def chunk_terms(q, k, v, g, beta) -> ChunkTerms:
+    """Every chunk's WY/UT quantities at once; inputs chunk-major [NC, B, H, C, ...] float32."""
+    chunk_size, key_dim = k.shape[-2], k.shape[-1]
     causal = jnp.tril(jnp.ones((chunk_size, chunk_size), bool))
     strict = jnp.tril(jnp.ones((chunk_size, chunk_size), bool), -1)
-    if steps.resets is None:
-        within, first_segment, last_segment = causal, True, True
-    else:
-        resets = jnp.pad(steps.resets, [(0, 0), (0, pad)]).reshape(batch, 1, -1, chunk_size)
-        segment = jnp.cumsum(resets.astype(jnp.int32), axis=-1)  # [B, 1, N, C]; 0 = first segment
-        within = causal & (segment[..., :, None] == segment[..., None, :])
-        first_segment = segment == 0
-        last_segment = segment == segment[..., -1:]
-    cum = jnp.cumsum(g, axis=-1)  # G, [B, H, N, C]
-    decay = _masked_exp(cum[..., :, None] - cum[..., None, :], within)
-    gate = _masked_exp(cum, first_segment)
-    end_decay = _masked_exp(cum[..., -1:] - cum, last_segment)
+    cum = jnp.cumsum(g, axis=-1)  # G, [NC, B, H, C]
+    decay = _masked_exp(cum[..., :, None] - cum[..., None, :], causal)
+    gate = jnp.exp(cum)
     lower = jnp.where(strict, beta[..., :, None] * _einsum("...ik,...jk->...ij", k, k) * decay, 0.0)
     rhs = jnp.concatenate([(beta * gate)[..., None] * k, beta[..., None] * v], axis=-1)
     solved = _einsum("...ij,...jm->...im", unit_lower_inverse(lower), rhs)
     w, u = solved[..., :key_dim], solved[..., key_dim:]
-    k_end = end_decay[..., None] * k
+    k_end = jnp.exp(cum[..., -1:] - cum)[..., None] * k
     eye = jnp.eye(key_dim, dtype=jnp.float32)
     transition = gate[..., -1, None, None] * eye - _einsum("...ck,...cl->...kl", k_end, w)
     update = _einsum("...ck,...cv->...kv", k_end, u)
@@ -286,64 +245,113 @@ def chunk_terms(steps: StepInputs, chunk_size: int) -> ChunkTerms:
     return ChunkTerms(q, w, u, gate, attention, transition, update)
 
 
-def fold_chunk_summaries(terms: ChunkTerms) -> tuple[jax.Array, jax.Array]:
+# --------------------------------------------------------------------------- recurrences over chunks
+
+
+def _kept(terms: ChunkTerms, keep: jax.Array, resets: jax.Array | None):
+    """(transition, update) with ``keep`` applied and the reset states added: S' = M S + E."""
+    scale = keep[:, None, None, None, None]
+    update = terms.update * scale
+    return terms.transition * scale, update if resets is None else update + resets
+
+
+def chunk_start_states(terms: ChunkTerms, entering: jax.Array, keep: jax.Array,
+                       resets: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """State entering each chunk [NC, B, H, K, V] and the state after the last one [B, H, K, V]."""
+    transition, update = _kept(terms, keep, resets)
+    carry = match_vma(entering.astype(jnp.float32), transition, update)
+
+    def advance(state, chunk):
+        return _einsum("bhkl,bhlv->bhkv", chunk[0], state) + chunk[1], state
+
+    final, starts = jax.lax.scan(advance, carry, (transition, update))
+    return starts, final
+
+
+def fold_summary(terms: ChunkTerms, keep: jax.Array, resets: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array]:
     """(E [B, H, K, V], M [B, H, K, K]) of all chunks in order: the shard's forward summary."""
-    batch, heads, _, key_dim, value_dim = terms.update.shape
-    update0 = match_vma(jnp.zeros((batch, heads, key_dim, value_dim), jnp.float32), terms.update)
+    transition, update = _kept(terms, keep, resets)
+    _, batch, heads, key_dim, value_dim = update.shape
+    update0 = match_vma(jnp.zeros((batch, heads, key_dim, value_dim), jnp.float32), update)
     transition0 = match_vma(jnp.broadcast_to(jnp.eye(key_dim, dtype=jnp.float32), (batch, heads, key_dim, key_dim)),
-                            terms.transition)
+                            transition)
 
     def fold(carry, chunk):
-        update, transition = carry
-        chunk_transition, chunk_update = chunk
-        return (_einsum("bhkl,bhlv->bhkv", chunk_transition, update) + chunk_update,
-                _einsum("bhkl,bhlm->bhkm", chunk_transition, transition)), None
+        state_update, state_transition = carry
+        return (_einsum("bhkl,bhlv->bhkv", chunk[0], state_update) + chunk[1],
+                _einsum("bhkl,bhlm->bhkm", chunk[0], state_transition)), None
 
-    xs = (jnp.moveaxis(terms.transition, 2, 0), jnp.moveaxis(terms.update, 2, 0))
-    (update, transition), _ = jax.lax.scan(fold, (update0, transition0), xs)
+    (update, transition), _ = jax.lax.scan(fold, (update0, transition0), (transition, update))
     return update, transition
 
 
-class ChunkRestarts(NamedTuple):
-    """Chunks that begin a new sequence from its own initial state (one-device varlen path)."""
-
-    flags: jax.Array  # bool [N]: chunk n starts a sequence
-    index: jax.Array  # int [N]: which initial state it starts from
-    states: jax.Array  # float32 [num_sequences, B, H, K, V]
-
-
-def chunk_start_states(terms: ChunkTerms, incoming: jax.Array,
-                       restarts: ChunkRestarts | None = None) -> tuple[jax.Array, jax.Array]:
-    """State entering each chunk [B, H, N, K, V] and the state after the last chunk [B, H, K, V]."""
-    likes = (terms.transition, terms.update) + (() if restarts is None else (restarts.states,))
-    carry = match_vma(incoming.astype(jnp.float32), *likes)
-    xs = (jnp.moveaxis(terms.transition, 2, 0), jnp.moveaxis(terms.update, 2, 0))
-    if restarts is not None:
-        xs = xs + (restarts.flags, restarts.index)
-
-    def advance(state, chunk):
-        if restarts is not None:
-            state = jnp.where(chunk[2], restarts.states[chunk[3]], state)
-        return _einsum("bhkl,bhlv->bhkv", chunk[0], state) + chunk[1], state
-
-    final, starts = jax.lax.scan(advance, carry, xs)
-    return jnp.moveaxis(starts, 0, 2), final
-
-
 def chunk_outputs(terms: ChunkTerms, states: jax.Array, scale: float) -> jax.Array:
-    """Outputs of every step [B, H, N*C, V] given the state entering each chunk [B, H, N, K, V]."""
+    """Outputs of every slot [NC, B, H, C, V] given the state entering each chunk [NC, B, H, K, V]."""
     new_values = terms.u - _einsum("...ck,...kv->...cv", terms.w, states)
     inter = terms.gate[..., None] * _einsum("...ck,...kv->...cv", terms.q, states)
     intra = _einsum("...ij,...jv->...iv", terms.attention, new_values)
-    out = scale * (inter + intra)
-    return out.reshape(*out.shape[:2], -1, out.shape[-1])
+    return scale * (inter + intra)
 
 
-def token_outputs(step_outputs: jax.Array, tokens: int, num_householder: int) -> jax.Array:
-    """[B, H, >= T*n_h, V] per step -> [B, T, H, V], read on each token's last step."""
-    batch, heads, _, value_dim = step_outputs.shape
-    per_token = step_outputs[:, :, : tokens * num_householder].reshape(batch, heads, tokens, num_householder, value_dim)
-    return jnp.moveaxis(per_token[:, :, :, -1], 1, 2)
+# --------------------------------------------------------------------------- one shard
+
+
+@dataclass(frozen=True)
+class _Shard:
+    """A shard's inputs with its layout: the helpers of prepare and apply."""
+
+    inputs: GDPInputs
+    chunk_size: int
+
+    @property
+    def where(self) -> Placement:
+        return placement(self.inputs, self.chunk_size)
+
+    def summary_form(self, x: jax.Array) -> jax.Array:
+        """[B, H, ...] recurrence coordinates -> the summary's form ([H, ...] for a packed row)."""
+        return x[0] if self.inputs.is_packed else x
+
+    def recurrence_form(self, x: jax.Array) -> jax.Array:
+        return x[None] if self.inputs.is_packed else x
+
+    def entering(self, initial: jax.Array, where: Placement) -> jax.Array:
+        """[N, H, K, V] -> the initial state chunk 0 continues [B, H, K, V]."""
+        return jnp.take(initial, where.chunk_seq[:1], axis=0) if self.inputs.is_packed else initial
+
+    def resets(self, initial: jax.Array | None, where: Placement) -> jax.Array | None:
+        """[N, H, K, V] -> [NC, B, H, K, V]: the state of the sequence starting at chunk c + 1 (else 0)."""
+        if initial is None or not self.inputs.is_packed:
+            return None
+        starting = jnp.take(initial, where.chunk_seq[1:], axis=0) * where.starts[1:, None, None, None]
+        return jnp.concatenate([starting, jnp.zeros_like(initial[:1])], axis=0)[:, None]
+
+    def prepare(self, q, k, v, g, beta, initial):
+        """-> (chunk terms, E, M) in recurrence coordinates; differentiable in every argument."""
+        inputs = GDPInputs(q, k, v, g, beta, self.inputs.scale, self.inputs.num_householder,
+                           self.inputs.use_qk_l2norm_in_kernel, self.inputs.cu_seqlens)
+        where = self.where
+        terms = chunk_terms(*(to_chunks(x, where, self.chunk_size) for x in step_arrays(inputs)))
+        update, transition = fold_summary(terms, where.keep, self.resets(initial, where))
+        return terms, update, transition
+
+    def apply(self, terms: ChunkTerms, incoming: jax.Array, initial):
+        """-> (o float32 [B, T, H, V], final states [N, H, K, V] or None) from the incoming state."""
+        where = self.where
+        states, after = chunk_start_states(terms, self.recurrence_form(incoming), where.keep,
+                                           self.resets(initial, where))
+        per_step = from_chunks(chunk_outputs(terms, states, self.inputs.scale), where)  # [B, S, H, V]
+        batch, tokens = self.inputs.q.shape[:2]
+        n = self.inputs.num_householder
+        output = per_step.reshape(batch, tokens, n, *per_step.shape[2:])[:, :, n - 1]
+        if not self.inputs.output_final_state:
+            return output, None
+        if not self.inputs.is_packed:
+            return output, after
+        start = jnp.zeros(self.inputs.state_shape, jnp.float32) if initial is None else initial
+        last = where.last_chunk  # a sequence ends in its last chunk's end state; an empty one in its start
+        ends = _einsum("nhkl,nhlv->nhkv", terms.transition[last, 0], states[last, 0]) + terms.update[last, 0]
+        return output, jnp.where(where.nonempty[:, None, None, None], ends, start)
 
 
 # --------------------------------------------------------------------------- the CP backend
@@ -351,10 +359,11 @@ def token_outputs(step_outputs: jax.Array, tokens: int, num_householder: int) ->
 
 @dataclass(frozen=True)
 class JaxGDPLocalContext:
-    """What ``cp_forward_apply`` needs: the shard's inputs and its chunk terms."""
+    """What ``cp_forward_apply`` needs: the shard, its chunk terms and its initial states."""
 
-    inputs: JaxGDPInputs
+    shard: _Shard
     terms: ChunkTerms
+    initial: jax.Array | None
 
 
 @dataclass(frozen=True)
@@ -363,33 +372,23 @@ class JaxGDPBackwardContext:
 
     prepare_vjp: Callable[[Any], tuple[jax.Array, ...]]  # cotangents of (terms, E, M) -> input grads
     terms_grad: ChunkTerms
-    incoming: jax.Array  # [B, H, K, V] float32
-    input_dtypes: tuple[Any, ...]
-    is_packed: bool
+    incoming: jax.Array  # summary form, float32
+    initial_grad: jax.Array | None  # from the outputs and final states (apply), [N, H, K, V]
+    incoming_grad: jax.Array  # gamma: d(local loss) / d(incoming state), summary form
+    shard: _Shard
 
 
-def _prepare(inputs: JaxGDPInputs, chunk_size: int) -> tuple[ChunkTerms, jax.Array, jax.Array]:
-    terms = chunk_terms(step_layout(inputs), chunk_size)
-    update, transition = fold_chunk_summaries(terms)
-    return terms, update, transition
+def _initial(inputs: GDPInputs) -> jax.Array | None:
+    if inputs.initial_state is None:
+        return None
+    if tuple(inputs.initial_state.shape) != inputs.state_shape:
+        raise ValueError(f"initial_state must be [N, H, K, V] = {inputs.state_shape}; received "
+                         f"{tuple(inputs.initial_state.shape)}")
+    return inputs.initial_state.astype(jnp.float32)
 
 
-def _apply(terms: ChunkTerms, incoming: jax.Array, inputs: JaxGDPInputs) -> jax.Array:
-    """float32 [B, T, H, V] outputs of the shard from its incoming state [B, H, K, V]."""
-    states, _ = chunk_start_states(terms, incoming)
-    step_outputs = chunk_outputs(terms, states, inputs.scale)
-    return token_outputs(step_outputs, inputs.q.shape[1], inputs.num_householder)
-
-
-def _pack(left: jax.Array, transition_part: jax.Array, is_packed: bool) -> jax.Array:
-    packed = jnp.concatenate([left, transition_part], axis=-1)  # [B, H, K, V + K]
-    return packed[0] if is_packed else packed
-
-
-def _fold_neighbours(stacked, compose, is_packed: bool) -> jax.Array:
-    """Fold stacked neighbour summaries into a state [B, H, K, V] (float32)."""
-    state = compose(stacked).astype(jnp.float32)
-    return state[None] if is_packed else state
+def _stack_count(stacked) -> int:
+    return int(as_packed_array(stacked).shape[0])
 
 
 @dataclass(frozen=True)
@@ -397,55 +396,76 @@ class JaxGDPBackend:
     """The four-function CP protocol (``cp_linear.protocol``) in pure JAX, float32 state.
 
     Runs anywhere XLA does (CPU, GPU), eagerly or under jit and shard_map. Summaries are
-    ``[H, K, V + K]`` for a packed shard (``sequence_starts`` given) and ``[B, H, K, V + K]``
-    otherwise; ``preceding`` / ``following`` are stacks ``[n, ...]`` of them (n ≥ 0).
+    ``[H, K, V + K]`` for a packed shard (``cu_seqlens`` given) and ``[B, H, K, V + K]``
+    otherwise; ``preceding`` / ``following`` are stacks ``[n, ...]`` of them (n >= 0). Supports the
+    sequence states of ``cp_linear.gdp.GDPInputs`` (the one-device op uses them).
     ``chunk_size`` counts interleaved steps; small values only serve tests.
     """
 
-    chunk_size: int = DEFAULT_CHUNK_SIZE
+    chunk_size: int = CHUNK_SIZE
+    supports_sequence_states = True
 
     def __post_init__(self):
         if not isinstance(self.chunk_size, int) or isinstance(self.chunk_size, bool) or self.chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int; received {self.chunk_size!r}")
 
-    def cp_forward_prepare(self, inputs: JaxGDPInputs) -> tuple[CPForwardPackedSummary, JaxGDPLocalContext]:
-        terms, update, transition = _prepare(inputs, self.chunk_size)
-        summary = _pack(update, transition, inputs.is_packed)
-        return CPForwardPackedSummary(summary), JaxGDPLocalContext(inputs, terms)
+    def cp_forward_prepare(self, inputs: GDPInputs) -> tuple[CPForwardPackedSummary, JaxGDPLocalContext]:
+        shard, initial = _Shard(inputs, self.chunk_size), _initial(inputs)
+        terms, update, transition = shard.prepare(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, initial)
+        summary = shard.summary_form(jnp.concatenate([update, transition], axis=-1))
+        return CPForwardPackedSummary(summary), JaxGDPLocalContext(shard, terms, initial)
 
     def cp_forward_apply(self, local_context: JaxGDPLocalContext, preceding) -> CPForwardResult:
-        inputs = local_context.inputs
-        incoming = _fold_neighbours(preceding, compose_forward, inputs.is_packed)
-        output = _apply(local_context.terms, incoming, inputs).astype(inputs.q.dtype)
+        shard, initial = local_context.shard, local_context.initial
+        inputs = shard.inputs
+        start = None if initial is None else shard.summary_form(shard.entering(initial, shard.where))
+        if start is not None and _stack_count(preceding) > 0:
+            raise ValueError("initial_state serves one device (no preceding summaries); under CP the incoming "
+                             "state comes from the preceding ranks")
+        incoming = compose_forward(preceding, start).astype(jnp.float32)
+        output, final = shard.apply(local_context.terms, incoming, initial)
+        output = output.astype(inputs.q.dtype)
         saved = CPSavedContext(
-            tensors=(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.sequence_starts, incoming),
+            tensors=(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.cu_seqlens, incoming, initial),
             metadata={"scale": inputs.scale, "num_householder": inputs.num_householder,
-                      "use_qk_l2norm_in_kernel": inputs.use_qk_l2norm_in_kernel},
-        )
-        return CPForwardResult(output, saved)
+                      "use_qk_l2norm_in_kernel": inputs.use_qk_l2norm_in_kernel,
+                      "output_final_state": inputs.output_final_state})
+        return CPForwardResult((output, final) if inputs.output_final_state else output, saved)
 
-    def cp_backward_prepare(self, output_grad: jax.Array, saved_context: CPSavedContext
+    def cp_backward_prepare(self, output_grad, saved_context: CPSavedContext
                             ) -> tuple[CPBackwardPackedSummary, JaxGDPBackwardContext]:
-        q, k, v, g, beta, sequence_starts, incoming = saved_context.tensors
-        inputs = JaxGDPInputs(q, k, v, g, beta, sequence_starts=sequence_starts, **saved_context.metadata)
-
-        def prepare(*differentiable):
-            fields = dict(zip(("q", "k", "v", "g", "beta"), differentiable))
-            return _prepare(dataclasses.replace(inputs, **fields), self.chunk_size)
-
-        (terms, _, transition), prepare_vjp = jax.vjp(prepare, q, k, v, g, beta)
-        _, apply_vjp = jax.vjp(lambda t, s: _apply(t, s, inputs), terms, incoming)
-        terms_grad, local_state_grad = apply_vjp(output_grad.astype(jnp.float32))
-        summary = _pack(local_state_grad, jnp.swapaxes(transition, -1, -2), inputs.is_packed)
-        context = JaxGDPBackwardContext(prepare_vjp, terms_grad, incoming,
-                                        tuple(x.dtype for x in (q, k, v, g, beta)), inputs.is_packed)
+        q, k, v, g, beta, cu_seqlens, incoming, initial = saved_context.tensors
+        inputs = GDPInputs(q, k, v, g, beta, cu_seqlens=cu_seqlens, initial_state=initial, **saved_context.metadata)
+        shard = _Shard(inputs, self.chunk_size)
+        output_grad, final_grad = output_grad if inputs.output_final_state else (output_grad, None)
+        (terms, _, transition), prepare_vjp = jax.vjp(shard.prepare, q, k, v, g, beta, initial)
+        (output, final), apply_vjp = jax.vjp(lambda t, s, i: shard.apply(t, s, i), terms, incoming, initial)
+        final_cotangent = None if final is None else final_grad.astype(jnp.float32)
+        terms_grad, incoming_grad, initial_grad = apply_vjp((output_grad.astype(jnp.float32), final_cotangent))
+        summary = jnp.concatenate([incoming_grad, shard.summary_form(jnp.swapaxes(transition, -1, -2))], axis=-1)
+        context = JaxGDPBackwardContext(prepare_vjp, terms_grad, incoming, initial_grad, incoming_grad, shard)
         return CPBackwardPackedSummary(summary), context
 
-    def cp_backward_apply(self, backward_context: JaxGDPBackwardContext, following) -> JaxGDPInputGradients:
+    def cp_backward_apply(self, backward_context: JaxGDPBackwardContext, following) -> GDPInputGradients:
         ctx = backward_context
-        outgoing_grad = _fold_neighbours(following, compose_backward, ctx.is_packed)
-        outgoing_grad = match_vma(outgoing_grad, ctx.incoming)
+        shard = ctx.shard
+        inputs = shard.inputs
+        outgoing_grad = match_vma(compose_backward(following).astype(jnp.float32), ctx.incoming)
+        incoming = shard.recurrence_form(ctx.incoming)
+        outgoing = shard.recurrence_form(outgoing_grad)
         # S_out = M S_in + E, so dE = dS_out and dM = dS_out S_in^T.
-        transition_grad = _einsum("bhkv,bhlv->bhkl", outgoing_grad, ctx.incoming)
-        grads = ctx.prepare_vjp((ctx.terms_grad, outgoing_grad, transition_grad))
-        return JaxGDPInputGradients(*(grad.astype(dtype) for grad, dtype in zip(grads, ctx.input_dtypes)))
+        transition_grad = _einsum("bhkv,bhlv->bhkl", outgoing, incoming)
+        *grads, prepare_initial_grad = ctx.prepare_vjp((ctx.terms_grad, outgoing, transition_grad))
+        dtypes = (inputs.q.dtype, inputs.k.dtype, inputs.v.dtype, inputs.g.dtype, inputs.beta.dtype)
+        grads = [grad.astype(dtype) for grad, dtype in zip(grads, dtypes)]
+        if inputs.initial_state is None:
+            return GDPInputGradients(*grads)
+        if _stack_count(following) > 0:
+            raise ValueError("initial_state serves one device (no following summaries)")
+        # the sequence chunk 0 continues starts from the incoming state: gamma is its gradient
+        entering_grad = shard.recurrence_form(ctx.incoming_grad)
+        if inputs.is_packed:
+            entering_grad = jnp.zeros(inputs.state_shape, jnp.float32).at[shard.where.chunk_seq[0]].add(
+                entering_grad[0])
+        initial_grad = ctx.initial_grad + prepare_initial_grad + entering_grad
+        return GDPInputGradients(*grads, initial_grad.astype(inputs.initial_state.dtype))

@@ -12,17 +12,25 @@ tokens [r L, (r+1) L). One all-gather per direction moves the float32 summaries:
               grads     = backend.cp_backward_apply(ctx, [dS_out | 0])
 
 Everything is computed on device inside the traced program: rank r is ``axis_index``, and the
-per-shard metadata (local sequence-start flags, preceding_rank_start, following_rank_stop)
-comes from the replicated ``global_seq_idx`` with static shapes, so one compiled program serves
-every packing. The folds mask ranks outside their range instead of slicing
-(``cp_linear.summary.compose_forward_range``); the backend receives the folded state as one
-summary ``[S | 0]`` (M = 0, E = S), whose fold is S again.
+per-shard metadata (the local ``cu_seqlens``, preceding_rank_start, following_rank_stop) comes
+from the replicated ``global_seq_idx`` with static shapes (``cp_linear.chunking`` and
+``cp_linear.plan``, array-API code shared with the host path), so one compiled program serves every
+packing whose shards hold at most ``max_sequences`` sequences. The folds mask ranks outside their
+range instead of slicing (``cp_linear.summary.compose_forward_range``); the backend receives the
+folded state as one summary ``[S | 0]`` (M = 0, E = S), whose fold is S again.
 
 Worked example: lengths [5, 4, 7], cp = 4 (L = 4)::
 
     token    0 1 2 3 | 4 5 6 7 | 8 9 10 11 | 12 13 14 15
     seq id   0 0 0 0 | 0 1 1 1 | 1 2  2  2 |  2  2  2  2
-    rank 1: starts [0 1 0 0], S_in = fold(ranks [0, 1)), dS_out = fold(ranks [2, 3))
+    rank 1: cu_seqlens [0, 1, 4, 4, 4] (max_sequences 4: two empty sequences at the end),
+            S_in = fold(ranks [0, 1)), dS_out = fold(ranks [2, 3))
+
+``max_sequences`` (static) bounds the sequences of one shard: the chunk layout has
+``(S + 63 N) // 64`` slots for S = L * n_h steps, so a tight bound saves memory. It is read from
+the ids when they are concrete (rounded up to a power of two, so that packings share programs);
+traced ids need it passed, else the bound is L (every token its own sequence), which is always
+correct but makes the chunk buffers up to 64 / n_h times larger.
 """
 
 from __future__ import annotations
@@ -35,8 +43,9 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cp_linear.plan import validate_global_seq_idx
-from cp_linear.protocol import CPSavedContext
+from cp_linear.chunking import cu_seqlens_from_seq_idx, max_shard_sequences
+from cp_linear.gdp import GDPInputs
+from cp_linear.plan import sequence_rank_range, validate_global_seq_idx
 from cp_linear.summary import as_packed_array, compose_backward_range, compose_forward_range
 from cp_linear.validation import (
     GDP_VALUE_CHECKS,
@@ -47,32 +56,13 @@ from cp_linear.validation import (
     nonfinite_rows,
     poison,
     sanitize,
+    sequence_start_index,
 )
 from jax_api._checks import is_concrete, raise_failed_value_checks
-from jax_api.gdp.chunk import JaxGDPBackend, JaxGDPInputs, check_gdp_inputs, host_value_or_none
+from jax_api.gdp.chunk import check_gdp_inputs, host_value_or_none
+from jax_api.gdp.ops import Residuals, gate_or_zeros, resolve_backend
 
 _NONDIFF = ("axis_name", "backend", "scale", "num_householder", "use_qk_l2norm_in_kernel")
-
-
-# --------------------------------------------------------------------------- residuals
-
-
-@jax.tree_util.register_pytree_node_class
-class _Residuals:
-    """A backend's CPSavedContext plus following_rank_stop, as a pytree (metadata as static aux)."""
-
-    def __init__(self, tensors: tuple, metadata: tuple, following_rank_stop):
-        self.tensors, self.metadata, self.following_rank_stop = tensors, metadata, following_rank_stop
-
-    def tree_flatten(self):
-        return (self.tensors, self.following_rank_stop), self.metadata
-
-    @classmethod
-    def tree_unflatten(cls, metadata, children):
-        return cls(children[0], metadata, children[1])
-
-    def saved_context(self) -> CPSavedContext:
-        return CPSavedContext(tensors=tuple(self.tensors), metadata=dict(self.metadata))
 
 
 # --------------------------------------------------------------------------- the custom_vjp core
@@ -85,51 +75,44 @@ def _as_single_summary(state: jax.Array) -> jax.Array:
     return jnp.concatenate([state, zeros], axis=-1)[None]
 
 
-def _inputs(q, k, v, g, beta, sequence_starts, scale, num_householder, use_qk_l2norm_in_kernel) -> JaxGDPInputs:
-    return JaxGDPInputs(q, k, v, g, beta, scale=scale, sequence_starts=sequence_starts,
-                        num_householder=num_householder, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnames=_NONDIFF)
-def _context_parallel(q, k, v, g, beta, sequence_starts, preceding_rank_start, following_rank_stop, trailing_bad,
+def _context_parallel(q, k, v, g, beta, cu_seqlens, preceding_rank_start, following_rank_stop, trailing_bad,
                       axis_name, backend, scale, num_householder, use_qk_l2norm_in_kernel):
     outputs, _ = _context_parallel_fwd(
-        q, k, v, g, beta, sequence_starts, preceding_rank_start, following_rank_stop, trailing_bad,
-        axis_name=axis_name, backend=backend, scale=scale, num_householder=num_householder,
+        q, k, v, g, beta, cu_seqlens, preceding_rank_start, following_rank_stop, trailing_bad, axis_name=axis_name,
+        backend=backend, scale=scale, num_householder=num_householder,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     return outputs
 
 
-def _context_parallel_fwd(q, k, v, g, beta, sequence_starts, preceding_rank_start, following_rank_stop, trailing_bad,
+def _context_parallel_fwd(q, k, v, g, beta, cu_seqlens, preceding_rank_start, following_rank_stop, trailing_bad,
                           axis_name, backend, scale, num_householder, use_qk_l2norm_in_kernel):
     """Returns ((output, incoming_bad), residuals). ``trailing_bad`` bool [B or 1, H]: heads whose
     trailing fragment holds a non-finite input travel as NaN; ``incoming_bad`` (same shape) says
     which heads of the incoming state came in non-finite (they enter the backend as zeros)."""
-    inputs = _inputs(q, k, v, g, beta, sequence_starts, scale, num_householder, use_qk_l2norm_in_kernel)
+    inputs = GDPInputs(q, k, v, g, beta, scale, num_householder, use_qk_l2norm_in_kernel, cu_seqlens)
     summary, local = backend.cp_forward_prepare(inputs)
     packed_summary = as_packed_array(summary)  # [(B,) H, K, V + K]
     marks = trailing_bad.reshape(*trailing_bad.shape[packed_summary.ndim == 3:], 1, 1)
-    packed_summary = poison(packed_summary, marks)
-    gathered = jax.lax.all_gather(packed_summary, axis_name)  # [cp, (B,) H, K, V + K]
+    gathered = jax.lax.all_gather(poison(packed_summary, marks), axis_name)  # [cp, (B,) H, K, V + K]
     rank = jax.lax.axis_index(axis_name)
     incoming = compose_forward_range(gathered, preceding_rank_start, rank)  # [(B,) H, K, V]
     incoming_bad = nonfinite_rows(incoming, 2)
     incoming = jnp.where(incoming_bad[..., None, None], 0.0, incoming)
     output, saved = backend.cp_forward_apply(local, _as_single_summary(incoming))
-    metadata = tuple(sorted(saved.metadata.items()))
     incoming_bad = incoming_bad.reshape(-1, incoming_bad.shape[-1])
-    return (output, incoming_bad), _Residuals(tuple(saved.tensors), metadata, following_rank_stop)
+    return (output, incoming_bad), Residuals.of(saved, following_rank_stop)
 
 
 def _context_parallel_bwd(axis_name, backend, scale, num_householder, use_qk_l2norm_in_kernel,
-                          residuals: _Residuals, cotangents):
+                          residuals: Residuals, cotangents):
     output_grad, _ = cotangents  # incoming_bad is boolean: no cotangent
     summary, context = backend.cp_backward_prepare(output_grad, residuals.saved_context())
     gathered = jax.lax.all_gather(as_packed_array(summary), axis_name)
     rank = jax.lax.axis_index(axis_name)
-    outgoing_grad = compose_backward_range(gathered, rank + 1, residuals.following_rank_stop)
+    outgoing_grad = compose_backward_range(gathered, rank + 1, residuals.extra)
     grads = backend.cp_backward_apply(context, _as_single_summary(outgoing_grad))
-    return (*grads, None, None, None, None)  # sequence flags, rank bounds and poison marks are integer metadata
+    return (*grads[:5], None, None, None, None)  # cu_seqlens, rank bounds and poison marks are integer metadata
 
 
 _context_parallel.defvjp(_context_parallel_fwd, _context_parallel_bwd)
@@ -158,97 +141,104 @@ def _check_seq_idx_shape(global_seq_idx, batch: int, total: int) -> None:
         raise ValueError(f"global_seq_idx describes one packed row: B must be 1; received B = {batch}")
 
 
-def packed_shard_metadata(global_seq_idx: jax.Array, rank, local_len: int):
+def packed_shard_metadata(global_seq_idx: jax.Array, rank, local_len: int, max_sequences: int):
     """Per-shard metadata from the replicated ids int [1, T], on device with static shapes.
 
-    Returns (sequence_starts bool [1, L], preceding_rank_start, following_rank_stop) with the
-    meaning of ``cp_linear.plan.build_packed_sequence_cp_metadata`` (ids are nondecreasing, so
-    the first and last index of a sequence are counts of smaller / not larger ids).
+    Returns (local cu_seqlens int32 [max_sequences + 1], preceding_rank_start, following_rank_stop)
+    with the meaning of ``cp_linear.plan.build_packed_sequence_cp_metadata``; sequences past the
+    shard's last are empty.
     """
     ids = global_seq_idx[0]
     local = jax.lax.dynamic_slice_in_dim(ids, rank * local_len, local_len)
-    starts = jnp.concatenate([jnp.zeros((1,), bool), local[1:] != local[:-1]])[None]
-    first_index = jnp.sum(ids < local[0], dtype=jnp.int32)
-    last_index = jnp.sum(ids <= local[-1], dtype=jnp.int32) - 1
-    return starts, first_index // local_len, last_index // local_len + 1
+    preceding_rank_start, following_rank_stop = sequence_rank_range(ids, rank, local_len)
+    return cu_seqlens_from_seq_idx(local, max_sequences), preceding_rank_start, following_rank_stop
 
 
 def _resolve(q, backend, scale):
-    backend = JaxGDPBackend() if backend is None else backend
-    for method in ("cp_forward_prepare", "cp_forward_apply", "cp_backward_prepare", "cp_backward_apply"):
-        if not callable(getattr(backend, method, None)):
-            raise ValueError(f"backend must implement the four-function CP protocol; "
-                             f"{type(backend).__name__} has no {method}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return backend, scale
+    return resolve_backend(backend), scale
 
 
 # --------------------------------------------------------------------------- public functions
 
 
 def gdp_chunkwise_context_parallel_shard(q, k, v, g, beta, *, axis_name: str = "cp", global_seq_idx=None,
-                                         scale: float | None = None, num_householder: int = 1,
-                                         use_qk_l2norm_in_kernel: bool = False, backend: Any = None):
+                                         max_sequences: int | None = None, scale: float | None = None,
+                                         num_householder: int = 1, use_qk_l2norm_in_kernel: bool = False,
+                                         backend: Any = None):
     """Chunkwise-CP Gated DeltaProduct on one shard: call it *inside* your own ``jax.shard_map``.
 
     q [B, L, H, K], k [B, L*n_h, H, K], v [B, L*n_h, H, V], g [B, L, H], beta [B, L*n_h, H] are
     this rank's contiguous slice of T = L * cp tokens, where cp is the size of mesh axis
     ``axis_name``. ``global_seq_idx``: int [1, T], nondecreasing sequence ids of the whole packed
     row, *replicated* (in_spec ``P()``), with B = 1; None means every batch row is one sequence
-    spanning all ranks. Returns the local output [B, L, H, V] in q's dtype; differentiable
-    (custom_vjp: one all-gather of [gamma | M^T] summaries in the backward).
+    spanning all ranks. ``max_sequences`` (static): at most this many sequences touch one shard
+    (None: L; see the module docstring). g may be None (no gate). Returns the local output
+    [B, L, H, V] in q's dtype; differentiable (custom_vjp: one all-gather of [gamma | M^T]
+    summaries in the backward).
 
-    The ids cannot be checked for monotonicity here (they are traced), nor can values: shapes and
-    sizes are checked; a non-finite input is contained (the outputs that depend on it are NaN, all
-    others exact, on every rank). The global entry point checks concrete ids and values.
+    The ids cannot be checked here (they are traced), nor can values: shapes and sizes are checked;
+    a non-finite input is contained (the outputs that depend on it are NaN, all others exact, on
+    every rank). The global entry point checks concrete ids and values.
     """
     cp_size = _axis_size(axis_name)
+    g = gate_or_zeros(g, q)
     check_gdp_inputs(q, k, v, g, beta, num_householder)
     backend, scale = _resolve(q, backend, scale)
     batch, local_len = q.shape[:2]
     if global_seq_idx is None:
-        sequence_starts = None
+        cu_seqlens = None
         preceding_rank_start, following_rank_stop = jnp.int32(0), jnp.int32(cp_size)
         start = jnp.zeros((local_len,), jnp.int32)
     else:
         _check_seq_idx_shape(global_seq_idx, batch, local_len * cp_size)
+        bound = local_len if max_sequences is None else _check_max_sequences(max_sequences, local_len)
         rank = jax.lax.axis_index(axis_name)
-        sequence_starts, preceding_rank_start, following_rank_stop = packed_shard_metadata(
-            global_seq_idx, rank, local_len)
-        position = jnp.arange(local_len, dtype=jnp.int32)
-        start = jax.lax.cummax(jnp.where(sequence_starts[0], position, 0))
+        cu_seqlens, preceding_rank_start, following_rank_stop = packed_shard_metadata(
+            global_seq_idx, rank, local_len, bound)
+        start = sequence_start_index(cu_seqlens, local_len)
     # containment (cp_linear.validation): sanitised inputs; a poisoned trailing fragment travels as NaN
     state_bad, read_bad = gdp_bad_tokens(q, k, v, g, beta, num_householder)
     trailing_bad = gdp_trailing_bad(state_bad, start)
     q, k, v, g, beta = (sanitize(x) for x in (q, k, v, g, beta))
     output, incoming_bad = _context_parallel(
-        q, k, v, g, beta, sequence_starts, preceding_rank_start, following_rank_stop, trailing_bad,
+        q, k, v, g, beta, cu_seqlens, preceding_rank_start, following_rank_stop, trailing_bad,
         axis_name=axis_name, backend=backend, scale=scale, num_householder=num_householder,
         use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel))
     return poison(output, gdp_token_poison(state_bad, read_bad, start, incoming_bad)[..., None])
 
 
+def _check_max_sequences(max_sequences, local_len: int) -> int:
+    if not isinstance(max_sequences, int) or isinstance(max_sequences, bool) or max_sequences < 1:
+        raise ValueError(f"max_sequences must be a positive int; received {max_sequences!r}")
+    return min(max_sequences, local_len)
+
+
 def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, mesh, axis_name: str = "cp", global_seq_idx=None,
-                                   scale: float | None = None, num_householder: int = 1,
-                                   use_qk_l2norm_in_kernel: bool = False, backend: Any = None,
-                                   check_inputs: bool = True):
+                                   max_sequences: int | None = None, scale: float | None = None,
+                                   num_householder: int = 1, use_qk_l2norm_in_kernel: bool = False,
+                                   backend: Any = None, check_inputs: bool = True):
     """Chunkwise-CP Gated DeltaProduct on *global* arrays split along T over ``mesh[axis_name]``.
 
     q [B, T, H, K], k [B, T*n_h, H, K], v [B, T*n_h, H, V], g [B, T, H], beta [B, T*n_h, H]
     (sharded along T, or placed so here); T divisible by the axis size. ``global_seq_idx``: int
     [1, T] nondecreasing sequence ids (B = 1), replicated; None = each batch row one sequence.
+    ``max_sequences``: at most this many sequences touch one shard (None: read from concrete ids,
+    else L; see the module docstring). g may be None (no gate).
     Returns o [B, T, H, V] in q's dtype, sharded along T like the inputs. Works eagerly and under
-    ``jax.jit`` / ``jax.grad``; the packing is data, so a new ``global_seq_idx`` does not
-    recompile. Other mesh axes see replicated inputs; to shard those too, call
-    ``gdp_chunkwise_context_parallel_shard`` inside your own ``jax.shard_map``.
+    ``jax.jit`` / ``jax.grad``, on meshes with Auto or Explicit axes; the packing is data, so a
+    new ``global_seq_idx`` does not recompile. Other mesh axes see replicated inputs; to shard
+    those too, call ``gdp_chunkwise_context_parallel_shard`` inside your own ``jax.shard_map``.
 
     check_inputs: with concrete (not traced) inputs, NaN/Inf, g > 0 and beta outside [0, 2] raise
     ValueError (one host read). Under ``jax.jit`` only the static checks run (shapes, K ≤ 256,
-    V ≤ 512, T ≥ 1, concrete ids); non-finite values are then contained, as always.
+    V ≤ 512, T ≥ 1, concrete ids); non-finite values are then contained, as always
+    (docs/failure_modes.md).
     """
     if axis_name not in getattr(mesh, "axis_names", ()):
         raise ValueError(f"mesh has no axis {axis_name!r}; its axes are {tuple(getattr(mesh, 'axis_names', ()))}")
     cp_size = mesh.shape[axis_name]
+    g = gate_or_zeros(g, q)
     check_gdp_inputs(q, k, v, g, beta, num_householder)
     backend, scale = _resolve(q, backend, scale)
     batch, tokens = q.shape[:2]
@@ -257,26 +247,30 @@ def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, mesh, axis_name: str = "
     arrays = (q, k, v, g, beta)
     if check_inputs and is_concrete(*arrays):
         raise_failed_value_checks(GDP_VALUE_CHECKS, gdp_value_flags, *arrays, what="gdp_chunkwise_context_parallel")
+    bound = None
     if global_seq_idx is not None:
         _check_seq_idx_shape(global_seq_idx, batch, tokens)
         host_ids = host_value_or_none(global_seq_idx)
         if host_ids is not None:  # concrete ids are checked on the host; traced ones cannot be
-            validate_global_seq_idx(host_ids, cp_size)
+            ids = validate_global_seq_idx(host_ids, cp_size)
+            bound = max_shard_sequences(ids, cp_size)
+        if max_sequences is not None:
+            bound = _check_max_sequences(max_sequences, tokens // cp_size)
         arrays += (global_seq_idx,)
-    program = _global_program(mesh, axis_name, global_seq_idx is not None, scale, num_householder,
+    program = _global_program(mesh, axis_name, global_seq_idx is not None, bound, scale, num_householder,
                               bool(use_qk_l2norm_in_kernel), backend)
     return program(*arrays)
 
 
 @functools.lru_cache(maxsize=64)
-def _global_program(mesh, axis_name: str, packed: bool, scale: float, num_householder: int,
-                    use_qk_l2norm_in_kernel: bool, backend):
+def _global_program(mesh, axis_name: str, packed: bool, max_sequences: int | None, scale: float,
+                    num_householder: int, use_qk_l2norm_in_kernel: bool, backend):
     """jit(place inputs, then shard_map the per-shard function), built once per configuration so
     that eager calls reuse their compiled program too."""
     token_sharding = NamedSharding(mesh, P(None, axis_name))
     replicated = NamedSharding(mesh, P())
     options = dict(axis_name=axis_name, scale=scale, num_householder=num_householder,
-                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, backend=backend)
+                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, backend=backend, max_sequences=max_sequences)
 
     def per_shard(q, k, v, g, beta, *seq_idx):
         return gdp_chunkwise_context_parallel_shard(

@@ -18,16 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cp_linear.reference import L2NORM_EPS, check_gdp_shapes
-
-
-def l2norm(x: jax.Array) -> jax.Array:
-    """x / sqrt(sum(x^2) + 1e-6) over the last axis."""
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
+from cp_linear.gdp import check_gdp_shapes, cu_seqlens_error
+from jax_api.gdp.chunk import l2norm
 
 
 def naive_gated_delta_product(q, k, v, g, beta, *, scale=None, num_householder=1, cu_seqlens=None,
-                              initial_state=None, use_qk_l2norm=False):
+                              initial_state=None, use_qk_l2norm_in_kernel=False):
     """The recurrence with host ``cu_seqlens`` (int [N + 1], B = 1) or None (each row a sequence).
 
     initial_state [N, H, K, V] (N = B without cu_seqlens), zeros when None.
@@ -37,19 +33,20 @@ def naive_gated_delta_product(q, k, v, g, beta, *, scale=None, num_householder=1
     sequence_index = None
     if cu_seqlens is not None:
         cu = np.asarray(cu_seqlens, np.int64)
-        if batch != 1 or cu.ndim != 1 or cu[0] != 0 or cu[-1] != tokens or np.any(np.diff(cu) <= 0):
-            raise ValueError(f"cu_seqlens must rise strictly from 0 to T = {tokens} with B = 1; received "
-                             f"{cu.tolist()} with B = {batch}")
+        error = cu_seqlens_error(cu.reshape(-1).tolist(), tokens) if batch == 1 and cu.ndim == 1 else \
+            f"cu_seqlens [N + 1] needs B = 1; received shape {cu.shape} with B = {batch}"
+        if error:
+            raise ValueError(error)
         sequence_index = jnp.asarray(np.repeat(np.arange(cu.shape[0] - 1), np.diff(cu)), jnp.int32)
     if initial_state is None:
         count = batch if cu_seqlens is None else len(cu_seqlens) - 1
         initial_state = jnp.zeros((count, q.shape[2], q.shape[3], v.shape[3]), q.dtype)
     return naive_recurrence(q, k, v, g, beta, sequence_index, initial_state, scale=scale,
-                            num_householder=num_householder, use_qk_l2norm=use_qk_l2norm)
+                            num_householder=num_householder, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
 
 def naive_recurrence(q, k, v, g, beta, sequence_index, initial_state, *, scale=None, num_householder=1,
-                     use_qk_l2norm=False):
+                     use_qk_l2norm_in_kernel=False):
     """One ``lax.scan`` over tokens; the packing is data, so jit it once for many packings.
 
     sequence_index: int [T], the 0-based sequence number of each token (B = 1, nondecreasing,
@@ -61,7 +58,7 @@ def naive_recurrence(q, k, v, g, beta, sequence_index, initial_state, *, scale=N
     value_dim = v.shape[-1]
     n = num_householder
     scale = key_dim**-0.5 if scale is None else scale
-    if use_qk_l2norm:
+    if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     packed = sequence_index is not None
     if packed and batch != 1:
@@ -95,5 +92,6 @@ def naive_recurrence(q, k, v, g, beta, sequence_index, initial_state, *, scale=N
     beta = beta.reshape(batch, tokens, n, heads)
     tokens_major = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g.astype(q.dtype), beta.astype(q.dtype)))
     first = jnp.zeros((batch, heads, key_dim, value_dim), q.dtype) if packed else initial_state
-    (_, final), out = jax.lax.scan(step, (first, jnp.zeros_like(initial_state)), (*tokens_major, *per_token))
+    # an empty sequence (no token) keeps its initial state as its final state
+    (_, final), out = jax.lax.scan(step, (first, initial_state), (*tokens_major, *per_token))
     return jnp.moveaxis(out, 0, 1), final

@@ -1,27 +1,29 @@
 """One-device Gated DeltaProduct in JAX: ``gated_delta_product`` -> (o, final_state), differentiable.
 
-Mirrors ``cp_linear.reference.naive_gated_delta_product`` (naive form: ``jax_api.gdp.naive``),
-computed by the chunked WY/UT algorithm of ``jax_api.gdp.chunk`` and differentiated by JAX.
+Mirrors ``cp_linear.reference.naive_gated_delta_product`` (naive form: ``jax_api.gdp.naive``) and
+the torch op ``torch_api.gated_delta_product``. It runs through the backend's four functions
+(``cp_linear.protocol``) with empty neighbour stacks, inside a ``custom_vjp``: the inputs carry the
+per-sequence initial states and ask for the final states (``cp_linear.gdp.GDPInputs``).
 
-A packed batch (``cu_seqlens`` or ``seq_idx``) is laid out so that every sequence starts on a
-chunk boundary: each chunk then holds one sequence, a sequence starts from its own initial
-state, and its final state is the state after its last chunk. The layout is computed on device
-with a static bound on the number of chunks (``S // C + N`` for S steps, N sequences), so new
-lengths with the same N reuse the compiled program::
-
-    steps     a a a a a b b | c c c c c c c c c c        (C = 4)
-    chunks    [a a a a][a . . .][b b . .][c c c c][c c c c][c c . .]
+A packed batch (``cu_seqlens`` or ``seq_idx``) is laid out by ``cp_linear.chunking``: every
+sequence starts a chunk, and the number of chunk slots is a static bound of T and N, so new
+lengths with the same N reuse the compiled program.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cp_linear.chunking import cu_seqlens_from_seq_idx
+from cp_linear.gdp import GDPInputs, cu_seqlens_error
 from cp_linear.plan import validate_global_seq_idx
+from cp_linear.protocol import CPSavedContext
+from cp_linear.summary import as_packed_array
 from cp_linear.validation import (
     GDP_VALUE_CHECKS,
     NONFINITE,
@@ -35,23 +37,94 @@ from cp_linear.validation import (
     sequence_start_index,
 )
 from jax_api._checks import is_concrete, raise_failed_value_checks
-from jax_api.gdp.chunk import (
-    ChunkRestarts,
-    JaxGDPBackend,
-    JaxGDPInputs,
-    StepInputs,
-    check_gdp_inputs,
-    host_value_or_none,
-    chunk_outputs,
-    chunk_start_states,
-    chunk_terms,
-    step_layout,
-    token_outputs,
-)
+from jax_api.gdp.chunk import JaxGDPBackend, check_gdp_inputs, host_value_or_none
+
+_PROTOCOL = ("cp_forward_prepare", "cp_forward_apply", "cp_backward_prepare", "cp_backward_apply")
 
 
-def _packed_lengths(cu_seqlens, seq_idx, tokens: int, initial_state) -> jax.Array:
-    """Lengths int32 [N] of the packed sequences (N static), validating concrete descriptions."""
+def resolve_backend(backend, *, sequence_states: bool = False):
+    """``backend`` (``JaxGDPBackend()`` when None), checked for the four functions (and, for the
+    one-device op, the sequence states of ``cp_linear.gdp.GDPInputs``)."""
+    backend = JaxGDPBackend() if backend is None else backend
+    for method in _PROTOCOL:
+        if not callable(getattr(backend, method, None)):
+            raise ValueError(f"backend must implement the four-function CP protocol; "
+                             f"{type(backend).__name__} has no {method}")
+    if sequence_states and not getattr(backend, "supports_sequence_states", False):
+        raise ValueError(f"the one-device op needs a backend with initial and final sequence states "
+                         f"(cp_linear.gdp.GDPInputs); {type(backend).__name__} does not declare supports_sequence_states")
+    return backend
+
+
+def gate_or_zeros(g, q) -> jax.Array:
+    """``g`` as given, or zeros [B, T, H] float32 for no gate (``g=None``, as in flash-linear-attention)."""
+    return jnp.zeros(q.shape[:3], jnp.float32) if g is None else g
+
+
+@jax.tree_util.register_pytree_node_class
+class Residuals:
+    """A backend's CPSavedContext plus extra arrays, as a pytree (metadata as static aux)."""
+
+    def __init__(self, tensors: tuple, metadata: tuple, extra=()):
+        self.tensors, self.metadata, self.extra = tensors, metadata, extra
+
+    @classmethod
+    def of(cls, saved: CPSavedContext, extra=()) -> "Residuals":
+        return cls(tuple(saved.tensors), tuple(sorted(saved.metadata.items())), extra)
+
+    def tree_flatten(self):
+        return (self.tensors, self.extra), self.metadata
+
+    @classmethod
+    def tree_unflatten(cls, metadata, children):
+        return cls(children[0], metadata, children[1])
+
+    def saved_context(self) -> CPSavedContext:
+        return CPSavedContext(tensors=tuple(self.tensors), metadata=dict(self.metadata))
+
+
+def empty_stack(summary) -> jax.Array:
+    """[0, ...] neighbour summaries shaped like ``summary`` (no rank before or after)."""
+    packed = as_packed_array(summary)
+    return jnp.zeros((0, *packed.shape), packed.dtype)
+
+
+# --------------------------------------------------------------------------- the custom_vjp
+
+_NONDIFF = ("backend", "scale", "num_householder", "use_qk_l2norm_in_kernel")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnames=_NONDIFF)
+def _one_device(q, k, v, g, beta, cu_seqlens, initial_state, backend, scale, num_householder,
+                use_qk_l2norm_in_kernel):
+    outputs, _ = _one_device_fwd(q, k, v, g, beta, cu_seqlens, initial_state, backend=backend, scale=scale,
+                                 num_householder=num_householder, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return outputs
+
+
+def _one_device_fwd(q, k, v, g, beta, cu_seqlens, initial_state, backend, scale, num_householder,
+                    use_qk_l2norm_in_kernel):
+    inputs = GDPInputs(q, k, v, g, beta, scale, num_householder, use_qk_l2norm_in_kernel, cu_seqlens,
+                       initial_state, output_final_state=True)
+    summary, local = backend.cp_forward_prepare(inputs)
+    (output, final_state), saved = backend.cp_forward_apply(local, empty_stack(summary))
+    return (output, final_state), Residuals.of(saved)
+
+
+def _one_device_bwd(backend, scale, num_householder, use_qk_l2norm_in_kernel, residuals: Residuals, cotangents):
+    summary, context = backend.cp_backward_prepare(cotangents, residuals.saved_context())
+    grads = backend.cp_backward_apply(context, empty_stack(summary))
+    return (*grads[:5], None, grads.dinitial_state)  # cu_seqlens: integer metadata
+
+
+_one_device.defvjp(_one_device_fwd, _one_device_bwd)
+
+
+# --------------------------------------------------------------------------- the public op
+
+
+def _packed_cu_seqlens(cu_seqlens, seq_idx, tokens: int, initial_state) -> jax.Array:
+    """int32 [N + 1] token offsets of the packed sequences (N static), validating concrete values."""
     if cu_seqlens is not None and seq_idx is not None:
         raise ValueError("pass cu_seqlens or seq_idx, not both")
     if cu_seqlens is not None:
@@ -63,10 +136,10 @@ def _packed_lengths(cu_seqlens, seq_idx, tokens: int, initial_state) -> jax.Arra
         if not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
             raise ValueError(f"cu_seqlens must hold integers; received dtype {cu_seqlens.dtype}")
         cu = host_value_or_none(cu_seqlens)
-        if cu is not None and (cu[0] != 0 or cu[-1] != tokens or np.any(np.diff(cu) <= 0)):
-            raise ValueError(f"cu_seqlens must rise strictly from 0 to T = {tokens}; received {cu.tolist()}")
-        cu = jnp.asarray(cu_seqlens, jnp.int32)
-        return cu[1:] - cu[:-1]
+        error = None if cu is None else cu_seqlens_error(cu.tolist(), tokens)
+        if error:
+            raise ValueError(error)
+        return jnp.asarray(cu_seqlens, jnp.int32)
     if tuple(getattr(seq_idx, "shape", ())) != (1, tokens):
         raise ValueError(f"seq_idx must have shape [1, T] = (1, {tokens}); received "
                          f"{tuple(getattr(seq_idx, 'shape', ()))}")
@@ -79,36 +152,7 @@ def _packed_lengths(cu_seqlens, seq_idx, tokens: int, initial_state) -> jax.Arra
     else:
         raise ValueError("a traced seq_idx does not fix the number of sequences N: pass cu_seqlens, a concrete "
                          "seq_idx, or initial_state [N, H, K, V]")
-    ids = jnp.asarray(seq_idx)[0]
-    run = jnp.cumsum(jnp.concatenate([jnp.zeros((1,), jnp.int32), (ids[1:] != ids[:-1]).astype(jnp.int32)]))
-    return jax.ops.segment_sum(jnp.ones((tokens,), jnp.int32), run, num_segments=count)
-
-
-def _one_sequence_per_chunk(steps: StepInputs, lengths: jax.Array, num_householder: int, chunk_size: int):
-    """Gather the steps into a buffer where each sequence starts a chunk.
-
-    Returns (buffered steps, destination of every step [S], first chunk [N], last chunk [N]).
-    """
-    num_steps = steps.k.shape[2]
-    count = lengths.shape[0]
-    step_lengths = lengths * num_householder
-    chunks = -(-step_lengths // chunk_size)
-    first_chunk = jnp.cumsum(chunks) - chunks
-    first_step = jnp.cumsum(step_lengths) - step_lengths
-    sequence_of_step = jnp.searchsorted(jnp.cumsum(step_lengths), jnp.arange(num_steps), side="right")
-    sequence_of_step = jnp.minimum(sequence_of_step, count - 1)
-    destination = first_chunk[sequence_of_step] * chunk_size + jnp.arange(num_steps) - first_step[sequence_of_step]
-    buffer_chunks = min(num_steps, num_steps // chunk_size + count)
-    # slot -> source step; slots past a sequence's end read a zero (identity) step
-    source = jnp.full((buffer_chunks * chunk_size,), num_steps, jnp.int32).at[destination].set(
-        jnp.arange(num_steps, dtype=jnp.int32), unique_indices=True)
-
-    def gather(x):
-        padded = jnp.concatenate([x, jnp.zeros_like(x[:, :, :1])], axis=2)
-        return jnp.take(padded, source, axis=2)
-
-    buffered = StepInputs(*(gather(x) for x in steps[:5]), resets=None)
-    return buffered, destination, first_chunk, first_chunk + chunks - 1
+    return cu_seqlens_from_seq_idx(jnp.asarray(seq_idx)[0], count)
 
 
 _INITIAL_STATE_CHECK = (("initial_state", NONFINITE + " in initial_state"),)
@@ -124,33 +168,33 @@ def _value_flags(q, k, v, g, beta, initial_state=None):
 def gated_delta_product(q, k, v, g, beta, *, scale: float | None = None, num_householder: int = 1,
                         cu_seqlens=None, seq_idx=None, initial_state=None, use_qk_l2norm_in_kernel: bool = False,
                         backend: Any = None, check_inputs: bool = True):
-    """Gated DeltaProduct on one device (DESIGN.md §2).
+    """Gated DeltaProduct on one device (DESIGN.md §2 in docs/design.md), differentiable.
 
-    q [B, T, H, K], k [B, T*n_h, H, K], v [B, T*n_h, H, V], g [B, T, H], beta [B, T*n_h, H].
-    Packed batch (B = 1): ``cu_seqlens`` int [N + 1] or ``seq_idx`` int [1, T] (nondecreasing
-    ids; a traced one needs ``initial_state`` to fix N); otherwise each row is one sequence
-    (N = B). initial_state [N, H, K, V] (zeros when None).
-    Returns (o [B, T, H, V] in q's dtype, final_state float32 [N, H, K, V]). ``backend``: a
-    ``JaxGDPBackend`` (its ``chunk_size`` is used); None means ``JaxGDPBackend()``. K ≤ 256, V ≤ 512.
+    q [B, T, H, K], k [B, T*n_h, H, K], v [B, T*n_h, H, V], g [B, T, H] (log decay; None = no
+    gate), beta [B, T*n_h, H]. Packed batch (B = 1): ``cu_seqlens`` int [N + 1], nondecreasing
+    (empty sequences keep their initial state), or ``seq_idx`` int [1, T] (nondecreasing ids; a
+    traced one needs ``initial_state`` to fix N); otherwise each row is one sequence (N = B).
+    initial_state [N, H, K, V] (zeros when None).
+    Returns (o [B, T, H, V] in q's dtype, final_state float32 [N, H, K, V]). ``backend``: any
+    backend of the four-function protocol with sequence states; None means ``JaxGDPBackend()``.
+    K ≤ 256, V ≤ 512.
 
     check_inputs: with concrete (not traced) inputs, NaN/Inf (inputs, initial_state), g > 0 and
     beta outside [0, 2] raise ValueError (one host read). Traced inputs cannot be read; there, as
     with False, non-finite values are contained: the outputs and final states that depend on them
-    are NaN and the rest exact (always on: bitwise no-op for finite inputs).
+    are NaN and the rest exact (always on: bitwise no-op for finite inputs; docs/failure_modes.md).
     """
+    g = gate_or_zeros(g, q)
     check_gdp_inputs(q, k, v, g, beta, num_householder)
-    backend = JaxGDPBackend() if backend is None else backend
-    if not isinstance(backend, JaxGDPBackend):
-        raise ValueError(f"the one-device op runs the pure-JAX algorithm: backend must be a JaxGDPBackend; "
-                         f"received {type(backend).__name__}")
+    backend = resolve_backend(backend, sequence_states=True)
     batch, tokens, heads, key_dim = q.shape
     value_dim = v.shape[-1]
     scale = key_dim**-0.5 if scale is None else float(scale)
     packed = cu_seqlens is not None or seq_idx is not None
     if packed and batch != 1:
         raise ValueError(f"cu_seqlens / seq_idx describe one packed row: B must be 1; received B = {batch}")
-    lengths = _packed_lengths(cu_seqlens, seq_idx, tokens, initial_state) if packed else None
-    count = lengths.shape[0] if packed else batch
+    cu = _packed_cu_seqlens(cu_seqlens, seq_idx, tokens, initial_state) if packed else None
+    count = cu.shape[0] - 1 if packed else batch
     if initial_state is not None and tuple(initial_state.shape) != (count, heads, key_dim, value_dim):
         raise ValueError(f"initial_state must be [N, H, K, V] = {(count, heads, key_dim, value_dim)}; "
                          f"received {tuple(initial_state.shape)}")
@@ -161,7 +205,6 @@ def gated_delta_product(q, k, v, g, beta, *, scale: float | None = None, num_hou
     # containment (cp_linear.validation): sanitised inputs, NaN by selection where an output depends on one
     q, k, v, g, beta = (jnp.asarray(x) for x in (q, k, v, g, beta))
     state_bad, read_bad = gdp_bad_tokens(q, k, v, g, beta, num_householder)
-    cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths)]) if packed else None
     start = sequence_start_index(cu, tokens) if packed else jnp.zeros((tokens,), jnp.int32)
     poisoned = gdp_token_poison(state_bad, read_bad, start)
     final_bad = gdp_sequence_bad(state_bad, cu)
@@ -175,38 +218,10 @@ def gated_delta_product(q, k, v, g, beta, *, scale: float | None = None, num_hou
         poisoned = poisoned | (initial_bad[sequence][None] if packed else initial_bad[:, None, :])
         initial_state = sanitize(initial_state)
     q, k, v, g, beta = (sanitize(x) for x in (q, k, v, g, beta))
-    output, final_state = _gated_delta_product(q, k, v, g, beta, lengths, initial_state.astype(jnp.float32), scale,
-                                               num_householder, bool(use_qk_l2norm_in_kernel), backend)
+    output, final_state = _one_device(q, k, v, g, beta, cu, initial_state, backend=backend, scale=scale,
+                                      num_householder=num_householder,
+                                      use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel))
     return poison(output, poisoned[..., None]), poison(final_state, final_bad[..., None, None])
 
 
-def _gated_delta_product(q, k, v, g, beta, lengths, initial_state, scale, num_householder, use_qk_l2norm_in_kernel,
-                         backend):
-    tokens = q.shape[1]
-    packed = lengths is not None
-    count = lengths.shape[0] if packed else q.shape[0]
-    inputs = JaxGDPInputs(q, k, v, g, beta, scale=scale, num_householder=num_householder,
-                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    steps = step_layout(inputs)
-    if not packed:
-        terms = chunk_terms(steps, backend.chunk_size)
-        states, final_state = chunk_start_states(terms, initial_state)
-        output = token_outputs(chunk_outputs(terms, states, scale), tokens, num_householder)
-        return output.astype(q.dtype), final_state
-
-    buffered, destination, first_chunk, last_chunk = _one_sequence_per_chunk(
-        steps, lengths, num_householder, backend.chunk_size)
-    terms = chunk_terms(buffered, backend.chunk_size)
-    num_chunks = terms.update.shape[2]
-    restarts = ChunkRestarts(
-        flags=jnp.zeros((num_chunks,), bool).at[first_chunk].set(True),
-        index=jnp.zeros((num_chunks,), jnp.int32).at[first_chunk].set(jnp.arange(count, dtype=jnp.int32)),
-        states=initial_state[:, None],
-    )
-    states, _ = chunk_start_states(terms, jnp.zeros_like(initial_state[:1]), restarts)
-    step_outputs = jnp.take(chunk_outputs(terms, states, scale), destination, axis=2)
-    output = token_outputs(step_outputs, tokens, num_householder)
-    # final state of a sequence: its last chunk applied to the state entering that chunk
-    ends = jnp.einsum("hnkl,hnlv->nhkv", terms.transition[0][:, last_chunk], states[0][:, last_chunk],
-                      precision=jax.lax.Precision.HIGHEST) + jnp.moveaxis(terms.update[0][:, last_chunk], 1, 0)
-    return output.astype(q.dtype), ends
+__all__ = ["Residuals", "empty_stack", "gate_or_zeros", "gated_delta_product", "resolve_backend"]

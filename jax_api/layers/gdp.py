@@ -102,7 +102,7 @@ class GatedDeltaProduct(nnx.Module):
 
             o = gdp_chunkwise_context_parallel_shard(
                 q, k, v, g, beta, axis_name=axis_name, global_seq_idx=layout.seq_idx if layout.packed else None,
-                **options)
+                max_sequences=layout.max_shard_sequences, **options)
         else:
             from jax_api.gdp.ops import gated_delta_product
 

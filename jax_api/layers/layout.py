@@ -9,6 +9,8 @@ part by ``lax.axis_index``, so one compiled program serves every packing of the 
     doc_ids     int32 [T]     attention documents, 0 = padding
     position    int32 [T]     index within the sequence (conv reach, RoPE angle)
     attention_plan            ``BlockDiagExchangePlan`` for the attention exchange (CP only)
+    max_shard_sequences       static bound on the GDP sequences of one shard (CP only): sizes the
+                              chunk layout (``cp_linear.chunking.max_shard_sequences``)
 
 ``cp_linear.packing.PackedLayout`` (numpy, shared with torch) derives the arrays.
 """
@@ -21,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cp_linear.chunking import max_shard_sequences
 from cp_linear.packing import PackedLayout, layout_from_ids
 
 
@@ -39,6 +42,7 @@ class TokenLayout:
     packed: bool = True
     cp_size: int = 1
     cu_seqlens: jax.Array | None = None
+    max_shard_sequences: int | None = None
 
     @property
     def total_len(self) -> int:
@@ -58,13 +62,15 @@ class TokenLayout:
 
 jax.tree_util.register_dataclass(TokenLayout,
                                  data_fields=["seq_idx", "doc_ids", "position", "attention_plan", "cu_seqlens"],
-                                 meta_fields=["packed", "cp_size"])
+                                 meta_fields=["packed", "cp_size", "max_shard_sequences"])
 
 
 def layout_from_packed(packed: PackedLayout, *, cp_size: int = 1, attention_mode: str = "auto",
-                       platform: str | None = None, min_halo_len: int = 0) -> TokenLayout:
+                       platform: str | None = None, min_halo_len: int = 0, min_shard_sequences: int = 1) -> TokenLayout:
     packed.check_cp_size(cp_size)
-    plan = None
+    plan = bound = None
+    if cp_size > 1 and packed.packed:
+        bound = max_shard_sequences(packed.seq_idx, cp_size, floor=min_shard_sequences)
     if cp_size > 1:
         from jax_api.attention.blockdiag import plan_blockdiag_exchange
 
@@ -77,11 +83,13 @@ def layout_from_packed(packed: PackedLayout, *, cp_size: int = 1, attention_mode
     return TokenLayout(seq_idx=jnp.asarray(packed.seq_idx.reshape(1, -1), jnp.int32),
                        doc_ids=jnp.asarray(packed.doc_ids, jnp.int32),
                        position=jnp.asarray(packed.position, jnp.int32),
-                       attention_plan=plan, packed=packed.packed, cp_size=int(cp_size), cu_seqlens=cu)
+                       attention_plan=plan, packed=packed.packed, cp_size=int(cp_size), cu_seqlens=cu,
+                       max_shard_sequences=bound)
 
 
 def build_layout(*, total_len: int, doc_ids=None, seq_idx=None, cu_seqlens=None, cp_size: int = 1,
-                 attention_mode: str = "auto", platform: str | None = None, min_halo_len: int = 0) -> TokenLayout:
+                 attention_mode: str = "auto", platform: str | None = None, min_halo_len: int = 0,
+                 min_shard_sequences: int = 1) -> TokenLayout:
     """A ``TokenLayout`` from concrete *global* ids (host-read; call outside ``jax.jit``).
 
     At most one of ``doc_ids`` (int [T], 0 = padding), ``seq_idx`` (int [1, T] nondecreasing),
@@ -92,6 +100,8 @@ def build_layout(*, total_len: int, doc_ids=None, seq_idx=None, cu_seqlens=None,
     The attention plan's exchange sizes are static (``jax.jit`` recompiles when they change).
     ``min_halo_len`` pads a halo plan to at least that many tokens: when documents are shorter
     than it, every packing then shares one compiled program (the examples use this).
+    Likewise the GDP chunk layout is sized for the most sequences a shard holds, rounded up to a
+    power of two and at least ``min_shard_sequences``.
     """
     for name, value in (("doc_ids", doc_ids), ("seq_idx", seq_idx), ("cu_seqlens", cu_seqlens)):
         if isinstance(value, jax.core.Tracer):
@@ -100,7 +110,7 @@ def build_layout(*, total_len: int, doc_ids=None, seq_idx=None, cu_seqlens=None,
             for name, value in (("doc_ids", doc_ids), ("seq_idx", seq_idx), ("cu_seqlens", cu_seqlens))}
     packed = layout_from_ids(total_len=total_len, **host)
     return layout_from_packed(packed, cp_size=cp_size, attention_mode=attention_mode, platform=platform,
-                              min_halo_len=min_halo_len)
+                              min_halo_len=min_halo_len, min_shard_sequences=min_shard_sequences)
 
 
 def resolve_layout(x, *, layout, axis_name, doc_ids=None, seq_idx=None, cu_seqlens=None) -> TokenLayout:

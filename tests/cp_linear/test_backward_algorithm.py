@@ -32,7 +32,7 @@ def test_forward_matches_the_reference_recurrence(n_h, use_l2):
                                    initial_state=initial)
     ref_o, ref_final = naive_gated_delta_product(*(x.numpy()[None] for x in (q, k, v, g, beta)), scale=0.3,
                                                  num_householder=n_h, initial_state=initial.numpy()[None],
-                                                 use_qk_l2norm=use_l2)
+                                                 use_qk_l2norm_in_kernel=use_l2)
     assert rel_err(o.numpy(), ref_o[0]) < 1e-12
     assert rel_err(final.numpy(), ref_final[0]) < 1e-12
 

@@ -2,9 +2,10 @@
 
 Compiles through the CLI (``python -m cp_linear.kernels --compile --arch sm_90a
 --check-tensor-cores --ci``) in a fresh process, two compile processes at a time, and checks that
-every CI config (``configs.ci_configs``: all bfloat16 forward configs, the bfloat16 backward ones at
-K = V) is listed as compiled and that the tensor-core kernels' PTX holds ``mma`` instructions. The
-configs left out differ only in element types and extents; ``./dev compile`` compiles all of them.
+every CI config (``configs.ci_configs``: each bfloat16 kernel variant at K = V = 128 and each kernel
+once at K = 64) is listed as compiled and that the tensor-core kernels' PTX holds ``mma``
+instructions. The configs left out differ only in element types and extents; ``./dev compile``
+compiles all of them.
 """
 
 from __future__ import annotations

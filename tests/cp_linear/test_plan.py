@@ -4,7 +4,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cp_linear import build_blockdiag_plan, build_packed_sequence_cp_metadata, exchange_bytes, needed_kv_a2a_splits
-from cp_linear.plan import exchange_tokens_received
+from cp_linear.plan import (
+    exchange_routing,
+    exchange_shape,
+    exchange_tokens_received,
+    ragged_routing,
+    resolve_exchange_mode,
+)
 
 
 def seq_idx_from_lengths(lengths):
@@ -173,6 +179,54 @@ def test_exchange_volume_counts_the_tokens_each_mode_moves():
     per_token = 2 * 2 * 2 * 8 * 2  # K and V, batch 2, 2 heads, dim 8, 2 bytes
     sizes = exchange_bytes(plan, "a2a", batch=2, kv_heads=2, head_dim=8, itemsize=2)
     assert sizes == {"total": 6 * per_token, "max_per_rank": 3 * per_token}
+
+
+# T = 16, cp 4, L = 4: document 2 runs over tokens 5..14 (rank 3 needs it from rank 1: back 7 > L)
+SPANS_THREE = np.array([1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 0])
+
+
+def test_auto_resolves_to_halo_when_straddles_fit_else_a2a_and_forced_halo_names_the_rank():
+    fits = build_blockdiag_plan(np.array([1, 1, 1, 2, 2, 2, 2, 2]), 2)
+    assert resolve_exchange_mode("auto", fits) == "halo" and resolve_exchange_mode("allgather", fits) == "allgather"
+    spans = build_blockdiag_plan(SPANS_THREE, 4)
+    assert resolve_exchange_mode("auto", spans) == "a2a"
+    with pytest.raises(ValueError, match="rank 3's first document starts 7 tokens before its shard"):
+        resolve_exchange_mode("halo", spans)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        resolve_exchange_mode("ring", spans)
+
+
+@pytest.mark.parametrize("mode", ["allgather", "halo", "a2a"])
+def test_routing_window_covers_exactly_the_keys_each_rank_attends_to(mode):
+    doc_ids = np.array([1, 1, 1, 2, 2, 2, 2, 2, 0, 3, 3, 3])  # L = 4 over cp 3: every straddle fits
+    plan = build_blockdiag_plan(doc_ids, 3)
+    for rank in range(3):
+        routing = exchange_routing(plan, mode, rank)
+        window_len = {"allgather": 12, "halo": plan.halo_len + 4, "a2a": plan.needed_len(rank)}[mode]
+        window = range(routing.window_start, routing.window_start + window_len)  # global positions received
+        assert routing.mode == mode and (routing.key_start, routing.key_stop) == (plan.s_first[rank],
+                                                                                 plan.real_end[rank])
+        assert routing.key_start in window or routing.key_start == routing.key_stop
+        assert routing.key_stop - 1 in window or routing.key_start == routing.key_stop
+
+
+def test_ragged_tables_deliver_each_rank_exactly_its_needed_range():
+    plan = build_blockdiag_plan(SPANS_THREE, 4)
+    shape = exchange_shape(plan, "a2a", a2a_impl="ragged", bucket=True)
+    assert shape.recv_len >= max(plan.back) and shape.recv_len & (shape.recv_len - 1) == 0  # a power of two
+    send_index, input_offsets, send_sizes, output_offsets, recv_sizes = ragged_routing(plan, shape)
+    length = plan.local_len
+    for dst in range(4):  # run the ragged all-to-all on the host with global positions as payload
+        buffer = np.full(shape.recv_len, -1)
+        for src in range(4):
+            sent = send_index[src, input_offsets[src, dst]:input_offsets[src, dst] + send_sizes[src, dst]] + src * length
+            buffer[output_offsets[src, dst]:output_offsets[src, dst] + send_sizes[src, dst]] = sent
+        assert recv_sizes[dst].sum() == plan.back[dst] and list(buffer[buffer >= 0]) == list(
+            range(plan.s_first[dst], dst * length))
+    assert exchange_tokens_received(plan, shape) == [int(row.sum()) for row in recv_sizes]
+    ppermute = exchange_shape(plan, "a2a", a2a_impl="ppermute")
+    assert ppermute.piece_lens == (4, 3, 0)  # distance 1: a whole shard; 2: rank 3 needs rank 1's last 3
+    assert exchange_tokens_received(plan, ppermute) == [0, 4, 7, 7]  # every distance sends in full
 
 
 @pytest.mark.parametrize(

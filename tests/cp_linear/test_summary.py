@@ -2,6 +2,9 @@ import numpy as np
 import pytest
 
 import cp_linear.summary as S
+from tests.tolerance import assert_close, magnitude_cancellation, summary_length, tolerance
+
+HEADS, KEY_DIM, VALUE_DIM = 2, 4, 3
 
 
 def random_summary(rng, heads=2, key_dim=4, value_dim=3, lead=()):
@@ -15,12 +18,22 @@ def apply_seq(summaries, state):
     return state
 
 
+def fold_tolerance(stacked, state=None, *, compared_with="exact"):
+    """float32 bound of folding ``stacked`` summaries (their length and the cancellation of the fold)."""
+    state = np.zeros(stacked.shape[1:-1] + (VALUE_DIM,)) if state is None else state
+    kappa = magnitude_cancellation(lambda s, x: apply_seq(s, x), stacked, state)
+    return tolerance(summary_length(len(stacked), KEY_DIM), cancellation=kappa, compared_with=compared_with)
+
+
 def test_combine_is_associative_and_means_earlier_then_later():
     rng = np.random.default_rng(0)
     a, b, c = (random_summary(rng) for _ in range(3))
     state = rng.normal(size=(2, 4, 3))
-    np.testing.assert_allclose(S.apply_summary(S.combine(a, b), state), apply_seq([a, b], state), rtol=1e-5)
-    np.testing.assert_allclose(S.combine(S.combine(a, b), c), S.combine(a, S.combine(b, c)), rtol=1e-5, atol=1e-5)
+    assert_close("combine then apply", apply_seq([a, b], state), S.apply_summary(S.combine(a, b), state),
+                 fold_tolerance(np.stack([a, b]), state))
+    kappa = magnitude_cancellation(lambda *s: S.combine(S.combine(*s[:2]), s[2]), a, b, c)
+    assert_close("associativity", S.combine(S.combine(a, b), c), S.combine(a, S.combine(b, c)),
+                 tolerance(summary_length(3, KEY_DIM), cancellation=kappa, compared_with="rounded"))
     assert not np.allclose(S.combine(a, b), S.combine(b, a))
 
 
@@ -30,8 +43,8 @@ def test_compose_forward_and_backward_fold_in_opposite_orders():
     forward = S.compose_forward(stacked)
     backward = S.compose_backward(stacked)
     zero = np.zeros((2, 4, 3))
-    np.testing.assert_allclose(forward, apply_seq(stacked, zero), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(backward, apply_seq(stacked[::-1], zero), rtol=1e-5, atol=1e-6)
+    assert_close("forward fold", apply_seq(stacked, zero), forward, fold_tolerance(stacked))
+    assert_close("backward fold", apply_seq(stacked[::-1], zero), backward, fold_tolerance(stacked[::-1]))
     assert forward.dtype == np.float32
     empty = S.compose_forward(stacked[:0])
     assert empty.shape == (2, 4, 3) and not empty.any()
@@ -45,7 +58,9 @@ def test_backward_summary_is_the_chain_rule_of_the_adjoint():
     d_in = np.zeros((1, 4, 3))
     for i in (2, 1, 0):  # dS_in_i = M_i^T dS_in_{i+1} + gamma_i
         d_in = transitions[i].swapaxes(-1, -2) @ d_in + grads[i]
-    np.testing.assert_allclose(S.compose_backward(packed), d_in, rtol=1e-12)
+    kappa = magnitude_cancellation(lambda s: apply_seq(s[::-1], np.zeros_like(d_in)), packed)
+    assert_close("backward fold", d_in, S.compose_backward(packed),
+                 tolerance(summary_length(3, 4), cancellation=kappa, dtype="float64"))
 
 
 def test_pack_unpack_round_trip():
@@ -62,16 +77,18 @@ def test_pack_unpack_round_trip():
 def test_range_folds_match_slices_and_scan_matches_prefix_folds():
     rng = np.random.default_rng(4)
     gathered = random_summary(rng, lead=(5,))
-    for start, stop in [(0, 3), (1, 4), (2, 2), (0, 5)]:
-        np.testing.assert_allclose(S.compose_forward_range(gathered, start, stop),
-                                   S.compose_forward(gathered[start:stop]), rtol=1e-6)
-        np.testing.assert_allclose(S.compose_backward_range(gathered, start, stop),
-                                   S.compose_backward(gathered[start:stop]), rtol=1e-6)
+    for start, stop in [(0, 3), (1, 4), (2, 3), (0, 5)]:
+        forward, backward = gathered[start:stop], gathered[start:stop][::-1]
+        assert_close(f"forward range [{start}, {stop})", S.compose_forward(forward),
+                     S.compose_forward_range(gathered, start, stop), fold_tolerance(forward, compared_with="rounded"))
+        assert_close(f"backward range [{start}, {stop})", S.compose_backward(gathered[start:stop]),
+                     S.compose_backward_range(gathered, start, stop), fold_tolerance(backward, compared_with="rounded"))
+    assert not S.compose_forward_range(gathered, 2, 2).any() and not S.compose_backward_range(gathered, 2, 2).any()
     scanned = S.inclusive_scan(gathered)
     zero = np.zeros((2, 4, 3))
     for i in range(5):
-        np.testing.assert_allclose(S.apply_summary(scanned[i], zero), S.compose_forward(gathered[: i + 1]),
-                                   rtol=1e-4, atol=1e-5)
+        assert_close(f"scan prefix {i}", S.compose_forward(gathered[: i + 1]), S.apply_summary(scanned[i], zero),
+                     fold_tolerance(gathered[: i + 1], compared_with="rounded"))
 
 
 @pytest.mark.parametrize("framework", ["torch", "jax"])
@@ -88,9 +105,12 @@ def test_same_code_path_for_torch_and_jax(framework):
         out = np.asarray(S.compose_forward(jax.numpy.asarray(gathered)))
         ranged = np.asarray(jax.jit(S.compose_forward_range)(jax.numpy.asarray(gathered), 0, 4))
         scan = jax.lax.associative_scan(S.combine, jax.numpy.asarray(gathered))
-        np.testing.assert_allclose(np.asarray(scan), S.inclusive_scan(gathered), rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(out, expected, rtol=1e-6)
-    np.testing.assert_allclose(ranged, expected, rtol=1e-6)
+        kappa = magnitude_cancellation(lambda g: S.inclusive_scan(g), gathered)
+        assert_close("associative_scan", S.inclusive_scan(gathered), np.asarray(scan),
+                     tolerance(summary_length(4, KEY_DIM), cancellation=kappa, compared_with="rounded"))
+    tol = fold_tolerance(gathered, compared_with="rounded")
+    assert_close("compose_forward", expected, out, tol)
+    assert_close("compose_forward_range", expected, ranged, tol)
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -470,7 +470,8 @@ def attention_edited_routing(rank, world):
     total = world * LOCAL_LEN
     routing = prepare_blockdiag(docs((1, 5), (2, total - 5)), dist.group.WORLD)
     if rank == world - 1:
-        routing.key_start += 2  # would silently drop the first keys of the document it continues
+        # would silently drop the first keys of the document it continues
+        routing.exchange = dataclasses.replace(routing.exchange, key_start=routing.exchange.key_start + 2)
     q, k, v = attention_shard(attention_full_inputs(total), rank, device(rank))
     blockdiag_attention(q, k, v, routing, cp_group=dist.group.WORLD)
 

@@ -22,11 +22,16 @@ from jax_api import blockdiag_attention, blockdiag_attention_shard
 from jax_api.attention import exchange
 from jax_api.attention.blockdiag import plan_blockdiag_exchange, received_tokens_per_rank
 from jax_api.attention.naive import naive_blockdiag_attention
+from tests.tolerance import assert_close, attention_length, tolerance, unit_roundoff
 
 LOCAL_LEN = 15  # odd, so that documents and tiles never line up by accident
 HEAD_DIM = 20
 BATCH = 2
-TOL = 1e-4
+
+
+def attention_tolerance(tokens, compared_with="exact"):
+    """float32 bound of attention over ``tokens`` keys of dimension HEAD_DIM (tests/tolerance.py)."""
+    return tolerance(attention_length(tokens, HEAD_DIM), compared_with=compared_with)
 
 
 def doc_ids_from_runs(runs):
@@ -81,20 +86,15 @@ def _naive_loss(q, k, v, doc_ids, cotangent):
 naive_grads = jax.jit(jax.grad(_naive_loss, argnums=(0, 1, 2)))
 
 
-def relative_error(got, want):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
-
-
 def check_against_references(doc_ids, inputs, out, grads):
     q, k, v, cotangent = inputs
     want_out = reference_attention(q, k, v, doc_ids)
-    assert relative_error(out, want_out) <= TOL
+    assert_close("output", want_out, out, attention_tolerance(len(doc_ids)))
     padding = doc_ids == 0
     assert np.all(np.asarray(out)[:, padding] == 0), "padding rows must be exactly zero"
-    want_grads = naive_grads(q, k, v, doc_ids, cotangent)
+    want_grads = naive_grads(q, k, v, doc_ids, cotangent)  # float32 jax.grad of the naive attention
     for name, got, want in zip(("dq", "dk", "dv"), grads, want_grads):
-        assert relative_error(got, want) <= TOL, name
+        assert_close(name, want, got, attention_tolerance(len(doc_ids), compared_with="rounded"))
         assert np.all(np.asarray(got)[:, padding] == 0), f"{name} of padding tokens must be exactly zero"
 
 
@@ -126,7 +126,7 @@ def test_eager_call_with_concrete_doc_ids_matches_reference_and_keeps_sharding()
     doc_ids = doc_ids_from_runs([(1, 9), (2, 14), (3, 7)])
     q, k, v, _ = make_inputs(2, (4, 2), seed=1)
     out = blockdiag_attention(q, k, v, doc_ids, mesh=cp_mesh(2), mode="halo")
-    assert relative_error(out, reference_attention(q, k, v, doc_ids)) <= TOL
+    assert_close("output", reference_attention(q, k, v, doc_ids), out, attention_tolerance(len(doc_ids)))
     assert out.sharding.spec == P(None, "cp")
 
 
@@ -161,7 +161,7 @@ def test_new_packing_of_the_same_shape_class_does_not_retrace():
     third = doc_ids_from_runs([(2, 8), (1, 12), (9, 10)])  # back = [0, 7] -> halo 8, same class as first
     for doc_ids in (first, third):
         out = attend(q, k, v, plan_blockdiag_exchange(doc_ids, 2))
-        assert relative_error(out, reference_attention(q, k, v, doc_ids)) <= TOL
+        assert_close("output", reference_attention(q, k, v, doc_ids), out, attention_tolerance(len(doc_ids)))
     assert traces == [8]
     attend(q, k, v, plan_blockdiag_exchange(second, 2))
     assert traces == [8, 4]
@@ -178,7 +178,7 @@ def test_shard_variant_inside_a_callers_shard_map():
 
     spec = P(None, "seq")
     out = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, P()), out_specs=spec))(q, k, v, plan)
-    assert relative_error(out, 2.0 * reference_attention(q, k, v, doc_ids)) <= TOL
+    assert_close("output", 2.0 * reference_attention(q, k, v, doc_ids), out, attention_tolerance(len(doc_ids)))
 
 
 def test_bfloat16_inputs_give_bfloat16_outputs_close_to_reference():
@@ -188,7 +188,9 @@ def test_bfloat16_inputs_give_bfloat16_outputs_close_to_reference():
     out = blockdiag_attention(*bf16, doc_ids, mesh=cp_mesh(2))
     assert out.dtype == jnp.bfloat16
     want = reference_attention(*[np.asarray(x.astype(jnp.float32)) for x in bf16], doc_ids)
-    assert relative_error(out.astype(jnp.float32), want) <= 1e-2
+    # float32 math on the bfloat16 inputs, then one bfloat16 rounding of the output
+    assert_close("bfloat16 output", want, out.astype(jnp.float32),
+                 unit_roundoff("bfloat16") + attention_tolerance(len(doc_ids)))
 
 
 # ------------------------------------------------------------------ collectives and bytes
@@ -427,10 +429,11 @@ def test_query_blocks_give_the_same_output_and_gradients_as_one_block():
     (_, blocked), blocked_grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, keys, values, 5)
     expected = reference_blockdiag_attention_window(q, keys, values, np.asarray(doc_ids), query_start=8,
                                                     key_start=4, scale=0.3)
-    np.testing.assert_allclose(np.asarray(whole), expected, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(blocked), np.asarray(whole), rtol=1e-6, atol=1e-7)
-    for got, want in zip(blocked_grads, whole_grads):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    length = attention_length(17, 8)
+    assert_close("one block", expected, whole, tolerance(length))
+    assert_close("blocks of 5", whole, blocked, tolerance(length, compared_with="rounded"))
+    for name, got, want in zip(("dq", "dkeys", "dvalues"), blocked_grads, whole_grads):
+        assert_close(name, want, got, tolerance(length, compared_with="rounded"))
 
 
 def reference_blockdiag_attention_window(q, keys, values, doc_ids, *, query_start, key_start, scale):

@@ -14,10 +14,10 @@ import torch.distributed as dist
 
 from cp_linear import build_blockdiag_plan
 from cp_linear.reference import blockdiag_attention as reference_blockdiag_attention
+from tests.tolerance import assert_close, attention_length, tolerance
 from torch_api.attention.naive import naive_blockdiag_attention
 
 pytestmark = pytest.mark.multirank
-TOLERANCE = 1e-4
 
 
 @dataclass(frozen=True)
@@ -93,11 +93,6 @@ def run_cases(rank, world_size, cases):
     return results
 
 
-def rel_error(out, ref):
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
-
-
 def full_sequence_references(case: Case):
     q, k, v, grad_out = full_inputs(case)
     ids = np.array(case.doc_ids)
@@ -116,6 +111,7 @@ def test_every_mode_matches_full_sequence_attention(gloo_pools, world_size):
         ref_out, ref_grads = full_sequence_references(case)
         padding = np.array(case.doc_ids) == 0
         plan = build_blockdiag_plan(np.array(case.doc_ids), world_size)
+        tol = tolerance(attention_length(len(case.doc_ids), case.head_dim))
         for mode in modes_for(case, world_size):
             ranks = [results[index] for results in per_rank]
             index += 1
@@ -124,12 +120,12 @@ def test_every_mode_matches_full_sequence_attention(gloo_pools, world_size):
             expected_mode = ("halo" if plan.use_halo else "a2a") if mode == "auto" else mode
             assert {r["used"] for r in ranks} == {expected_mode}, label
             out = np.concatenate([r["out"] for r in ranks], axis=1)
-            assert rel_error(out, ref_out) <= TOLERANCE, label
+            assert_close(label, ref_out, out, tol)
             assert np.all(out[:, padding] == 0), f"{label}: padding rows must be exactly 0"
             for which, ref_grad in zip("qkv", ref_grads):
                 assert all(r["grads"]["qkv".index(which)] is not None for r in ranks), f"{label}: d{which} is None"
                 grad = np.concatenate([r["grads"]["qkv".index(which)] for r in ranks], axis=1)
-                assert rel_error(grad, ref_grad) <= TOLERANCE, f"{label}: d{which}"
+                assert_close(f"{label}: d{which}", ref_grad, grad, tol)
                 assert np.all(grad[:, padding] == 0), f"{label}: d{which} on padding tokens must be exactly 0"
 
 

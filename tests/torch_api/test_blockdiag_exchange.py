@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from cp_linear import build_blockdiag_plan, needed_kv_a2a_splits
+from tests.tolerance import assert_within, rel_err, tolerance
 
 pytestmark = pytest.mark.multirank
 
@@ -42,34 +43,34 @@ def check_exchanges(rank, world_size):
     # all-gather: window = everything; gradient = sum over ranks of their cotangent rows for my shard
     window, grad = grad_of(lambda kv: all_gather_kv(kv, group))
     expected = sum(cotangent(r, tokens)[shard] for r in range(world_size))
-    errors["allgather_forward"] = float((window - full).abs().max())
-    errors["allgather_backward"] = float((grad - expected).abs().max())
+    errors["allgather_forward"] = rel_err(window, full)
+    errors["allgather_backward"] = rel_err(grad, expected)
 
     # left halo of 3: window = left neighbour's last 3 tokens (zeros on rank 0), then mine
     halo = 3
     window, grad = grad_of(lambda kv: left_halo_kv(kv, halo, group))
     head = full[shard.start - halo:shard.start] if rank else torch.zeros((halo, *REST), dtype=torch.float64)
-    errors["halo_forward"] = float((window - torch.cat([head, full[shard]])).abs().max())
+    errors["halo_forward"] = rel_err(window, torch.cat([head, full[shard]]))
     expected = cotangent(rank, halo + LOCAL_LEN)[halo:].clone()
     if rank + 1 < world_size:
         expected[LOCAL_LEN - halo:] += cotangent(rank + 1, halo + LOCAL_LEN)[:halo]
-    errors["halo_backward"] = float((grad - expected).abs().max())
+    errors["halo_backward"] = rel_err(grad, expected)
 
     # halo of 0 moves nothing
     window, grad = grad_of(lambda kv: left_halo_kv(kv, 0, group))
-    errors["halo0"] = float((window - full[shard]).abs().max() + (grad - cotangent(rank, LOCAL_LEN)).abs().max())
+    errors["halo0"] = rel_err(window, full[shard]) + rel_err(grad, cotangent(rank, LOCAL_LEN))
 
     # needed-only a2a: window = [s_first, real_end); gradient = every destination's rows for my tokens, summed
     plan = build_blockdiag_plan(np.array(DOC_IDS), world_size)  # world_size = 3
     in_splits, out_splits, send_index = needed_kv_a2a_splits(plan, rank)
     window, grad = grad_of(lambda kv: needed_kv_all_to_all(kv, torch.from_numpy(send_index), in_splits,
                                                            out_splits, group))
-    errors["a2a_forward"] = float((window - full[plan.s_first[rank]:plan.real_end[rank]]).abs().max())
+    errors["a2a_forward"] = rel_err(window, full[plan.s_first[rank]:plan.real_end[rank]])
     expected = torch.zeros_like(full)
     for dst in range(world_size):
         start, stop = plan.s_first[dst], plan.real_end[dst]
         expected[start:stop] += cotangent(dst, stop - start)
-    errors["a2a_backward"] = float((grad - expected[shard]).abs().max())
+    errors["a2a_backward"] = rel_err(grad, expected[shard])
     errors["a2a_most_copies_of_a_token"] = float(np.bincount(send_index, minlength=LOCAL_LEN).max())
     return errors
 
@@ -78,8 +79,9 @@ def test_exchanges_deliver_their_windows_and_sum_gradients_back(gloo_pools):
     per_rank = gloo_pools(3).run(check_exchanges)
     for rank, errors in enumerate(per_rank):
         copies = errors.pop("a2a_most_copies_of_a_token")
-        # moved rows are bit-exact; sums of three cotangents may differ by the reduction order
-        assert all(error <= 1e-12 for error in errors.values()), f"rank {rank}: {errors}"
+        # moved rows are bit-exact; a sum of up to three float64 cotangents may differ by the reduction order
+        for name, error in errors.items():
+            assert_within(f"rank {rank} {name}", error, tolerance(3, dtype="float64", compared_with="rounded"))
         # token 3 goes to ranks 0, 1, 2; rank 1's tokens to ranks 1, 2; rank 2 keeps its own
         assert copies == [3.0, 2.0, 1.0][rank]
 
@@ -98,11 +100,11 @@ def bf16_attention(rank, world_size):
     out.float().sum().backward()
     ref = reference(q.bfloat16().double().numpy(), k.bfloat16().double().numpy(), v.bfloat16().double().numpy(),
                     np.array(doc_ids))[:, local]
-    rel = float(np.linalg.norm(out.detach().double().numpy() - ref) / np.linalg.norm(ref))
-    return out.dtype, [t.grad.dtype for t in args], rel
+    return out.dtype, [t.grad.dtype for t in args], rel_err(out.detach().double().numpy(), ref)
 
 
 def test_bf16_inputs_give_bf16_outputs_and_gradients(gloo_pools):
     for dtype, grad_dtypes, rel in gloo_pools(2).run(bf16_attention):
         assert dtype == torch.bfloat16 and grad_dtypes == [torch.bfloat16] * 3
-        assert rel < 2e-2
+        # bfloat16 roundings of the scores, the probabilities and the output (sums accumulate in float32)
+        assert_within("bf16 output", rel, tolerance(3, dtype="bfloat16"))

@@ -77,7 +77,7 @@ def test_one_device_forward_matches_float64_recurrence(dtype, lengths, heads, ke
     o, final, _ = _backend().one_device_forward(_inputs(q, k, v, g, beta, nh, l2norm, cu), initial)
     ref_o, ref_final = naive_gated_delta_product(
         *(_host(x) for x in (q, k, v, g, beta)), num_householder=nh, initial_state=_host(initial),
-        cu_seqlens=None if cu is None else cu.cpu().numpy(), use_qk_l2norm=l2norm)
+        cu_seqlens=None if cu is None else cu.cpu().numpy(), use_qk_l2norm_in_kernel=l2norm)
     assert o.dtype == q.dtype and o.shape == q.shape[:3] + (value_dim,)
     assert rel_err(_host(o), ref_o) < OUTPUT_TOLERANCE
     assert rel_err(_host(final), ref_final) < STATE_TOLERANCE
@@ -96,7 +96,7 @@ def test_error_is_no_larger_than_flash_linear_attention(nh, l2norm):
     o_fla = fla.chunk_gated_delta_product(q, k, v, g, beta, num_householder=nh, use_qk_l2norm_in_kernel=l2norm,
                                           cu_seqlens=cu)[0]
     ref_o, _ = naive_gated_delta_product(*(_host(x) for x in (q, k, v, g, beta)), num_householder=nh,
-                                         cu_seqlens=cu.cpu().numpy(), use_qk_l2norm=l2norm)
+                                         cu_seqlens=cu.cpu().numpy(), use_qk_l2norm_in_kernel=l2norm)
     assert rel_err(_host(o), ref_o) <= rel_err(_host(o_fla), ref_o)
 
 
@@ -173,7 +173,7 @@ def test_cp_shards_compose_to_the_whole_sequence(cp_size, lengths, nh, l2norm):
     backend = CuTeDSLGatedDeltaProductCPBackend(segment_chunks=2)  # several segments per shard
     shards, gathered, output = _cp_on_one_device(backend, q, k, v, g, beta, nh, l2norm, lengths, cp_size)
     ref_o, _ = naive_gated_delta_product(*(_host(x) for x in (q, k, v, g, beta)), num_householder=nh,
-                                         cu_seqlens=_cu(lengths).cpu().numpy(), use_qk_l2norm=l2norm)
+                                         cu_seqlens=_cu(lengths).cpu().numpy(), use_qk_l2norm_in_kernel=l2norm)
     local = q.shape[1] // cp_size
     per_rank = [rel_err(_host(output[:, r * local:(r + 1) * local]), ref_o[:, r * local:(r + 1) * local])
                 for r in range(cp_size)]
@@ -181,7 +181,7 @@ def test_cp_shards_compose_to_the_whole_sequence(cp_size, lengths, nh, l2norm):
     value_dim = v.shape[-1]
     for r, shard in enumerate(shards):
         ref_summary = shard_forward_summary(*(_host(x) for x in shard[1:5]), num_householder=nh,
-                                            cu_seqlens=shard[5].cpu().numpy(), use_qk_l2norm=l2norm)
+                                            cu_seqlens=shard[5].cpu().numpy(), use_qk_l2norm_in_kernel=l2norm)
         got = _host(gathered[r])
         parts = (rel_err(got[..., :value_dim], ref_summary[..., :value_dim]),
                  float(np.abs(got[..., value_dim:] - ref_summary[..., value_dim:]).max()))

@@ -42,7 +42,7 @@ def _inputs(lengths, heads, key_dim, value_dim, n_h, seed, rows=1):
 def _reference(q, k, v, g, beta, n_h, cu, initial=None):
     as64 = lambda x: x.double().numpy()  # noqa: E731
     o, final = naive_gated_delta_product(as64(q), as64(k), as64(v), as64(g), as64(beta), scale=q.shape[-1] ** -0.5,
-                                         num_householder=n_h, cu_seqlens=cu, use_qk_l2norm=True,
+                                         num_householder=n_h, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
                                          initial_state=None if initial is None else as64(initial))
     return o, final
 
@@ -183,3 +183,54 @@ def test_kernel_cp_backward_over_two_shards_matches_float64(emulated, layout):
     for name in got:
         expected = torch.stack([torch.cat([grad for r, grad in reference[name] if r == row], 0) for row in range(rows)])
         assert rel_err(got[name].float().numpy(), expected.numpy()) < GRAD_LIMIT, name
+
+
+def test_op_with_empty_sequences_matches_the_torch_backend(emulated):
+    """Sequence states through the four functions: an empty sequence keeps its initial state and
+    passes dL/d final state to dL/d initial state; gradients as TorchGDPBackend's."""
+    from torch_api import gated_delta_product
+    from torch_api.gdp.chunk import TorchGDPBackend
+
+    lengths, n_h, heads, dim = [70, 0, 130, 0], 2, 2, 64
+    q, k, v, g, beta = _inputs(lengths, heads, dim, dim, n_h, seed=31)
+    cu = torch.tensor(np.cumsum([0] + lengths), dtype=torch.int32)
+    gen = torch.Generator().manual_seed(32)
+    initial = torch.randn(len(lengths), heads, dim, dim, generator=gen) * 0.1
+    do = torch.randn(1, sum(lengths), heads, dim, generator=gen).bfloat16()
+    dfinal = torch.randn(len(lengths), heads, dim, dim, generator=gen)
+    results = []
+    for backend in (cutedsl.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=1, backward="kernels"),
+                    TorchGDPBackend()):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta, initial)]
+        o, final = gated_delta_product(*leaves[:5], num_householder=n_h, cu_seqlens=cu, initial_state=leaves[5],
+                                       use_qk_l2norm_in_kernel=True, backend=backend)
+        torch.autograd.backward([o, final], [do, dfinal])
+        results.append([o.float(), final] + [leaf.grad.float() for leaf in leaves])
+    assert torch.equal(results[0][1][1], initial[1]) and torch.equal(results[0][1][3], initial[3])
+    assert torch.equal(results[0][7][1], dfinal[1]) and torch.equal(results[0][7][3], dfinal[3])
+    for name, ours, theirs in zip(("o", "final", "q", "k", "v", "g", "beta", "initial"), *results):
+        assert rel_err(ours.detach().numpy(), theirs.detach().numpy().astype(np.float64)) < GRAD_LIMIT, name
+
+
+def test_cp_initial_state_on_the_first_rank_reaches_the_next(emulated):
+    """Rank 0 starts the spanning sequence from S0: its summary carries M S0 in E, so rank 1's
+    output continues from the right state."""
+    n_h, heads, dim = 2, 2, 64
+    q, k, v, g, beta = _inputs([256], heads, dim, dim, n_h, seed=33)
+    g = g * 0.02  # a slow decay, so that S0 still matters on rank 1
+    initial = torch.randn(1, heads, dim, dim, generator=torch.Generator().manual_seed(34))
+    backend = cutedsl.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=2)
+    cu = torch.tensor([0, 128], dtype=torch.int32)
+    shards = [GDPInputs(q[:, t], k[:, s], v[:, s], g[:, t], beta[:, s], scale=dim ** -0.5, num_householder=n_h,
+                        use_qk_l2norm_in_kernel=True, cu_seqlens=cu, initial_state=init, output_final_state=True)
+              for t, s, init in ((slice(0, 128), slice(0, 256), initial), (slice(128, 256), slice(256, 512), None))]
+    summary0, local0 = backend.cp_forward_prepare(shards[0])
+    summary1, local1 = backend.cp_forward_prepare(shards[1])
+    (o0, end0), _ = backend.cp_forward_apply(local0, None)
+    (o1, final), _ = backend.cp_forward_apply(local1, summary0.packed[None])
+    o_ref, final_ref = _reference(q, k, v, g, beta, n_h, np.array([0, 256]), initial)
+    assert rel_err(torch.cat([o0, o1], 1).float().numpy(), o_ref) < OUTPUT_LIMIT
+    assert rel_err(final.numpy(), final_ref) < STATE_LIMIT
+    # rank 0's summary applied to a zero incoming state is its end state (the output pass rounds
+    # differently from the summary pass: both within the state budget)
+    assert rel_err(summary0.packed[..., :dim].numpy(), end0[0].numpy().astype(np.float64)) < STATE_LIMIT

@@ -3,7 +3,9 @@
 Each rank holds a contiguous shard of L tokens of a packed sequence of T = cp_size * L tokens;
 ``doc_ids`` [T] is replicated (0 = padding). A query reads earlier keys of its own document only,
 so rank r needs the K/V range ``[s_first[r], real_end[r])`` of the plan (``cp_linear.build_blockdiag_plan``).
-Three exchanges bring those keys in (torch_api/attention/exchange.py):
+Three exchanges bring those keys in; which one, and what each rank sends and receives, is the
+core's policy (``cp_linear.plan``: ``resolve_exchange_mode``, ``exchange_routing``); this module
+turns the routing into torch.distributed collectives (torch_api/attention/exchange.py):
 
   "allgather"  every rank gathers all of K/V                  always possible, moves the most
   "halo"       the last ``max(back)`` tokens of the left rank  only when every back[r] <= L
@@ -15,10 +17,10 @@ tensors built once per device) is built locally by ``prepare_blockdiag`` and nev
 Every ``blockdiag_attention`` call then runs one small fixed-size all-gather
 (``torch_api._dist.agree_or_raise``) *before* any data collective, whatever its flags: every rank
 learns whether any rank found a problem (bad doc ids, impossible forced halo, unavailable kernel,
-shapes, NaN/Inf with ``check_inputs``) or disagrees (doc ids fingerprint, mode, shapes, dtype,
-flags), and all raise the same ValueError. Passing a torch ``doc_ids`` tensor instead of a routing
-looks the routing up in a small cache keyed by the tensor's identity and version, so an in-place
-edit builds a new routing (and a new fingerprint, which the header then compares).
+shapes, an edited routing, NaN/Inf with ``check_inputs``) or disagrees (doc ids fingerprint, mode,
+shapes, dtype, flags, scale), and all raise the same ValueError. Passing a torch ``doc_ids`` tensor
+instead of a routing looks the routing up in a small cache keyed by the tensor's identity and
+version, so an in-place edit builds a new routing (and a new fingerprint, which the header compares).
 The layers (``torch_api.layers``) fold their own checks into this header; under a ``HybridDecoder``,
 whose one agreement per step covers every layer, they skip it when ``check_inputs=False``.
 """
@@ -34,14 +36,21 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from cp_linear.plan import BlockDiagPlan, build_blockdiag_plan, ids_fingerprint, needed_kv_a2a_splits, validate_doc_ids
+from cp_linear.plan import (
+    EXCHANGE_MODES,
+    MODE_CHOICES,
+    BlockDiagPlan,
+    ExchangeRouting,
+    build_blockdiag_plan,
+    exchange_routing,
+    ids_fingerprint,
+    validate_doc_ids,
+)
 from cp_linear.validation import NONFINITE, attention_dims_error, digest
 from torch_api._dist import agree_or_raise, nonfinite_flags, resolve_group
 from torch_api.attention.exchange import all_gather_kv, left_halo_kv, needed_kv_all_to_all, stack_kv, unstack_kv
 from torch_api.attention.kernel import KERNELS, DocCausalLayout, doc_causal_attention, resolve_kernel
 
-MODES = ("allgather", "halo", "a2a")
-MODE_CHOICES = ("auto", *MODES)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _CACHE_SIZE = 8
 
@@ -51,9 +60,8 @@ class BlockDiagRouting:
     """One rank's routing for one ``doc_ids`` layout (typically one training step), reusable across layers.
 
     plan            the replicated ``BlockDiagPlan`` (None when ``error`` is set)
-    mode            the exchange actually used: "allgather", "halo" or "a2a"
-    window_start    global position of row 0 of the exchange's output window
-    key_start/stop  global key range this rank attends to, ``[s_first[r], real_end[r])``
+    exchange        this rank's ``cp_linear.plan.ExchangeRouting`` (the resolved mode, the window
+                    it receives, the key range it attends to, the a2a splits); None on error
     error           a local problem found while preparing; raised on every rank by the first call
     """
 
@@ -61,23 +69,21 @@ class BlockDiagRouting:
     rank: int
     cp_size: int
     requested_mode: str
-    doc_fingerprint: tuple[int, int, int]
+    doc_fingerprint: tuple[int, int]
     plan: BlockDiagPlan | None = None
-    mode: str | None = None
-    window_start: int = 0
-    key_start: int = 0
-    key_stop: int = 0
+    exchange: ExchangeRouting | None = None
     layout: DocCausalLayout | None = None
-    a2a_splits: tuple[list[int], list[int], np.ndarray] | None = None
     error: str | None = None
     _send_index: dict = field(default_factory=dict, repr=False)
     _seal: int = field(default=-1, repr=False)
 
     def _derived(self) -> tuple:
-        splits = None if self.a2a_splits is None else (
-            tuple(self.a2a_splits[0]), tuple(self.a2a_splits[1]), self.a2a_splits[2].tobytes())
-        return (self.rank, self.cp_size, self.requested_mode, self.doc_fingerprint, self.plan, self.mode,
-                self.window_start, self.key_start, self.key_stop, splits, self.error,
+        exchange = self.exchange
+        routed = None if exchange is None else (
+            exchange.mode, exchange.rank, exchange.window_start, exchange.key_start, exchange.key_stop,
+            exchange.halo_len, exchange.in_splits, exchange.out_splits,
+            None if exchange.send_index is None else exchange.send_index.tobytes())
+        return (self.rank, self.cp_size, self.requested_mode, self.doc_fingerprint, self.plan, routed, self.error,
                 None if self.layout is None else self.layout.fingerprint())
 
     def seal(self) -> None:
@@ -91,13 +97,18 @@ class BlockDiagRouting:
                     "the digest recorded then); build a new one with prepare_blockdiag(doc_ids, cp_group, mode)")
         return None
 
+    @property
+    def mode(self) -> str | None:
+        """The exchange actually used: "allgather", "halo" or "a2a" (None on error)."""
+        return None if self.exchange is None else self.exchange.mode
+
     def send_index(self, device: torch.device) -> torch.Tensor:
         if device not in self._send_index:
-            self._send_index[device] = torch.from_numpy(self.a2a_splits[2]).to(device)
+            self._send_index[device] = torch.from_numpy(self.exchange.send_index).to(device)
         return self._send_index[device]
 
     def signature(self) -> list[int]:
-        mode_id = MODES.index(self.mode) if self.mode in MODES else -1
+        mode_id = EXCHANGE_MODES.index(self.mode) if self.mode in EXCHANGE_MODES else -1
         return [mode_id, self.cp_size, *self.doc_fingerprint]
 
 
@@ -105,13 +116,6 @@ def _fingerprint(ids: np.ndarray | None) -> tuple[int, int]:
     if ids is None:
         return (-1, -1)
     return (int(ids.shape[0]), ids_fingerprint(ids))
-
-
-def _halo_error(plan: BlockDiagPlan) -> str:
-    worst = int(np.argmax(plan.back))
-    return (f"mode='halo' needs every document straddle to fit in the left neighbour (back[r] <= L = "
-            f"{plan.local_len}), but rank {worst}'s first document starts {plan.back[worst]} tokens before "
-            f"its shard (back = {list(plan.back)}); use mode='a2a' or mode='auto'")
 
 
 def prepare_blockdiag(doc_ids, cp_group, mode: str = "auto") -> BlockDiagRouting:
@@ -128,28 +132,18 @@ def prepare_blockdiag(doc_ids, cp_group, mode: str = "auto") -> BlockDiagRouting
 
 
 def _build_routing(doc_ids, group, rank: int, cp_size: int, mode: str) -> BlockDiagRouting:
-    ids = None
+    ids = plan = None
     try:
         if mode not in MODE_CHOICES:
             raise ValueError(f"mode must be one of {MODE_CHOICES}; received {mode!r}")
         ids = validate_doc_ids(doc_ids, cp_size)
         plan = build_blockdiag_plan(ids, cp_size)
+        exchange = exchange_routing(plan, mode, rank)
     except ValueError as err:
-        return BlockDiagRouting(group, rank, cp_size, mode, _fingerprint(ids), error=str(err))
-    routing = BlockDiagRouting(group, rank, cp_size, mode, _fingerprint(ids), plan=plan)
-    if mode == "halo" and not plan.use_halo:
-        routing.error = _halo_error(plan)
-        return routing
-    routing.mode = ("halo" if plan.use_halo else "a2a") if mode == "auto" else mode
+        return BlockDiagRouting(group, rank, cp_size, mode, _fingerprint(ids), plan=plan, error=str(err))
     local_len = plan.local_len
-    routing.key_start, routing.key_stop = plan.s_first[rank], plan.real_end[rank]
-    routing.window_start = {"allgather": 0, "halo": rank * local_len - plan.halo_len,
-                            "a2a": routing.key_start}[routing.mode]
-    if routing.mode == "a2a":
-        routing.a2a_splits = needed_kv_a2a_splits(plan, rank)
-    routing.layout = DocCausalLayout.from_doc_ids(ids, rank * local_len, local_len,
-                                                  routing.key_start, routing.key_stop)
-    return routing
+    layout = DocCausalLayout.from_doc_ids(ids, rank * local_len, local_len, exchange.key_start, exchange.key_stop)
+    return BlockDiagRouting(group, rank, cp_size, mode, _fingerprint(ids), plan=plan, exchange=exchange, layout=layout)
 
 
 # --------------------------------------------------------------------------- routing cache
@@ -229,12 +223,13 @@ def _call_signature(q, k) -> list[int]:
 def exchange_window(routing: BlockDiagRouting, kv: torch.Tensor) -> torch.Tensor:
     """Run the routing's exchange on token-major kv [L, B, 2, Hkv, D]; returns its window (no agreement:
     only for callers that already went through ``blockdiag_attention`` with this routing, e.g. benchmarks)."""
-    if routing.mode == "allgather":
+    exchange = routing.exchange
+    if exchange.mode == "allgather":
         return all_gather_kv(kv, routing.group)
-    if routing.mode == "halo":
-        return left_halo_kv(kv, routing.plan.halo_len, routing.group)
-    in_splits, out_splits, _ = routing.a2a_splits
-    return needed_kv_all_to_all(kv, routing.send_index(kv.device), in_splits, out_splits, routing.group)
+    if exchange.mode == "halo":
+        return left_halo_kv(kv, exchange.halo_len, routing.group)
+    return needed_kv_all_to_all(kv, routing.send_index(kv.device), list(exchange.in_splits),
+                                list(exchange.out_splits), routing.group)
 
 
 QKV_CHECKS = tuple((name, f"{NONFINITE} in {name}") for name in ("q", "k", "v"))
@@ -283,10 +278,11 @@ def attend(q, k, v, doc_ids, *, cp_group, mode: str = "auto", scale: float | Non
         flags = nonfinite_flags(q, k, v) if check_inputs and error is None else None
         agree_or_raise(group, error, signature, what=what, value_flags=flags, value_checks=QKV_CHECKS)
     window = exchange_window(routing, stack_kv(k, v))
-    keys = window[routing.key_start - routing.window_start:routing.key_stop - routing.window_start]
+    exchange = routing.exchange
+    keys = window[exchange.key_start - exchange.window_start:exchange.key_stop - exchange.window_start]
     k_window, v_window = unstack_kv(keys)
     return doc_causal_attention(q, k_window, v_window, routing.layout, scale=scale, kernel=kernel_name,
                                 contain=not check_inputs)
 
 
-__all__ = ["BlockDiagRouting", "MODES", "attend", "blockdiag_attention", "exchange_window", "prepare_blockdiag"]
+__all__ = ["BlockDiagRouting", "QKV_CHECKS", "attend", "blockdiag_attention", "exchange_window", "prepare_blockdiag"]

@@ -16,17 +16,24 @@ backward (recompute-friendly).
 Contexts (stable: the CuTeDSL backend reuses this backend's backward)
   forward local context  ``TorchGDPForwardContext``
   saved context          ``CPSavedContext`` built by ``make_cp_saved_context``:
-      tensors  = (q, k, v, g, beta, cu_seqlens | None, incoming_state, summary_transition)
-      metadata = {"scale": float, "num_householder": int, "use_qk_l2norm_in_kernel": bool}
+      tensors  = (q, k, v, g, beta, cu_seqlens | None, incoming_state, summary_transition,
+                  initial_state | None)          (8 tensors, without the last, are read as well)
+      metadata = {"scale": float, "num_householder": int, "use_qk_l2norm_in_kernel": bool,
+                  "output_final_state": bool}
       incoming_state      float32 [H, K, V] (packed, cu_seqlens given) or [B, H, K, V] (rows)
       summary_transition  float32 [H, K, K] or [B, H, K, K]: M of the forward summary
   backward context       ``TorchGDPBackwardContext``
+
+Sequence states (``GDPInputs.initial_state`` / ``output_final_state``, cp_linear.gdp): the one-device
+op ``torch_api.gated_delta_product`` runs through the same four functions with empty neighbour
+stacks; every local sequence starts from its initial state, ``cp_forward_apply`` returns
+``(o, final_state)`` and ``cp_backward_prepare`` takes ``(do, d_final_state)``.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -37,10 +44,11 @@ from cp_linear.summary import (
     compose_backward,
     compose_forward,
 )
-from torch_api.gdp.types import GDPInputGradients, GDPInputs
+from cp_linear.chunking import CHUNK_SIZE
+from cp_linear.gdp import GDPInputGradients, GDPInputs
 from torch_api.gdp.validation import check_gdp_inputs
 from torch_api.gdp.wy import (
-    ChunkLayout,
+    ChunkPlacement,
     ChunkTerms,
     backward_state_grads,
     chunk_terms,
@@ -52,7 +60,6 @@ from torch_api.gdp.wy import (
     on_last_step,
 )
 
-CHUNK_SIZE = 64
 
 
 @contextmanager
@@ -74,13 +81,8 @@ def ieee_fp32_matmul(device: torch.device):
 
 def _metadata(inputs: GDPInputs) -> dict:
     return {"scale": float(inputs.scale), "num_householder": int(inputs.num_householder),
-            "use_qk_l2norm_in_kernel": bool(inputs.use_qk_l2norm_in_kernel)}
-
-
-def _inputs_from(tensors, metadata) -> GDPInputs:
-    q, k, v, g, beta, cu_seqlens = tensors[:6]
-    return GDPInputs(q, k, v, g, beta, metadata["scale"], metadata["num_householder"],
-                     metadata["use_qk_l2norm_in_kernel"], cu_seqlens)
+            "use_qk_l2norm_in_kernel": bool(inputs.use_qk_l2norm_in_kernel),
+            "output_final_state": bool(inputs.output_final_state)}
 
 
 def make_cp_saved_context(inputs: GDPInputs, incoming_state: torch.Tensor,
@@ -88,15 +90,21 @@ def make_cp_saved_context(inputs: GDPInputs, incoming_state: torch.Tensor,
     """What ``cp_forward_apply`` returns for ``TorchGDPBackend.cp_backward_prepare`` (see module doc)."""
     return CPSavedContext(
         tensors=(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.cu_seqlens,
-                 incoming_state, summary_transition),
+                 incoming_state, summary_transition, inputs.initial_state),
         metadata=_metadata(inputs))
 
 
 def read_cp_saved_context(saved: CPSavedContext) -> tuple[GDPInputs, torch.Tensor, torch.Tensor]:
-    """-> (inputs, incoming_state, summary_transition)."""
-    if len(saved.tensors) != 8:
-        raise ValueError(f"expected a GDP CP saved context with 8 tensors; received {len(saved.tensors)}")
-    return _inputs_from(saved.tensors, saved.metadata), saved.tensors[6], saved.tensors[7]
+    """-> (inputs, incoming_state, summary_transition); ``inputs.initial_state`` as saved."""
+    if len(saved.tensors) not in (8, 9):
+        raise ValueError(f"expected a GDP CP saved context with 8 or 9 tensors; received {len(saved.tensors)}")
+    q, k, v, g, beta, cu_seqlens, incoming, transition = saved.tensors[:8]
+    initial = saved.tensors[8] if len(saved.tensors) == 9 else None
+    metadata = saved.metadata
+    inputs = GDPInputs(q, k, v, g, beta, metadata["scale"], metadata["num_householder"],
+                       metadata["use_qk_l2norm_in_kernel"], cu_seqlens, initial,
+                       bool(metadata.get("output_final_state", False)))
+    return inputs, incoming, transition
 
 
 # --------------------------------------------------------------------------- one shard, chunked
@@ -111,7 +119,7 @@ class ChunkProblem:
     """
 
     inputs: GDPInputs
-    layout: ChunkLayout
+    layout: ChunkPlacement
     leaves: tuple[torch.Tensor, ...]
     terms: ChunkTerms
 
@@ -126,7 +134,7 @@ class ChunkProblem:
         n = inputs.num_householder
         q, g = on_last_step(q, n), on_first_step(g, n)
         batch, steps = k.shape[:2]
-        layout = ChunkLayout.build(batch, steps, n, inputs.cu_seqlens, chunk_size, k.device)
+        layout = ChunkPlacement.build(batch, steps, n, inputs.cu_seqlens, chunk_size, k.device)
         terms = chunk_terms(*(layout.to_chunks(x) for x in (q, k, v, g, beta)), float(inputs.scale))
         return cls(inputs, layout, leaves, terms)
 
@@ -166,6 +174,26 @@ class ChunkProblem:
         )
         return GDPInputGradients(*grads)
 
+    def initial_states(self) -> torch.Tensor | None:
+        """float32 [N, H, K, V] of ``inputs.initial_state`` (checked), or None."""
+        initial = self.inputs.initial_state
+        if initial is None:
+            return None
+        expected = self.inputs.state_shape
+        if tuple(initial.shape) != expected:
+            raise ValueError(f"initial_state must be [N, H, K, V] = {expected}; received {tuple(initial.shape)}")
+        return initial.detach().float()
+
+    def resets(self, initial: torch.Tensor | None) -> torch.Tensor | None:
+        """States that sequences starting after chunk 0 begin from ([NC, B, H, K, V]), or None (zeros)."""
+        return None if initial is None else self.layout.initial_and_resets(initial)[1]
+
+    def entering_state(self, initial: torch.Tensor | None) -> torch.Tensor | None:
+        """The initial state of the sequence that chunk 0 continues, in the summary's form, or None."""
+        if initial is None:
+            return None
+        return _packed_form(self.layout.initial_and_resets(initial)[0], self.inputs)
+
 
 def _packed_form(x: torch.Tensor, inputs: GDPInputs) -> torch.Tensor:
     """[B, H, ...] recurrence coordinates -> the summary's form: [H, ...] for a packed batch."""
@@ -184,10 +212,12 @@ def _stacked_count(stacked) -> int:
 
 @dataclass
 class TorchGDPForwardContext:
-    """Between ``cp_forward_prepare`` and ``cp_forward_apply``: the chunk terms (no graph) and M."""
+    """Between ``cp_forward_prepare`` and ``cp_forward_apply``: the chunk terms (no graph), M and the
+    checked initial states (or None)."""
 
     problem: ChunkProblem
     summary_transition: torch.Tensor
+    initial: torch.Tensor | None = None
 
 
 @dataclass
@@ -199,6 +229,7 @@ class TorchGDPBackwardContext:
     read_grads     float32 [NC, B, H, K, V]: what each chunk's outputs add to its state gradient
     incoming_state float32 [B, H, K, V]
     state_grads, end_grads   the state-gradient recurrence run from a zero outgoing gradient
+    initial, final_grad      float32 [N, H, K, V] initial states and final-state gradient, or None
     """
 
     problem: ChunkProblem
@@ -207,6 +238,8 @@ class TorchGDPBackwardContext:
     incoming_state: torch.Tensor
     state_grads: torch.Tensor
     end_grads: torch.Tensor
+    initial: torch.Tensor | None = None
+    final_grad: torch.Tensor | None = None
 
 
 class TorchGDPBackend:
@@ -214,8 +247,11 @@ class TorchGDPBackend:
 
     Summaries are returned packed: forward ``[E | M]``, backward ``[gamma | M^T]``, float32
     [H, K, V + K] for a packed batch (``inputs.cu_seqlens`` given) or [B, H, K, V + K] for rows.
-    ``one_device_forward`` / ``one_device_backward`` serve ``torch_api.gated_delta_product``.
+    Supports the sequence states of ``cp_linear.gdp.GDPInputs`` (``supports_sequence_states``), which
+    the one-device op ``torch_api.gated_delta_product`` uses.
     """
+
+    supports_sequence_states = True
 
     def __init__(self, chunk_size: int = CHUNK_SIZE):
         if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
@@ -232,53 +268,79 @@ class TorchGDPBackend:
         self._check(inputs)
         with ieee_fp32_matmul(inputs.q.device), torch.no_grad():
             problem = ChunkProblem.build(inputs, self.chunk_size, requires_grad=False)
-            summary = fold_summary(problem.terms.transition, problem.terms.update, keep=problem.layout.keep)
+            initial = problem.initial_states()
+            summary = fold_summary(problem.terms.transition, problem.terms.update, keep=problem.layout.keep,
+                                   resets=problem.resets(initial))
         summary = _packed_form(summary, inputs)
         value_dim = inputs.v.shape[-1]
-        return CPForwardPackedSummary(summary), TorchGDPForwardContext(problem, summary[..., value_dim:])
+        return (CPForwardPackedSummary(summary),
+                TorchGDPForwardContext(problem, summary[..., value_dim:], initial))
 
     def cp_forward_apply(self, local_context: TorchGDPForwardContext, preceding) -> CPForwardResult:
-        problem = local_context.problem
+        problem, initial = local_context.problem, local_context.initial
         inputs = problem.inputs
+        if initial is not None and _stacked_count(preceding) > 0:
+            raise ValueError("initial_state serves one device (no preceding summaries); under CP the incoming "
+                             "state comes from the preceding ranks")
         with ieee_fp32_matmul(inputs.q.device), torch.no_grad():
-            incoming = self._fold(compose_forward, preceding, problem)
+            incoming = self._fold(compose_forward, preceding, problem, start=problem.entering_state(initial))
             terms = problem.terms
             states = forward_states(terms.transition, terms.update, incoming.view(problem.state_shape),
-                                    keep=problem.layout.keep)
+                                    keep=problem.layout.keep, resets=problem.resets(initial))
             output = problem.outputs(states)
+            if inputs.output_final_state:
+                start = initial if initial is not None else terms.update.new_zeros(inputs.state_shape)
+                output = (output, problem.layout.final_states(terms.transition, terms.update, states, start))
         saved = make_cp_saved_context(inputs, incoming, local_context.summary_transition)
         return CPForwardResult(output, saved)
 
-    def _fold(self, compose, stacked, problem: ChunkProblem) -> torch.Tensor:
-        """Fold gathered summaries into a state (gradient) in the summary's form; zeros when empty."""
+    def _fold(self, compose, stacked, problem: ChunkProblem, start: torch.Tensor | None = None) -> torch.Tensor:
+        """Fold gathered summaries into a state (gradient) in the summary's form, from ``start``
+        (zeros when None)."""
         expected = _packed_form(torch.empty(problem.state_shape, device="meta"), problem.inputs).shape
         if _stacked_count(stacked) == 0:
+            if start is not None:
+                return start.float()
             return torch.zeros(expected, dtype=torch.float32, device=problem.inputs.q.device)
-        folded = compose(stacked)
+        folded = compose(stacked) if start is None else compose(stacked, start)
         if folded.shape != expected:
             raise ValueError(f"summaries fold to shape {tuple(folded.shape)}; expected {tuple(expected)}")
         return folded.float()
 
     # ---- backward
 
-    def cp_backward_prepare(self, output_grad: torch.Tensor, saved_context: CPSavedContext
+    def cp_backward_prepare(self, output_grad, saved_context: CPSavedContext
                             ) -> tuple[CPBackwardPackedSummary, TorchGDPBackwardContext]:
         inputs, incoming, transition = read_cp_saved_context(saved_context)
+        output_grad, final_grad = output_grad if inputs.output_final_state else (output_grad, None)
         with ieee_fp32_matmul(inputs.q.device):
             with torch.enable_grad():
                 problem = ChunkProblem.build(inputs, self.chunk_size, requires_grad=True)
             with torch.no_grad():
+                initial = problem.initial_states()
+                if final_grad is not None:
+                    final_grad = final_grad.float()
                 terms = problem.terms.detached()
                 output_grads = problem.output_grads_to_chunks(output_grad)
                 read_grads = terms.state_read.transpose(-1, -2) @ output_grads
-                zero = read_grads.new_zeros(problem.state_shape)
-                state_grads, end_grads = backward_state_grads(terms.transition, read_grads, zero,
-                                                              keep=problem.layout.keep)
+                state_grads, end_grads = self._state_grads(problem, read_grads, final_grad, outgoing=None)
                 gamma = _packed_form(state_grads[0], inputs)
                 summary = torch.cat([gamma, transition.transpose(-1, -2)], dim=-1)
         context = TorchGDPBackwardContext(problem, output_grads, read_grads, incoming.view(problem.state_shape),
-                                          state_grads, end_grads)
+                                          state_grads, end_grads, initial, final_grad)
         return CPBackwardPackedSummary(summary), context
+
+    @staticmethod
+    def _state_grads(problem: ChunkProblem, read_grads, final_grad, outgoing):
+        """The state-gradient recurrence from the outgoing gradient (zeros when None) and dL/d(final states)."""
+        layout, terms = problem.layout, problem.terms
+        after_last, inject = read_grads.new_zeros(problem.state_shape), None
+        if final_grad is not None:
+            after_last, inject = layout.final_state_grads(final_grad)
+        if outgoing is not None:
+            after_last = after_last + outgoing
+        return backward_state_grads(terms.transition.detach(), read_grads, after_last, keep=layout.keep,
+                                    inject=inject)
 
     def cp_backward_apply(self, backward_context: TorchGDPBackwardContext, following) -> GDPInputGradients:
         ctx = backward_context
@@ -286,72 +348,47 @@ class TorchGDPBackend:
         with ieee_fp32_matmul(problem.inputs.q.device):
             with torch.no_grad():
                 terms = problem.terms.detached()
-                end_grads = ctx.end_grads
+                state_grads, end_grads = ctx.state_grads, ctx.end_grads
                 if _stacked_count(following) > 0:  # else the zero-gradient run of prepare is the answer
                     outgoing = self._fold(compose_backward, following, problem).view(problem.state_shape)
-                    _, end_grads = backward_state_grads(terms.transition, ctx.read_grads, outgoing,
-                                                        keep=problem.layout.keep)
+                    state_grads, end_grads = self._state_grads(problem, ctx.read_grads, ctx.final_grad, outgoing)
                 states = forward_states(terms.transition, terms.update, ctx.incoming_state,
-                                        keep=problem.layout.keep)
-            return problem.input_grads(states, ctx.output_grads, end_grads)
+                                        keep=problem.layout.keep, resets=problem.resets(ctx.initial))
+            grads = problem.input_grads(states, ctx.output_grads, end_grads)
+        if ctx.initial is None:
+            return grads
+        return grads._replace(dinitial_state=problem.layout.initial_state_grads(state_grads, ctx.final_grad))
 
-    # ---- one device (torch_api.gated_delta_product)
+    # ---- the earlier one-device interface, for backends that call it (the CuTeDSL backend's backward)
 
     def one_device_forward(self, inputs: GDPInputs, initial_state: torch.Tensor | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor, CPSavedContext]:
-        """-> (o [B, T, H, V], final_state float32 [N, H, K, V], saved context for the backward).
-
-        initial_state [N, H, K, V] (N = number of sequences; zeros when None).
-        saved.tensors = (q, k, v, g, beta, cu_seqlens | None, initial_state float32 | None).
-        """
-        self._check(inputs)
-        with ieee_fp32_matmul(inputs.q.device), torch.no_grad():
-            problem = ChunkProblem.build(inputs, self.chunk_size, requires_grad=False)
-            initial = self._initial_states(problem, initial_state)
-            states = self._states_from_initial(problem, initial)
-            output = problem.outputs(states)
-            final_state = problem.layout.final_states(problem.terms.transition, problem.terms.update, states)
-        saved_initial = None if initial_state is None else initial
-        saved = CPSavedContext(
-            tensors=(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.cu_seqlens, saved_initial),
-            metadata=_metadata(inputs))
+        """-> (o [B, T, H, V], final_state float32 [N, H, K, V], saved context), through the four
+        functions; ``saved.tensors = (q, k, v, g, beta, cu_seqlens | None, initial_state | None)``."""
+        inputs = replace(inputs, initial_state=initial_state, output_final_state=True)
+        summary, local = self.cp_forward_prepare(inputs)
+        (output, final_state), _ = self.cp_forward_apply(local, summary.packed[:0])
+        initial = local.initial
+        saved = CPSavedContext(tensors=(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.cu_seqlens,
+                                        initial), metadata=_metadata(inputs))
         return output, final_state, saved
 
     def one_device_backward(self, output_grad: torch.Tensor | None, final_state_grad: torch.Tensor | None,
                             saved_context: CPSavedContext) -> tuple[GDPInputGradients, torch.Tensor]:
-        """-> (input gradients, dL/d initial_state float32 [N, H, K, V])."""
-        inputs = _inputs_from(saved_context.tensors, saved_context.metadata)
-        with ieee_fp32_matmul(inputs.q.device):
-            with torch.enable_grad():
-                problem = ChunkProblem.build(inputs, self.chunk_size, requires_grad=True)
-            layout = problem.layout
-            with torch.no_grad():
-                terms = problem.terms.detached()
-                output_grads = problem.output_grads_to_chunks(output_grad)
-                read_grads = terms.state_read.transpose(-1, -2) @ output_grads
-                if final_state_grad is None:
-                    after_last, inject = read_grads.new_zeros(problem.state_shape), None
-                else:
-                    after_last, inject = layout.final_state_grads(final_state_grad.float())
-                state_grads, end_grads = backward_state_grads(terms.transition, read_grads, after_last,
-                                                              keep=layout.keep, inject=inject)
-                initial = self._initial_states(problem, saved_context.tensors[6])
-                states = self._states_from_initial(problem, initial)
-            grads = problem.input_grads(states, output_grads, end_grads)
-        return grads, layout.initial_state_grads(state_grads)
-
-    @staticmethod
-    def _initial_states(problem: ChunkProblem, initial_state: torch.Tensor | None) -> torch.Tensor:
-        batch, heads, key_dim, value_dim = problem.state_shape
-        expected = (problem.layout.num_sequences, heads, key_dim, value_dim)
-        if initial_state is None:
-            return problem.terms.update.new_zeros(expected)
-        if tuple(initial_state.shape) != expected:
-            raise ValueError(f"initial_state must be [N, H, K, V] = {expected}; received {tuple(initial_state.shape)}")
-        return initial_state.detach().float()
-
-    @staticmethod
-    def _states_from_initial(problem: ChunkProblem, initial: torch.Tensor) -> torch.Tensor:
-        terms, layout = problem.terms.detached(), problem.layout
-        first, resets = layout.initial_and_resets(initial)
-        return forward_states(terms.transition, terms.update, first, keep=layout.keep, resets=resets)
+        """-> (input gradients, dL/d initial_state float32 [N, H, K, V]) for a ``one_device_forward`` context."""
+        q, k, v, g, beta, cu_seqlens, initial = saved_context.tensors[:7]
+        metadata = saved_context.metadata
+        zeros = torch.zeros(GDPInputs(q, k, v, g, beta, 1.0, cu_seqlens=cu_seqlens).state_shape,
+                            dtype=torch.float32, device=q.device)
+        inputs = GDPInputs(q, k, v, g, beta, metadata["scale"], metadata["num_householder"],
+                           metadata["use_qk_l2norm_in_kernel"], cu_seqlens, zeros if initial is None else initial,
+                           True)
+        placement = ChunkPlacement.build(q.shape[0], k.shape[1], inputs.num_householder, cu_seqlens, self.chunk_size,
+                                         q.device)
+        incoming = _packed_form(placement.initial_and_resets(inputs.initial_state.float())[0], inputs)
+        transition = incoming.new_zeros(*incoming.shape[:-1], incoming.shape[-2])  # M: unused by the one device
+        saved = make_cp_saved_context(inputs, incoming, transition)
+        final_state_grad = zeros if final_state_grad is None else final_state_grad
+        _, context = self.cp_backward_prepare((output_grad, final_state_grad), saved)
+        grads = self.cp_backward_apply(context, None)
+        return grads._replace(dinitial_state=None), grads.dinitial_state

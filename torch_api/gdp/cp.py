@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from cp_linear.plan import PackedSequenceCPMetadata
+from cp_linear.plan import PackedSequenceCPMetadata, build_packed_sequence_cp_metadata
 from cp_linear.protocol import CPForwardResult, CPSavedContext
 from cp_linear.summary import (
     CPBackwardPackedSummary,
@@ -326,16 +326,18 @@ def _metadata_error(metadata, rank: int, world: int, q: torch.Tensor) -> str | N
     return None
 
 
-def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, cp_group, metadata: PackedSequenceCPMetadata | None = None,
-                                   scale=None, num_householder=1, use_qk_l2norm_in_kernel=False, backend=None,
-                                   check_inputs: bool = True):
+def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, cp_group, global_seq_idx=None,
+                                   metadata: PackedSequenceCPMetadata | None = None, scale=None, num_householder=1,
+                                   use_qk_l2norm_in_kernel=False, backend=None, check_inputs: bool = True):
     """GDP over a sequence split contiguously across the ranks of ``cp_group``; differentiable.
 
-    Local shards in, local output out (DESIGN.md §2 layouts):
-      q [B, L, H, K], k [B, L*n_h, H, K], v [B, L*n_h, H, V], g [B, L, H], beta [B, L*n_h, H]
-      -> o [B, L, H, V] in q's dtype; gradients flow to q, k, v, g and beta.
-    Packed batch: B = 1 and ``metadata`` = ``build_packed_sequence_cp_metadata(global_seq_idx,
-    rank, cp_size)``. Without metadata every batch row is one sequence spanning all ranks in order.
+    Local shards in, local output out (DESIGN.md §2 layouts, docs/design.md):
+      q [B, L, H, K], k [B, L*n_h, H, K], v [B, L*n_h, H, V], g [B, L, H] (None: no gate),
+      beta [B, L*n_h, H] -> o [B, L, H, V] in q's dtype; gradients flow to q, k, v, g and beta.
+    Packed batch: B = 1 and either ``global_seq_idx`` (int [1, T], the replicated ids, as in
+    ``jax_api.gdp_chunkwise_context_parallel``) or the ``metadata`` built from them once per step
+    (``build_packed_sequence_cp_metadata(global_seq_idx, rank, cp_size)``). Without either, every
+    batch row is one sequence spanning all ranks in order.
     cp_group: ProcessGroup or 1-D DeviceMesh (gloo or NCCL).
 
     check_inputs: the value checks (NaN/Inf, g > 0, beta outside [0, 2] in the inputs; NaN/Inf in
@@ -347,24 +349,36 @@ def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, cp_group, metadata: Pack
     NaN, every other output is exact (``torch_api.gdp.isolation``). Default backend: ``TorchGDPBackend()``.
     docs/failure_modes.md lists every check and its cost.
     """
-    return context_parallel_gdp(q, k, v, g, beta, cp_group=cp_group, metadata=metadata, scale=scale,
-                                num_householder=num_householder, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                                backend=backend, check_inputs=check_inputs)
+    return context_parallel_gdp(q, k, v, g, beta, cp_group=cp_group, global_seq_idx=global_seq_idx, metadata=metadata,
+                                scale=scale, num_householder=num_householder,
+                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, backend=backend,
+                                check_inputs=check_inputs)
 
 
-def context_parallel_gdp(q, k, v, g, beta, *, cp_group, metadata=None, scale=None, num_householder=1,
-                         use_qk_l2norm_in_kernel=False, backend=None, check_inputs: bool = True,
+def context_parallel_gdp(q, k, v, g, beta, *, cp_group, global_seq_idx=None, metadata=None, scale=None,
+                         num_householder=1, use_qk_l2norm_in_kernel=False, backend=None, check_inputs: bool = True,
                          agreed: bool = False):
     """``gdp_chunkwise_context_parallel`` for the layers: ``agreed=True`` (a model agreement covered the
     call's shapes, flags and ids, and ``check_inputs`` is False) sends no header in either direction."""
     from torch_api.gdp.chunk import TorchGDPBackend
+    from torch_api.gdp.ops import gate_or_zeros
 
     group = resolve_group(cp_group)
     rank, world = group_rank_and_size(group)
     backend = TorchGDPBackend() if backend is None else backend
     if scale is None and isinstance(q, torch.Tensor) and q.dim() == 4:
         scale = q.shape[-1] ** -0.5
+    gate_given = g is not None
+    g = gate_or_zeros(g, q)
     error = gdp_input_error(q, k, v, g, beta, num_householder=num_householder, scale=scale)
+    if error is None and global_seq_idx is not None:
+        if metadata is not None:
+            error = "pass global_seq_idx or metadata, not both"
+        else:
+            try:
+                metadata = build_packed_sequence_cp_metadata(global_seq_idx, rank, world)
+            except ValueError as err:
+                error = str(err)
     if error is None and metadata is not None:
         error = _metadata_error(metadata, rank, world, q)
     cu_seqlens = None
@@ -392,6 +406,7 @@ def context_parallel_gdp(q, k, v, g, beta, *, cp_group, metadata=None, scale=Non
         start = sequence_start_index(q.shape[1], cu_seqlens, q.device)
         trailing = trailing_bad(state_bad, start)
         q, k, v, g, beta = sanitized(q, k, v, g, beta)
+    g = g if gate_given else g.detach()
     output, incoming_bad = _ContextParallelGDP.apply(call, trailing, q, k, v, g, beta)
     if contain:
         mask = token_poison(state_bad, read_bad, start, incoming_bad)

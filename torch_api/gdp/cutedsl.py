@@ -2,8 +2,9 @@
 
 A thin adapter: it flattens the shard, builds the framework-neutral work layout
 (``cp_linear.kernels.launch.forward_layout``) with torch arrays, allocates outputs and runs the
-typed launches on the current stream (TVM-FFI, no host synchronisation). The backward half still
-recomputes with ``TorchGDPBackend`` (the saved context has exactly the layout it reads).
+typed launches on the current stream (TVM-FFI, no host synchronisation). The backward runs either
+``TorchGDPBackend``'s recomputation (the default: the saved context has exactly the layout it reads)
+or, with ``backward="kernels"``, the backward kernels from the segments' saved incoming states.
 
 Launch plan of one shard (N sequences, each cut into segments of ``segment_chunks`` chunks so
 that one long sequence fills the GPU):
@@ -13,17 +14,25 @@ that one long sequence fills the GPU):
                                    segment of the trailing sequence: [E^T ; M^T] from [0 ; I]
               segment_fold         (CP) the trailing sequence's segment summaries -> its [E | M]
     apply     segment_fold         every segment's incoming state: sequence 0 from S_in (the fold
-                                   of the preceding summaries), the others from zero
+                                   of the preceding summaries), the others from their initial
+                                   state (or zero)
               chunk_scan output    every segment from its incoming state: outputs, end states
 
 A sequence that spans ranks therefore costs one summary pass (run before the all-gather) and
-one output pass — no second state pass.
+one output pass — no second state pass. The kernel backward mirrors it:
+
+    prepare   chunk_prep, chunk_gamma   per-segment backward summaries [gamma ; M_b] of the leading
+                                   sequence and of every segment followed by another one
+              segment_fold (descending)  the leading sequence's gamma (from dL/d final state)
+    apply     segment_fold (descending)  every segment's outgoing state gradient, the trailing
+                                   sequence's from the fold of the following summaries
+              chunk_reverse, chunk_prep_backward   input gradients, dL/d initial state
 """
 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -38,12 +47,13 @@ from cp_linear.summary import (
     compose_backward,
     compose_forward,
 )
-from torch_api.gdp.chunk import TorchGDPBackend, make_cp_saved_context
+from torch_api.gdp.chunk import TorchGDPBackend, make_cp_saved_context, read_cp_saved_context
 from torch_api.gdp.types import GDPInputGradients, GDPInputs
 from torch_api.gdp.validation import check_gdp_inputs
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _SM_COUNT: dict[int, int] = {}
+_KERNEL_BACKWARD = "kernel_backward"  # saved-context flag: the segment states follow the 9 tensors
 
 
 def unsupported_reason(inputs: GDPInputs) -> str | None:
@@ -113,6 +123,7 @@ class CuTeDSLBackwardContext:
     do: torch.Tensor  # [T_all, H, V] input dtype
     grad_summaries: torch.Tensor  # [S_max, H, V + K, K] float32: rows [gamma ; M_b] per segment
     incoming: torch.Tensor  # [S_max, H, V, K] float32: the forward's segment incoming states
+    end_grads: torch.Tensor  # [N, H, V, K] float32: dL/d final state of each sequence (zeros: none)
 
 
 @dataclass
@@ -121,6 +132,7 @@ class CuTeDSLForwardContext:
 
     shard: _Shard
     summary: torch.Tensor  # [1 or B, H, K, V + K] float32
+    initial: torch.Tensor | None  # float32 [N, H, K, V] (inputs.initial_state), or None
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -146,9 +158,12 @@ class CuTeDSLGatedDeltaProductCPBackend:
     MMA for the scan; compiled in CI, not yet measured on a GPU). backward: "torch" (the default:
     ``TorchGDPBackend``'s recomputation) or "kernels" (the one-device backward on
     ``chunk_reverse`` / ``chunk_prep_backward``; checked on the CPU through their emulation, not
-    yet run on a GPU). The backward
-    half is ``TorchGDPBackend``'s recomputation until the backward kernels land.
+    yet run on a GPU). Sequence states (``initial_state``, ``output_final_state`` of
+    ``cp_linear.gdp.GDPInputs``) run on the kernels in both directions, so the one-device op
+    ``torch_api.gated_delta_product`` takes this backend through the four functions.
     """
+
+    supports_sequence_states = True
 
     def __init__(self, segment_chunks: int | None = None, recompute_chunk_num: int = 0, *, row_block: int = 0,
                  ctas_per_sm: float = 2, fallback: bool = True, mma: str = "sync", backward: str = "torch"):
@@ -279,8 +294,12 @@ class CuTeDSLGatedDeltaProductCPBackend:
     # ------------------------------------------------------------------ forward protocol
 
     def cp_forward_prepare(self, inputs: GDPInputs) -> tuple[CPForwardPackedSummary, CuTeDSLForwardContext]:
+        """Chunk prep, the summary pass and the fold of the trailing sequence's segments -> its packed
+        ``[E | M]``. A trailing sequence that starts inside the shard has M = 0; one that starts from
+        ``inputs.initial_state`` S0 carries it in E (E + M S0)."""
         if not self._use_kernels(inputs):
             return self._fallback.cp_forward_prepare(inputs)
+        initial = _initial_states(inputs)
         shard = self._shard(inputs, cp_summary=True)
         heads, key_dim, value_dim = shard.heads, shard.key_dim, shard.value_dim
         num_seqs = shard.layout.num_sequences
@@ -290,167 +309,151 @@ class CuTeDSLGatedDeltaProductCPBackend:
         self._fold(shard, init=None, init_count=0, rows=value_dim + key_dim, identity_row=value_dim,
                    first_sequence=first, final=stacked_rows)
         summary = stacked_rows[first:].transpose(-1, -2).contiguous()  # [n, H, K, V + K] = [E | M]
-        if not shard.rows and num_seqs > 1:
-            summary[..., value_dim:].zero_()  # the trailing sequence starts inside the shard: M = 0
+        starts_inside = not shard.rows and num_seqs > 1
+        if initial is not None:
+            summary[..., :value_dim] += summary[..., value_dim:] @ initial[first:]
+        if starts_inside:
+            summary[..., value_dim:].zero_()
         packed = summary if shard.rows else summary[0]
-        return CPForwardPackedSummary(packed), CuTeDSLForwardContext(shard, summary)
+        return CPForwardPackedSummary(packed), CuTeDSLForwardContext(shard, summary, initial)
 
     def cp_forward_apply(self, local_context: CuTeDSLForwardContext, preceding) -> CPForwardResult:
+        """Every segment's incoming state (the fold of the preceding summaries for the leading
+        sequence, ``initial_state`` or zero for the others), then the output pass; returns
+        ``(o, final_state)`` when the inputs ask for final states."""
         if not isinstance(local_context, CuTeDSLForwardContext):  # prepared by the fallback
             return self._fallback.cp_forward_apply(local_context, preceding)
-        shard, summary = local_context.shard, local_context.summary
-        value_dim = shard.value_dim
+        shard, summary, initial = local_context.shard, local_context.summary, local_context.initial
+        inputs, value_dim = shard.inputs, shard.value_dim
         stacked = _packed_stack(preceding)
-        first_count = summary.shape[0]
+        leading_count = summary.shape[0] if shard.rows else 1
+        state_shape = (leading_count, shard.heads, shard.key_dim, value_dim)
         if stacked is not None and stacked.shape[0]:
+            if initial is not None:
+                raise ValueError("initial_state serves one device (no preceding summaries); under CP the incoming "
+                                 "state comes from the preceding ranks")
             expected = (stacked.shape[0], *summary.shape) if shard.rows else (stacked.shape[0], *summary.shape[1:])
             if tuple(stacked.shape) != expected:
                 raise ValueError(f"preceding summaries must have shape {expected}; received {tuple(stacked.shape)}")
-            incoming_state = compose_forward(stacked.reshape(stacked.shape[0], *summary.shape))  # [n, H, K, V]
+            leading_state = compose_forward(stacked.reshape(stacked.shape[0], *summary.shape))  # [n, H, K, V]
+            init, init_count = leading_state.transpose(-1, -2).contiguous(), leading_count
+        elif initial is not None:
+            leading_state = initial[:leading_count]
+            init, init_count = initial.transpose(-1, -2).contiguous(), initial.shape[0]
         else:
-            incoming_state = torch.zeros(*summary.shape[:-1], value_dim, dtype=torch.float32, device=shard.q.device)
-        init = incoming_state.transpose(-1, -2).contiguous()
-        incoming = self._fold(shard, init=init, init_count=first_count, rows=value_dim, identity_row=value_dim,
+            leading_state = torch.zeros(state_shape, dtype=torch.float32, device=shard.q.device)
+            init, init_count = None, 0
+        incoming = self._fold(shard, init=init, init_count=init_count, rows=value_dim, identity_row=value_dim,
                               first_sequence=0, final=None)
-        output, _ = self._output(shard, incoming)
+        output, state_out = self._output(shard, incoming)
+        if inputs.output_final_state:
+            start = initial if initial is not None else torch.zeros(inputs.state_shape, dtype=torch.float32,
+                                                                    device=shard.q.device)
+            output = (output, _final_states(shard, state_out, start))
         transition = summary[..., value_dim:]
-        saved_incoming = incoming_state if shard.rows else incoming_state[0]
-        saved_transition = transition if shard.rows else transition[0]
-        saved = make_cp_saved_context(shard.inputs, saved_incoming, saved_transition)
+        saved = make_cp_saved_context(inputs, leading_state if shard.rows else leading_state[0],
+                                      transition if shard.rows else transition[0])
         saved.metadata["recompute_chunk_num"] = self.recompute_chunk_num
         if self.backward == "kernels":  # the segments' incoming states: the reverse pass restarts from them
+            saved.metadata[_KERNEL_BACKWARD] = True
             saved = CPSavedContext(saved.tensors + (incoming,), saved.metadata)
         return CPForwardResult(output, saved)
 
     # ------------------------------------------------------------------ backward protocol
 
-    def cp_backward_prepare(self, output_grad: torch.Tensor, saved_context: CPSavedContext):
-        """The leading fragment's packed [gamma | M^T] from a zero outgoing gradient: on the backward
-        kernels when the forward saved the segment states (``backward="kernels"``; gamma from the
-        backward summaries folded over the leading sequence, M^T the forward's), else
-        ``TorchGDPBackend.cp_backward_prepare``."""
-        if len(saved_context.tensors) != 9:
+    def cp_backward_prepare(self, output_grad, saved_context: CPSavedContext):
+        """The leading fragment's packed ``[gamma | M^T]`` from a zero outgoing gradient (gamma: the
+        backward summaries of its segments folded last to first, from dL/d final state when the
+        forward returned one). Runs on the backward kernels when the forward saved the segment
+        states (``backward="kernels"``), else ``TorchGDPBackend.cp_backward_prepare``."""
+        if not saved_context.metadata.get(_KERNEL_BACKWARD, False):
             return self._fallback.cp_backward_prepare(output_grad, saved_context)
-        q, k, v, g, beta, cu_seqlens, _, transition, incoming = saved_context.tensors
-        metadata = saved_context.metadata
-        inputs = GDPInputs(q, k, v, g, beta, metadata["scale"], metadata["num_householder"],
-                           metadata["use_qk_l2norm_in_kernel"], cu_seqlens)
+        inputs, _, transition = read_cp_saved_context(CPSavedContext(saved_context.tensors[:9],
+                                                                     saved_context.metadata))
+        incoming = saved_context.tensors[9]
+        output_grad, final_grad = output_grad if inputs.output_final_state else (output_grad, None)
         shard = self._shard(inputs, cp_summary=False, summaries=False, grad_summary_sequence=0)
         layout, heads, key_dim, value_dim = shard.layout, shard.heads, shard.key_dim, shard.value_dim
-        do = _flat(output_grad.to(shard.q.dtype))
+        device = shard.q.device
+        if output_grad is None:
+            do = shard.q.new_zeros(shard.q.shape[0], heads, value_dim)
+        else:
+            expected = (*inputs.q.shape[:3], value_dim)
+            if tuple(output_grad.shape) != expected:
+                raise ValueError(f"output_grad must have shape {expected}; received {tuple(output_grad.shape)}")
+            do = _flat(output_grad.to(shard.q.dtype))
+        end_grads = torch.zeros(layout.num_sequences, heads, value_dim, key_dim, dtype=torch.float32, device=device)
+        if final_grad is not None:
+            end_grads += final_grad.to(device=device, dtype=torch.float32).transpose(-1, -2)
         grad_summaries = torch.empty_like(shard.summaries)
         self._gamma(shard, do, grad_summaries)
-        # rows: every row is a leading fragment; packed: sequence 0 is
-        gamma_rows = torch.empty(layout.num_sequences, heads, value_dim, key_dim, dtype=torch.float32,
-                                 device=shard.q.device)
-        unused = torch.empty(1, heads, value_dim, key_dim, dtype=torch.float32, device=shard.q.device)
-        kl.SegmentFoldLaunch(
-            kcfg.SegmentFoldConfig(key_dim), summaries=grad_summaries, seq_first_segment=layout.seq_first_segment,
-            init=unused, incoming=torch.empty(layout.max_segments, heads, value_dim, key_dim, dtype=torch.float32,
-                                              device=shard.q.device),
-            final=gamma_rows, init_count=0, value_rows=value_dim, identity_row=value_dim, first_sequence=0,
-            write_final=1, descending=1).run()
+        gamma_rows = torch.empty_like(end_grads)
+        self._descending_fold(shard, grad_summaries, end_grads, final=gamma_rows)
         gamma = gamma_rows.transpose(-1, -2) if shard.rows else gamma_rows[0].transpose(-1, -2)
         summary = torch.cat([gamma, transition.transpose(-1, -2)], dim=-1).contiguous()
-        context = CuTeDSLBackwardContext(shard, do, grad_summaries, incoming)
+        context = CuTeDSLBackwardContext(shard, do, grad_summaries, incoming, end_grads)
         return CPBackwardPackedSummary(summary), context
 
     def cp_backward_apply(self, backward_context, following):
-        """Input gradients: the trailing sequence's outgoing gradient is the descending fold of the
-        following summaries; every segment's outgoing gradient comes from the backward fold, then the
-        reverse pass and the prep backward (or ``TorchGDPBackend.cp_backward_apply``)."""
+        """Input gradients: the outgoing gradient of the trailing sequence (every row) is the fold of
+        the following summaries; each segment's outgoing gradient comes from the descending fold, then
+        the reverse pass and the prep backward (or ``TorchGDPBackend.cp_backward_apply``)."""
         if not isinstance(backward_context, CuTeDSLBackwardContext):
             return self._fallback.cp_backward_apply(backward_context, following)
-        shard, ctx = backward_context.shard, backward_context
-        layout, heads, key_dim, value_dim = shard.layout, shard.heads, shard.key_dim, shard.value_dim
-        device = shard.q.device
-        count = layout.num_sequences
-        init = torch.zeros(count, heads, value_dim, key_dim, dtype=torch.float32, device=device)
+        ctx = backward_context
+        shard = ctx.shard
+        end_grads = ctx.end_grads
         stacked = None if following is None else _packed_backward_stack(following)
         if stacked is not None and stacked.shape[0]:
-            outgoing = compose_backward(stacked)  # [H, K, V] (packed) or [B, H, K, V] (rows)
+            outgoing = compose_backward(stacked).transpose(-1, -2)  # [H, V, K] (packed) or [B, H, V, K] (rows)
+            end_grads = end_grads.clone()
             if shard.rows:
-                init = outgoing.transpose(-1, -2).contiguous()
+                end_grads += outgoing
             else:
-                init[count - 1] = outgoing.transpose(-1, -2)
-        grad_out = torch.empty(layout.max_segments, heads, value_dim, key_dim, dtype=torch.float32, device=device)
-        kl.SegmentFoldLaunch(
-            kcfg.SegmentFoldConfig(key_dim), summaries=ctx.grad_summaries, seq_first_segment=layout.seq_first_segment,
-            init=init, incoming=grad_out, final=grad_out[:1], init_count=count, value_rows=value_dim,
-            identity_row=value_dim, first_sequence=0, write_final=0, descending=1).run()
-        grads, _ = self._reverse(shard, ctx.do, ctx.incoming, grad_out)
-        return grads
+                end_grads[-1] += outgoing
+        grad_out = self._descending_fold(shard, ctx.grad_summaries, end_grads, final=None)
+        grads, grad_in = self._reverse(shard, ctx.do, ctx.incoming, grad_out)
+        if shard.inputs.initial_state is None:
+            return grads
+        # d initial state: the gradient entering each sequence's first segment (an empty one passes its end's)
+        layout = shard.layout
+        first_segment = layout.seq_first_segment[:-1].long().clamp(max=layout.max_segments - 1)
+        d_initial = grad_in.index_select(0, first_segment)
+        empty = (layout.seq_segments == 0).view(-1, 1, 1, 1)
+        d_initial = torch.where(empty, end_grads, d_initial).transpose(-1, -2).contiguous()
+        return grads._replace(dinitial_state=d_initial)
 
-    # ------------------------------------------------------------------ one device
+    # ------------------------------------------------------------------ one device (through the four functions)
 
     def one_device_forward(self, inputs: GDPInputs, initial_state: torch.Tensor | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor, CPSavedContext]:
-        """-> (o [B, T, H, V], final_state float32 [N, H, K, V], saved context as TorchGDPBackend's)."""
-        if not self._use_kernels(inputs):
-            return self._fallback.one_device_forward(inputs, initial_state)
-        shard = self._shard(inputs, cp_summary=False)
-        num_seqs = shard.layout.num_sequences
-        shape = (num_seqs, shard.heads, shard.key_dim, shard.value_dim)
-        init = None
-        if initial_state is not None:
-            if tuple(initial_state.shape) != shape:
-                raise ValueError(f"initial_state must be [N, H, K, V] = {shape}; received {tuple(initial_state.shape)}")
-            initial_state = initial_state.detach().to(device=shard.q.device, dtype=torch.float32)
-            init = initial_state.transpose(-1, -2).contiguous()
-        incoming = self._fold(shard, init=init, init_count=0 if init is None else num_seqs, rows=shard.value_dim,
-                              identity_row=shard.value_dim, first_sequence=0, final=None)
-        output, state_out = self._output(shard, incoming)
-        # the end state of each sequence's last segment; a sequence without tokens keeps its initial state
-        last_segment = (shard.layout.seq_first_segment[1:] - 1).clamp(min=0).long()
-        final_state = state_out.index_select(0, last_segment).transpose(-1, -2)
-        empty = (shard.layout.seq_segments == 0).view(-1, 1, 1, 1)
-        start = initial_state if initial_state is not None else torch.zeros_like(final_state)
-        final_state = torch.where(empty, start, final_state).contiguous()
-        tensors = (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.cu_seqlens, initial_state)
-        if self.backward == "kernels":  # the segments' incoming states: the reverse pass restarts from them
-            tensors = tensors + (incoming,)
-        saved = CPSavedContext(
-            tensors=tensors,
-            metadata={"scale": float(inputs.scale), "num_householder": int(inputs.num_householder),
-                      "use_qk_l2norm_in_kernel": bool(inputs.use_qk_l2norm_in_kernel),
-                      "recompute_chunk_num": self.recompute_chunk_num})
+        """-> (o [B, T, H, V], final_state float32 [N, H, K, V], saved context): the four functions
+        with no neighbours (what ``torch_api.gated_delta_product`` runs)."""
+        inputs = replace(inputs, initial_state=initial_state, output_final_state=True)
+        _, local = self.cp_forward_prepare(inputs)
+        (output, final_state), saved = self.cp_forward_apply(local, None)
         return output, final_state, saved
 
     def one_device_backward(self, output_grad, final_state_grad, saved_context: CPSavedContext):
-        """-> (GDPInputGradients, d initial state [N, H, K, V] float32): on the backward kernels when
-        the forward saved the segment states for them (``backward="kernels"``), else
-        ``TorchGDPBackend.one_device_backward`` (a recomputation from the saved inputs)."""
-        if len(saved_context.tensors) != 8:
-            return self._fallback.one_device_backward(output_grad, final_state_grad, saved_context)
-        q, k, v, g, beta, cu_seqlens, initial_state, incoming = saved_context.tensors
-        metadata = saved_context.metadata
-        inputs = GDPInputs(q, k, v, g, beta, metadata["scale"], metadata["num_householder"],
-                           metadata["use_qk_l2norm_in_kernel"], cu_seqlens)
-        shard = self._shard(inputs, cp_summary=False, summaries=False)
+        """-> (GDPInputGradients, dL/d initial state [N, H, K, V] float32 or None) for a
+        ``one_device_forward`` context."""
+        _, context = self.cp_backward_prepare((output_grad, final_state_grad), saved_context)
+        grads = self.cp_backward_apply(context, None)
+        return grads._replace(dinitial_state=None), grads.dinitial_state
+
+    def _descending_fold(self, shard: _Shard, grad_summaries: torch.Tensor, end_grads: torch.Tensor, *,
+                         final: torch.Tensor | None) -> torch.Tensor:
+        """segment_fold, last segment first, from each sequence's end gradient [N, H, V, K] -> the
+        outgoing gradient of every segment [S_max, H, V, K] (and ``final``: each sequence's start)."""
         layout, heads, key_dim, value_dim = shard.layout, shard.heads, shard.key_dim, shard.value_dim
-        num_seqs = layout.num_sequences
-        do = torch.zeros_like(shard.q[..., :1].expand(-1, -1, value_dim)) if output_grad is None \
-            else _flat(output_grad.to(shard.q.dtype))
-        # the outgoing state gradient of every segment: backward summaries, folded last to first
-        grad_summaries = torch.empty_like(shard.summaries)
-        self._gamma(shard, do, grad_summaries)
-        init = None
-        if final_state_grad is not None:
-            init = final_state_grad.to(device=shard.q.device, dtype=torch.float32).transpose(-1, -2).contiguous()
         grad_out = torch.empty(layout.max_segments, heads, value_dim, key_dim, dtype=torch.float32,
                                device=shard.q.device)
         kl.SegmentFoldLaunch(
             kcfg.SegmentFoldConfig(key_dim), summaries=grad_summaries, seq_first_segment=layout.seq_first_segment,
-            init=grad_out[:1] if init is None else init, incoming=grad_out, final=grad_out[:1],
-            init_count=0 if init is None else num_seqs, value_rows=value_dim, identity_row=value_dim,
-            first_sequence=0, write_final=0, descending=1).run()
-        grads, grad_in = self._reverse(shard, do, incoming, grad_out)
-        # d initial state: the gradient entering each sequence's first segment (its own for empty ones)
-        first_segment = layout.seq_first_segment[:-1].long().clamp(max=layout.max_segments - 1)
-        d_initial = grad_in.index_select(0, first_segment).transpose(-1, -2)
-        empty = (layout.seq_segments == 0).view(-1, 1, 1, 1)
-        d_end = torch.zeros_like(d_initial) if final_state_grad is None else final_state_grad.float()
-        return grads, torch.where(empty, d_end, d_initial).contiguous()
+            init=end_grads, incoming=grad_out, final=grad_out[:1] if final is None else final,
+            init_count=end_grads.shape[0], value_rows=value_dim, identity_row=value_dim, first_sequence=0,
+            write_final=int(final is not None), descending=1).run()
+        return grad_out
 
     def _gamma(self, shard: _Shard, do: torch.Tensor, summaries: torch.Tensor) -> None:
         layout = shard.layout
@@ -500,6 +503,25 @@ class CuTeDSLGatedDeltaProductCPBackend:
         grads = GDPInputGradients(shaped(dq, inputs.q), shaped(dk, inputs.k), shaped(dv, inputs.v),
                                   shaped(dg, inputs.g), shaped(dbeta, inputs.beta))
         return grads, grad_in
+
+
+def _initial_states(inputs: GDPInputs) -> torch.Tensor | None:
+    """float32 [N, H, K, V] of ``inputs.initial_state`` (shape checked), or None."""
+    if inputs.initial_state is None:
+        return None
+    expected = inputs.state_shape
+    if tuple(inputs.initial_state.shape) != expected:
+        raise ValueError(f"initial_state must be [N, H, K, V] = {expected}; received {tuple(inputs.initial_state.shape)}")
+    return inputs.initial_state.detach().to(device=inputs.q.device, dtype=torch.float32)
+
+
+def _final_states(shard: _Shard, state_out: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """The end state of each sequence's last segment [N, H, K, V]; an empty sequence keeps ``start``."""
+    layout = shard.layout
+    last_segment = (layout.seq_first_segment[1:] - 1).clamp(min=0).long()
+    final_state = state_out.index_select(0, last_segment).transpose(-1, -2)
+    empty = (layout.seq_segments == 0).view(-1, 1, 1, 1)
+    return torch.where(empty, start, final_state).contiguous()
 
 
 def _packed_backward_stack(following) -> torch.Tensor | None:

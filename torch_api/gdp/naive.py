@@ -1,6 +1,6 @@
 """The Gated DeltaProduct recurrence token by token, in torch (DESIGN.md §2).
 
-Slow and obvious on purpose: differentiable, runs in the input dtype (use float64 as the autograd
+Slow and obvious on purpose (the test oracle with autograd; ``cp_linear.reference`` is the float64 numpy one): differentiable, runs in the input dtype (use float64 as the autograd
 oracle in tests), one Python step per token and Householder step.
 q [B, T, H, K], k [B, T*n_h, H, K], v [B, T*n_h, H, V], g [B, T, H], beta [B, T*n_h, H];
 initial_state [N, H, K, V] (N sequences: B rows, or the entries of cu_seqlens when B = 1).
@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import torch
 
-L2NORM_EPS = 1e-6
+from cp_linear.gdp import L2NORM_EPS
 
 
 def naive_gated_delta_product(q, k, v, g, beta, *, scale=None, num_householder=1, initial_state=None,
                               cu_seqlens=None, use_qk_l2norm_in_kernel=False):
+    if g is None:  # no gate
+        g = q.new_zeros(q.shape[:3])
     if use_qk_l2norm_in_kernel:
         q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + L2NORM_EPS)
         k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + L2NORM_EPS)

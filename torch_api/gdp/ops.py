@@ -5,34 +5,54 @@ flash-linear-attention's ``chunk_gated_delta_product(..., output_final_state=Tru
 o [B, T, H, V] in q's dtype, final_state float32 [N, H, K, V] (N = B, or the number of sequences
 in ``cu_seqlens``). Gradients flow to q, k, v, g, beta and ``initial_state``.
 
-A backend serves this op through two methods beyond the CP protocol (``TorchGDPBackend`` has them):
-    one_device_forward(inputs, initial_state) -> (o, final_state, CPSavedContext)
-    one_device_backward(output_grad | None, final_state_grad | None, saved) -> (GDPInputGradients, d_initial)
+The op runs through the backend's four functions (``cp_linear.protocol``) with empty neighbour
+stacks: the inputs carry the per-sequence initial states and ask for the final states
+(``cp_linear.gdp.GDPInputs``), so ``cp_forward_apply`` returns ``(o, final_state)`` and
+``cp_backward_prepare`` takes ``(do, d_final_state)``. A backend without those sequence states
+(``supports_sequence_states``; the CuTeDSL forward today) is served through its own
+``one_device_forward`` / ``one_device_backward`` until it gains them.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
+from cp_linear.gdp import GDPInputs, cu_seqlens_error
 from cp_linear.protocol import CPSavedContext
+from cp_linear.summary import as_packed_array
 from cp_linear.validation import GDP_VALUE_CHECKS, NONFINITE, nonfinite_rows, poison
 from torch_api.gdp.isolation import bad_tokens, sanitized, sequence_bad, sequence_start_index, token_poison
-from torch_api.gdp.types import GDPInputs, float32_region
-from torch_api.gdp.validation import (
-    cu_seqlens_value_error,
-    gdp_input_error,
-    gdp_value_flags,
-    nonfinite_flags,
-    raise_failed_checks,
-)
+from torch_api.gdp.types import float32_region
+from torch_api.gdp.validation import gdp_input_error, gdp_value_flags, nonfinite_flags, raise_failed_checks
+
+
+def _empty_stack(summary) -> torch.Tensor:
+    """[0, ...] neighbour summaries shaped like ``summary`` (no rank before or after)."""
+    packed = as_packed_array(summary)
+    return packed.new_empty((0, *packed.shape))
+
+
+def gate_or_zeros(g, q: torch.Tensor) -> torch.Tensor:
+    """``g`` as given, or zeros [B, T, H] float32 for no gate (``g=None``, as in flash-linear-attention)."""
+    if g is None and isinstance(q, torch.Tensor) and q.dim() == 4:
+        return torch.zeros(q.shape[:3], dtype=torch.float32, device=q.device)
+    return g
 
 
 class _GatedDeltaProduct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, backend, options, q, k, v, g, beta, initial_state):
         inputs = GDPInputs(q, k, v, g, beta, **options)
+        ctx.protocol = bool(getattr(backend, "supports_sequence_states", False))
         with float32_region(q.device):
-            output, final_state, saved = backend.one_device_forward(inputs, initial_state)
+            if ctx.protocol:
+                inputs = replace(inputs, initial_state=initial_state, output_final_state=True)
+                summary, local = backend.cp_forward_prepare(inputs)
+                (output, final_state), saved = backend.cp_forward_apply(local, _empty_stack(summary))
+            else:
+                output, final_state, saved = backend.one_device_forward(inputs, initial_state)
         ctx.backend = backend
         ctx.saved_metadata = saved.metadata
         ctx.initial_dtype = None if initial_state is None else initial_state.dtype
@@ -47,36 +67,47 @@ class _GatedDeltaProduct(torch.autograd.Function):
         saved = CPSavedContext(tuple(ctx.saved_tensors), ctx.saved_metadata)
         device = (output_grad if output_grad is not None else final_state_grad).device
         with float32_region(device):
-            grads, initial_grad = ctx.backend.one_device_backward(output_grad, final_state_grad, saved)
+            if ctx.protocol:
+                summary, context = ctx.backend.cp_backward_prepare((output_grad, final_state_grad), saved)
+                grads = ctx.backend.cp_backward_apply(context, _empty_stack(summary))
+                initial_grad = grads.dinitial_state
+            else:
+                grads, initial_grad = ctx.backend.one_device_backward(output_grad, final_state_grad, saved)
         initial_grad = None if ctx.initial_dtype is None else initial_grad.to(ctx.initial_dtype)
         return None, None, grads.dq, grads.dk, grads.dv, grads.dg, grads.dbeta, initial_grad
 
 
 def gated_delta_product(q, k, v, g, beta, *, scale=None, num_householder=1, cu_seqlens=None,
                         initial_state=None, use_qk_l2norm_in_kernel=False, backend=None, check_inputs=True):
-    """Gated DeltaProduct on one device (DESIGN.md §2), differentiable.
+    """Gated DeltaProduct on one device (DESIGN.md §2 in docs/design.md), differentiable.
 
-    q [B, T, H, K], k [B, T*n_h, H, K], v [B, T*n_h, H, V], g [B, T, H] (log decay),
-    beta [B, T*n_h, H]; fp32 / bf16 / fp16. cu_seqlens int [N + 1] for a packed batch (B = 1),
-    read once on the host for validation; initial_state [N, H, K, V] (zeros when None).
+    q [B, T, H, K], k [B, T*n_h, H, K], v [B, T*n_h, H, V], g [B, T, H] (log decay; None = no
+    gate), beta [B, T*n_h, H]; fp32 / bf16 / fp16. cu_seqlens int [N + 1] for a packed batch
+    (B = 1), nondecreasing (an empty sequence keeps its initial state), read once on the host for
+    validation; initial_state [N, H, K, V] (zeros when None).
     Returns (o [B, T, H, V], final_state float32 [N, H, K, V]). K ≤ 256, V ≤ 512.
 
     check_inputs: reject NaN/Inf (inputs and initial_state), g > 0 and beta outside [0, 2] with a
     ValueError (one host read per call). With False nothing is read and non-finite inputs are
     contained: the outputs and final states that depend on them are NaN, the rest exact
-    (``torch_api.gdp.isolation``).
+    (``torch_api.gdp.isolation``, docs/failure_modes.md).
     """
     from torch_api.gdp.chunk import TorchGDPBackend
 
     backend = TorchGDPBackend() if backend is None else backend
-    for method in ("one_device_forward", "one_device_backward"):
+    protocol = getattr(backend, "supports_sequence_states", False)
+    methods = ("cp_forward_prepare", "cp_forward_apply", "cp_backward_prepare", "cp_backward_apply") if protocol \
+        else ("one_device_forward", "one_device_backward")
+    for method in methods:
         if not callable(getattr(backend, method, None)):
-            raise ValueError(f"backend {type(backend).__name__} has no {method}(); "
-                             "gated_delta_product needs a backend with the one-device methods (TorchGDPBackend)")
+            raise ValueError(f"backend {type(backend).__name__} has no {method}(); gated_delta_product needs the "
+                             "four-function protocol with sequence states (TorchGDPBackend) or the one-device methods")
+    gate_given = g is not None
+    g = gate_or_zeros(g, q)
     scale = q.shape[-1] ** -0.5 if scale is None and isinstance(q, torch.Tensor) else scale
     error = gdp_input_error(q, k, v, g, beta, num_householder=num_householder, scale=scale, cu_seqlens=cu_seqlens)
     if error is None and cu_seqlens is not None:
-        error = cu_seqlens_value_error(cu_seqlens, q.shape[1])
+        error = cu_seqlens_error(cu_seqlens.tolist(), q.shape[1])
     if error is None and initial_state is not None:
         sequences = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
         expected = (sequences, q.shape[2], q.shape[3], v.shape[3])
@@ -99,6 +130,7 @@ def gated_delta_product(q, k, v, g, beta, *, scale=None, num_householder=1, cu_s
         cu_seqlens = cu_seqlens.to(q.device)
     options = dict(scale=float(scale), num_householder=num_householder,
                    use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel), cu_seqlens=cu_seqlens)
+    g = g if gate_given else g.detach()
     if check_inputs:
         return _GatedDeltaProduct.apply(backend, options, q, k, v, g, beta, initial_state)
     return _contained(backend, options, q, k, v, g, beta, initial_state)

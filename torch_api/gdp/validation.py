@@ -11,10 +11,11 @@ import struct
 
 import torch
 
-from cp_linear.reference import check_gdp_shapes
-from cp_linear.validation import MAX_KEY_DIM, describe_failed, gdp_dims_error  # noqa: F401 (re-export)
+from cp_linear.gdp import MAX_KEY_DIM, check_gdp_shapes  # noqa: F401 (MAX_KEY_DIM re-exported)
+from cp_linear.validation import describe_failed, gdp_dims_error
 from cp_linear.validation import gdp_value_flags as core_gdp_value_flags
 from torch_api._dist import nonfinite_flags, read_value_flags, value_flags_tensor  # noqa: F401 (re-export)
+
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
 
@@ -53,7 +54,7 @@ def gdp_input_error(q, k, v, g, beta, *, num_householder, scale, cu_seqlens=None
         return f"inputs must live on one device; received {devices}"
     if not isinstance(scale, (int, float)) or not math.isfinite(scale):
         return f"scale must be a finite float; received {scale!r}"
-    if cu_seqlens is not None:
+    if cu_seqlens is not None:  # the values are read by the one-device op only (cp_linear.gdp.cu_seqlens_error)
         if not isinstance(cu_seqlens, torch.Tensor):
             return f"cu_seqlens must be a torch.Tensor; received {type(cu_seqlens).__name__}"
         if batch != 1:
@@ -62,14 +63,6 @@ def gdp_input_error(q, k, v, g, beta, *, num_householder, scale, cu_seqlens=None
             return f"cu_seqlens must be 1-D with at least 2 entries; received shape {tuple(cu_seqlens.shape)}"
         if cu_seqlens.dtype not in (torch.int32, torch.int64):
             return f"cu_seqlens must be int32 or int64; received {cu_seqlens.dtype}"
-    return None
-
-
-def cu_seqlens_value_error(cu_seqlens: torch.Tensor, tokens: int) -> str | None:
-    """Values of cu_seqlens: strictly increasing from 0 to T. Reads the (small) tensor on the host."""
-    values = cu_seqlens.tolist()
-    if values[0] != 0 or values[-1] != tokens or any(b <= a for a, b in zip(values, values[1:])):
-        return f"cu_seqlens must rise strictly from 0 to T = {tokens}; received {values}"
     return None
 
 

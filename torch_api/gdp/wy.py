@@ -4,9 +4,9 @@ Vocabulary
   step     one Householder update. Token t owns steps t*n_h .. t*n_h + n_h - 1; its gate g[t] sits
            on the first step and q[t] is read on the last (DESIGN.md §2), so GDP over T tokens is a
            gated delta rule over S = T*n_h steps.
-  chunk    C consecutive steps (64) of ONE sequence. Every sequence starts a new chunk; the tail of
-           its last chunk is padded with identity steps (q = k = v = 0, beta = 0, g = 0), which
-           leave the state unchanged and whose outputs are dropped.
+  chunk    at most C consecutive steps (64) of ONE sequence, as ``cp_linear.chunking`` lays them out
+           (the one layout of every backend). Unfilled slots hold identity steps (q = k = v = 0,
+           beta = 0, g = 0), which leave the state unchanged and whose outputs are dropped.
   chunk-major layout  [NC, B, H, C, D]: chunk index first, so the state recurrences read one
            contiguous [B, H, ...] block per chunk.
   state entering chunk c   S_c [B, H, K, V]; the chunk ends in ``transition_c @ S_c + update_c``
@@ -18,8 +18,8 @@ second sequence (67 steps) starts at chunk 1::
     chunk 0: steps 0..2 of seq 0, then 61 padding steps      keep[0] = 0 (chunk 1 starts seq 1)
     chunk 1: steps 0..63 of seq 1                            keep[1] = 1
     chunk 2: steps 64..66 of seq 1, then padding
-The number of chunks is the static bound ceil(S / C) + N - 1 (extra chunks are all padding), so
-the layout is built on the device from cu_seqlens without a host read.
+The number of chunk slots is the static bound ``cp_linear.chunking.max_chunks`` (extra slots are
+all padding), so the layout is built on the device from cu_seqlens without a host read.
 """
 
 from __future__ import annotations
@@ -29,11 +29,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-L2NORM_EPS = 1e-6
+from cp_linear.chunking import chunk_layout
+from cp_linear.gdp import L2NORM_EPS
 
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + 1e-6) over the last axis (the same eps as cp_linear.reference)."""
+    """x / sqrt(sum(x^2) + L2NORM_EPS) over the last axis (``cp_linear.gdp``)."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
 
 
@@ -65,77 +66,77 @@ def last_steps(per_step: torch.Tensor, num_householder: int) -> torch.Tensor:
 # --------------------------------------------------------------------------- layout
 
 
+def _as_tensor(x, device) -> torch.Tensor:
+    return x.to(device=device, dtype=torch.int64)
+
+
 @dataclass(frozen=True)
-class ChunkLayout:
-    """Where every step of a shard sits in the chunk-major layout, and where sequences begin.
+class ChunkPlacement:
+    """The torch view of ``cp_linear.chunking.ChunkLayout``: index tensors that move a shard between
+    its steps [B, S, ...] and the chunk-major layout [NC, B, H, C, D], and the per-sequence bookkeeping
+    of the recurrence.
 
     Two modes:
-      rows    (``slot is None``): each of the B rows is one sequence; steps are padded at the end.
-      packed  (B = 1, N ≥ 2 sequences from cu_seqlens): each sequence starts a new chunk.
-    N, the number of sequences, is B in rows mode.
+      rows    (``cu_seqlens`` None): each of the B rows is one sequence; one layout serves every row
+      packed  (B = 1): N sequences from ``cu_seqlens`` (possibly empty), each starting a chunk
 
-    slot         int64 [S]   packed: index of each step in the padded axis (chunk * C + offset)
-    keep         float32 [NC]  packed: 0 where the next chunk starts a new sequence, else 1
-    first_chunk  int64 [N]   packed: first chunk of each sequence
-    last_chunk   int64 [N]   packed: last chunk of each sequence
+    source   int64 [NC * C]: the step each slot holds (S = padding); ``slot`` int64 [S]: the inverse
+    keep     float32 [NC]: 0 where the next chunk starts a new sequence, else 1
+    starts   bool [NC]: the chunk starts a sequence; ``chunk_seq`` int64 [NC] its sequence
+    first_chunk, last_chunk int64 [N]; nonempty bool [N]
     """
 
+    rows: bool
     batch: int
     steps: int
     num_chunks: int
     chunk_size: int
     num_sequences: int
-    slot: torch.Tensor | None = None
-    keep: torch.Tensor | None = None
-    first_chunk: torch.Tensor | None = None
-    last_chunk: torch.Tensor | None = None
+    source: torch.Tensor
+    slot: torch.Tensor
+    keep: torch.Tensor
+    starts: torch.Tensor
+    chunk_seq: torch.Tensor
+    first_chunk: torch.Tensor
+    last_chunk: torch.Tensor
+    nonempty: torch.Tensor
 
     @classmethod
     def build(cls, batch: int, steps: int, num_householder: int, cu_seqlens: torch.Tensor | None,
-              chunk_size: int, device: torch.device) -> "ChunkLayout":
-        """cu_seqlens: token boundaries int [N + 1] of a packed batch (B = 1), or None for rows."""
-        rows_chunks = -(-steps // chunk_size)
-        if cu_seqlens is None or cu_seqlens.shape[0] == 2:  # one sequence per row
-            return cls(batch, steps, rows_chunks, chunk_size, num_sequences=batch)
-        count = cu_seqlens.shape[0] - 1
-        bounds = cu_seqlens.to(device=device, dtype=torch.int64) * num_householder  # step boundaries
-        lengths = bounds[1:] - bounds[:-1]
-        chunks = (lengths + chunk_size - 1) // chunk_size
-        last_chunk = torch.cumsum(chunks, 0) - 1
-        first_chunk = last_chunk + 1 - chunks
-        # ceil(a/C) + ceil(b/C) <= ceil((a+b)/C) + 1, so N sequences need at most this many chunks.
-        num_chunks = rows_chunks + count - 1
-        step = torch.arange(steps, device=device)
-        seq = torch.searchsorted(bounds[1:], step, right=True)
-        slot = first_chunk[seq] * chunk_size + (step - bounds[seq])
-        keep = torch.ones(num_chunks, dtype=torch.float32, device=device)
-        keep.index_fill_(0, first_chunk[1:] - 1, 0.0)
-        return cls(batch, steps, num_chunks, chunk_size, count, slot, keep, first_chunk, last_chunk)
-
-    @property
-    def packed(self) -> bool:
-        return self.slot is not None
+              chunk_size: int, device: torch.device) -> "ChunkPlacement":
+        """cu_seqlens: token offsets int [N + 1] of a packed row (B = 1), or None for rows."""
+        rows = cu_seqlens is None
+        tokens = steps // num_householder
+        if rows:
+            cu_seqlens = torch.tensor([0, tokens], dtype=torch.int32, device=device)
+        layout, bounds = chunk_layout(cu_seqlens.to(device=device, dtype=torch.int32), total_steps=steps,
+                                      num_householder=num_householder, chunk_size=chunk_size)
+        starts = layout.starts_sequence()
+        keep = torch.ones(layout.num_slots, dtype=torch.float32, device=device)
+        if layout.num_slots > 1:
+            keep[:-1] = (~starts[1:]).float()
+        return cls(rows=rows, batch=batch, steps=steps, num_chunks=layout.num_slots, chunk_size=chunk_size,
+                   num_sequences=batch if rows else layout.num_sequences,
+                   source=_as_tensor(layout.slot_source(), device), slot=_as_tensor(layout.step_slot(bounds), device),
+                   keep=keep, starts=starts, chunk_seq=_as_tensor(layout.chunk_seq, device),
+                   first_chunk=_as_tensor(layout.first_chunk(), device),
+                   last_chunk=_as_tensor(layout.last_chunk(), device), nonempty=layout.sequence_nonempty())
 
     def to_chunks(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, S, H, D] (or [B, S, H]) -> [NC, B, H, C, D] (or [NC, B, H, C]), zero padded."""
+        """[B, S, H, D] (or [B, S, H]) -> [NC, B, H, C, D] (or [NC, B, H, C]), padding slots zero."""
         squeeze = x.dim() == 3
         if squeeze:
             x = x.unsqueeze(-1)
         batch, _, heads, dim = x.shape
-        padded_len = self.num_chunks * self.chunk_size
-        if self.packed:
-            padded = x.new_zeros(batch, padded_len, heads, dim).index_copy(1, self.slot, x)
-        else:
-            padded = F.pad(x, (0, 0, 0, 0, 0, padded_len - self.steps))
+        padded = torch.cat([x, x.new_zeros(batch, 1, heads, dim)], dim=1).index_select(1, self.source)
         chunked = padded.view(batch, self.num_chunks, self.chunk_size, heads, dim).permute(1, 0, 3, 2, 4)
         chunked = chunked.contiguous()
         return chunked.squeeze(-1) if squeeze else chunked
 
     def from_chunks(self, y: torch.Tensor) -> torch.Tensor:
-        """[NC, B, H, C, D] -> [B, S, H, D] (drops the padding steps)."""
+        """[NC, B, H, C, D] -> [B, S, H, D] (drops the padding slots)."""
         nc, batch, heads, chunk, dim = y.shape
-        padded = y.permute(1, 0, 3, 2, 4).reshape(batch, nc * chunk, heads, dim)
-        return padded.index_select(1, self.slot) if self.packed else padded[:, : self.steps]
+        return y.permute(1, 0, 3, 2, 4).reshape(batch, nc * chunk, heads, dim).index_select(1, self.slot)
 
     # -- sequences: initial and final states ([N, H, K, V]) <-> recurrence coordinates ([B, H, K, V])
 
@@ -143,34 +144,42 @@ class ChunkLayout:
         """[N, H, K, V] -> (state entering chunk 0 [B, H, K, V], reset states [NC, B, H, K, V] or None).
 
         ``resets[c]`` is the initial state of the sequence that starts at chunk c + 1 (else 0)."""
-        if not self.packed:
+        if self.rows:
             return initial_state, None
+        entering = initial_state.index_select(0, self.chunk_seq[:1])
         resets = initial_state.new_zeros(self.num_chunks, *initial_state.shape[1:])
-        resets.index_copy_(0, self.first_chunk[1:] - 1, initial_state[1:])
-        return initial_state[:1], resets.unsqueeze(1)
+        if self.num_chunks > 1:
+            starting = initial_state.index_select(0, self.chunk_seq[1:])
+            resets[:-1] = starting * self.starts[1:].view(-1, 1, 1, 1).to(starting.dtype)
+        return entering, resets.unsqueeze(1)
 
-    def final_states(self, transition, update, states) -> torch.Tensor:
-        """State at the end of every sequence [N, H, K, V] from the recurrence's states [NC + 1, B, ...]."""
-        if not self.packed:
+    def final_states(self, transition, update, states, initial_state: torch.Tensor) -> torch.Tensor:
+        """State at the end of every sequence [N, H, K, V] from the recurrence's states [NC + 1, B, ...];
+        an empty sequence ends in its initial state."""
+        if self.rows:
             return states[-1]
         last = self.last_chunk
         ends = transition.index_select(0, last) @ states.index_select(0, last) + update.index_select(0, last)
-        return ends[:, 0]
+        return torch.where(self.nonempty.view(-1, 1, 1, 1), ends[:, 0], initial_state)
 
     def final_state_grads(self, final_state_grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """dL/d(final states) [N, H, K, V] -> (gradient after the last chunk [B, H, K, V],
         extra gradients on each chunk's end state [NC, B, H, K, V] or None)."""
-        if not self.packed:
+        if self.rows:
             return final_state_grad, None
         inject = final_state_grad.new_zeros(self.num_chunks, *final_state_grad.shape[1:])
-        inject.index_copy_(0, self.last_chunk, final_state_grad)
+        mask = self.nonempty.view(-1, 1, 1, 1).to(final_state_grad.dtype)
+        inject.index_add_(0, self.last_chunk, final_state_grad * mask)
         return torch.zeros_like(final_state_grad[:1]), inject.unsqueeze(1)
 
-    def initial_state_grads(self, state_grads: torch.Tensor) -> torch.Tensor:
-        """dL/d(state entering each chunk) [NC + 1, B, H, K, V] -> dL/d(initial states) [N, H, K, V]."""
-        if not self.packed:
+    def initial_state_grads(self, state_grads: torch.Tensor, final_state_grad: torch.Tensor | None) -> torch.Tensor:
+        """dL/d(state entering each chunk) [NC + 1, B, H, K, V] -> dL/d(initial states) [N, H, K, V]
+        (an empty sequence passes its final-state gradient straight through)."""
+        if self.rows:
             return state_grads[0]
-        return state_grads.index_select(0, self.first_chunk)[:, 0]
+        entering = state_grads.index_select(0, self.first_chunk)[:, 0]
+        through = torch.zeros_like(entering) if final_state_grad is None else final_state_grad
+        return torch.where(self.nonempty.view(-1, 1, 1, 1), entering, through)
 
 
 # --------------------------------------------------------------------------- per-chunk math
@@ -254,15 +263,18 @@ def forward_states(transition, update, initial, *, keep=None, resets=None) -> to
     return states.view(num_chunks + 1, *update.shape[1:])
 
 
-def fold_summary(transition, update, *, keep=None) -> torch.Tensor:
+def fold_summary(transition, update, *, keep=None, resets=None) -> torch.Tensor:
     """``[E | M]`` [B, H, K, V + K] of all chunks: the recurrence run on ``[S | I]`` from ``[0 | I]``.
 
-    E is the state after the last chunk from a zero incoming state (later sequences start from 0);
-    M = d(state after the last chunk) / d(incoming state), zero once a new sequence started.
+    E is the state after the last chunk from a zero incoming state (a later sequence starts from its
+    reset state, zero under CP); M = d(state after the last chunk) / d(incoming state), zero once a
+    new sequence started.
     """
     if keep is not None:
         kept = keep.view(-1, 1, 1, 1, 1) > 0
         transition, update = torch.where(kept, transition, 0.0), torch.where(kept, update, 0.0)
+    if resets is not None:
+        update = update + resets
     matrices, offsets = _per_chunk(transition), _per_chunk(update)
     value_dim = update.shape[-1]
     blocks, key_dim = offsets.shape[1], offsets.shape[2]
