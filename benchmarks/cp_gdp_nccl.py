@@ -1,6 +1,11 @@
-"""Two-rank NCCL check and timing of the CuTeDSL GDP forward under context parallelism.
+"""Two-rank NCCL check and timing of the CuTeDSL GDP forward (and backward) under context parallelism.
 
-    NCCL_NVLS_ENABLE=0 python benchmarks/cp_gdp_nccl.py [--tokens 65536] [--world 2] [--timeout 300]
+    NCCL_NVLS_ENABLE=0 python benchmarks/cp_gdp_nccl.py [--tokens 65536] [--world 2] [--timeout 300] [--backward]
+
+With ``--backward`` the backend runs the kernel backward (``backward="kernels"``) and each rank
+also checks its five input gradients of a CP forward + backward against the one-device kernel
+gradients of the same tokens, then times the CP step (forward + backward) against the one-device
+step.
 
 Each rank holds T / world tokens of one packed batch: first documents of several lengths (one
 crossing the rank boundary), then a single document spanning every rank. The CP forward (``chunkwise_cp_forward`` with
@@ -61,7 +66,7 @@ def _median_ms(fn, group, repeat=10, warmup=3):
     return statistics.median(times)
 
 
-def _rank_main(rank, world, port, tokens, heads, dim, nh):
+def _rank_main(rank, world, port, tokens, heads, dim, nh, backward):
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -69,6 +74,8 @@ def _rank_main(rank, world, port, tokens, heads, dim, nh):
     q, k, v, g, beta = _inputs(tokens, heads, dim, nh)
     for lengths in (_lengths(tokens), [tokens]):  # packed documents; one document spanning every rank
         _check_and_time(rank, world, tokens, heads, dim, nh, lengths, q, k, v, g, beta)
+        if backward:
+            _check_and_time_backward(rank, world, tokens, heads, dim, nh, lengths, q, k, v, g, beta)
     dist.barrier(dist.group.WORLD)
     dist.destroy_process_group()
 
@@ -121,6 +128,63 @@ def _check_and_time(rank, world, tokens, heads, dim, nh, lengths, q, k, v, g, be
               flush=True)
 
 
+def _check_and_time_backward(rank, world, tokens, heads, dim, nh, lengths, q, k, v, g, beta):
+    from torch_api import GDPInputs, chunkwise_cp_backward, chunkwise_cp_forward
+    from torch_api.gdp.cutedsl import CuTeDSLGatedDeltaProductCPBackend
+
+    group = dist.group.WORLD
+    backend = CuTeDSLGatedDeltaProductCPBackend(backward="kernels")
+    seq_idx = np.repeat(np.arange(len(lengths)), lengths).reshape(1, -1)
+    meta = build_packed_sequence_cp_metadata(seq_idx, rank, world)
+    local = tokens // world
+    tok, stp = slice(rank * local, (rank + 1) * local), slice(rank * local * nh, (rank + 1) * local * nh)
+    cu_local = torch.tensor(meta.local_cu_seqlens, dtype=torch.int32, device="cuda")
+    shard = GDPInputs(q[:, tok].contiguous(), k[:, stp].contiguous(), v[:, stp].contiguous(), g[:, tok].contiguous(),
+                      beta[:, stp].contiguous(), dim ** -0.5, nh, True, cu_local)
+    preceding, following = slice(meta.preceding_rank_start, rank), slice(rank + 1, meta.following_rank_stop)
+    cu_full = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device="cuda")
+    full = GDPInputs(q, k, v, g, beta, dim ** -0.5, nh, True, cu_full)
+    do_full = torch.randn(*q.shape[:3], v.shape[-1], device="cuda",
+                          generator=torch.Generator(device="cuda").manual_seed(1)).bfloat16()
+    do = do_full[:, tok].contiguous()
+
+    def cp_step(check=True):
+        result = chunkwise_cp_forward(backend, shard, group, preceding, check_inputs=check)
+        return chunkwise_cp_backward(backend, do, result.saved_context, group, following, check_inputs=check)
+
+    def one_gpu_step():
+        _, _, saved = backend.one_device_forward(full)
+        return backend.one_device_backward(do_full, None, saved)[0]
+
+    with torch.no_grad():
+        grads, reference = cp_step(), one_gpu_step()
+        errs = []
+        for name, got, ref, span in (("dq", grads.dq, reference.dq, tok), ("dk", grads.dk, reference.dk, stp),
+                                     ("dv", grads.dv, reference.dv, stp), ("dg", grads.dg, reference.dg, tok),
+                                     ("dbeta", grads.dbeta, reference.dbeta, stp)):
+            ref = ref[:, span].float()
+            errs.append((name, ((got.float() - ref).norm() / ref.norm()).item()))
+        again = cp_step()
+        repeatable = all(torch.equal(a, b) for a, b in zip(grads, again) if a is not None)
+        t_cp = _median_ms(lambda: cp_step(check=False), group)
+        t_one = _median_ms(one_gpu_step, group)
+        peak = torch.cuda.max_memory_allocated() / 2 ** 30
+    results = [None] * world
+    dist.all_gather_object(results, (rank, errs, repeatable, t_cp, t_one, peak))
+    if rank == 0:
+        print(f"fwd + bwd (backward='kernels'), documents {lengths}, {world} ranks")
+        print(f"{'rank':>4} {'CP step ms':>11} {'1-GPU step ms':>14} {'bitwise repeat':>15} {'peak GiB':>9}  "
+              "grad rel err vs 1 GPU")
+        for r, e, rep, tc, to, pk in results:
+            print(f"{r:>4} {tc:>11.3f} {to:>14.3f} {str(rep):>15} {pk:>9.2f}  "
+                  + " ".join(f"{n} {x:.2e}" for n, x in e))
+        worst = max(x for r in results for _, x in r[1])
+        slowest = max(r[3] for r in results)
+        print(f"CP step (slowest rank) {slowest:.3f} ms vs one GPU {results[0][4]:.3f} ms = "
+              f"{results[0][4] / slowest:.2f}x faster; max grad rel err {worst:.2e} -> "
+              f"{'PASS' if worst < 1e-2 and all(r[2] for r in results) else 'FAIL'}\n", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=65536)
@@ -129,13 +193,15 @@ def main() -> int:
     parser.add_argument("--nh", type=int, default=2)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--backward", action="store_true", help="also check and time forward + backward")
     args = parser.parse_args()
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     if torch.cuda.device_count() < args.world:
         print(f"needs {args.world} GPUs; found {torch.cuda.device_count()}")
         return 2
     port = 29500 + os.getpid() % 1000
-    context = mp.start_processes(_rank_main, args=(args.world, port, args.tokens, args.heads, args.dim, args.nh),
+    context = mp.start_processes(_rank_main, args=(args.world, port, args.tokens, args.heads, args.dim, args.nh,
+                                                             args.backward),
                                  nprocs=args.world, join=False, start_method="spawn")
     deadline = time.time() + args.timeout
     while not context.join(timeout=5):

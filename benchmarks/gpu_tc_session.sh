@@ -34,5 +34,5 @@ if [ -n "${NCU:-}" ]; then
     python3 benchmarks/bench_gdp_fwd.py --out "$out/ncu" --repeat 1 --no-fla --cases 1x32768:2 > "$out/ncu.log" 2>&1
 fi
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
-  timeout 150 python3 benchmarks/cp_gdp_nccl.py --tokens 65536 --timeout 140 2>&1 | tee "$out/cp_nccl.log"
+  timeout 250 python3 benchmarks/cp_gdp_nccl.py --tokens 65536 --timeout 240 --backward 2>&1 | tee "$out/cp_nccl.log"
 fi

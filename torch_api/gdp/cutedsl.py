@@ -156,16 +156,19 @@ class CuTeDSLGatedDeltaProductCPBackend:
     (0: the measured choice of ``launch.scan_row_block``; 64 runs two 4-warp CTAs per SM where 128
     runs one 8-warp CTA). mma: "sync" (warp mma.sync, measured) or "wgmma" (Hopper warpgroup
     MMA for the scan; compiled in CI, not yet measured on a GPU). backward: "torch" (the default:
-    ``TorchGDPBackend``'s recomputation) or "kernels" (the one-device backward on
+    ``TorchGDPBackend``'s recomputation) or "kernels" (one device and CP on ``chunk_gamma`` /
     ``chunk_reverse`` / ``chunk_prep_backward``; checked on the CPU through their emulation, not
-    yet run on a GPU). Sequence states (``initial_state``, ``output_final_state`` of
+    yet run on a GPU). The kernel backward saves one float32 state per segment (9.4 MB at 32k
+    tokens, H = 16, K = V = 128) and recomputes the chunk states inside each segment; storing
+    them instead would cost 0.5 GB at that shape, so there is no store-or-recompute knob (the
+    earlier ``recompute_chunk_num`` is gone). Sequence states (``initial_state``, ``output_final_state`` of
     ``cp_linear.gdp.GDPInputs``) run on the kernels in both directions, so the one-device op
     ``torch_api.gated_delta_product`` takes this backend through the four functions.
     """
 
     supports_sequence_states = True
 
-    def __init__(self, segment_chunks: int | None = None, recompute_chunk_num: int = 0, *, row_block: int = 0,
+    def __init__(self, segment_chunks: int | None = None, *, row_block: int = 0,
                  ctas_per_sm: float = 2, fallback: bool = True, mma: str = "sync", backward: str = "torch"):
         if segment_chunks is not None and (not isinstance(segment_chunks, int) or segment_chunks < 1):
             raise ValueError(f"segment_chunks must be a positive int or None; received {segment_chunks!r}")
@@ -183,10 +186,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         self.ctas_per_sm = ctas_per_sm
         self.fallback = fallback
         self._warned: set[str] = set()
-        if not isinstance(recompute_chunk_num, int) or isinstance(recompute_chunk_num, bool) or recompute_chunk_num < 0:
-            raise ValueError(f"recompute_chunk_num must be an int >= 0; received {recompute_chunk_num!r}")
         self.segment_chunks = segment_chunks
-        self.recompute_chunk_num = recompute_chunk_num
         self._fallback = TorchGDPBackend()
 
     # ------------------------------------------------------------------ prepare: per-chunk work and summaries
@@ -353,7 +353,6 @@ class CuTeDSLGatedDeltaProductCPBackend:
         transition = summary[..., value_dim:]
         saved = make_cp_saved_context(inputs, leading_state if shard.rows else leading_state[0],
                                       transition if shard.rows else transition[0])
-        saved.metadata["recompute_chunk_num"] = self.recompute_chunk_num
         if self.backward == "kernels":  # the segments' incoming states: the reverse pass restarts from them
             saved.metadata[_KERNEL_BACKWARD] = True
             saved = CPSavedContext(saved.tensors + (incoming,), saved.metadata)
