@@ -48,8 +48,15 @@ def _kernel_ms(fn, repeat: int) -> float:
         for _ in range(repeat):
             fn()
         torch.cuda.synchronize()
-    total = sum((getattr(e, "self_device_time_total", 0) or 0) for e in prof.key_averages())
-    return total / repeat / 1e3
+    events = [(e.key, (getattr(e, "self_device_time_total", 0) or 0) / repeat / 1e3) for e in prof.key_averages()]
+    events = sorted((item for item in events if item[1] > 0), key=lambda item: -item[1])
+    _kernel_ms.largest = events[:10]  # read by main() for the per-kernel line
+    return sum(ms for _, ms in events)
+
+
+def _print_kernels(name: str) -> None:
+    parts = "  ".join(f"{key[:48]} {ms:.3f}" for key, ms in _kernel_ms.largest)
+    print(f"{'':>8} {name:>15} kernels (ms/step): {parts}", flush=True)
 
 
 def _peak_mb(fn) -> float:
@@ -86,6 +93,8 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--out", default="out/bench_gdp_train")
+    parser.add_argument("--no-torch-backward", action="store_true", help="skip the torch-backward variant")
+    parser.add_argument("--kernels", action="store_true", help="print each variant's largest kernels")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     nh, heads, dim = args.nh, args.heads, 128
@@ -104,7 +113,7 @@ def main() -> None:
         do = rand(1, tokens, heads, dim).bfloat16()
         dfinal = rand(1, heads, dim, dim)
         variants = {"ours": CuTeDSLGatedDeltaProductCPBackend(backward="kernels")}
-        if tokens <= 8192:
+        if tokens <= 8192 and not args.no_torch_backward:
             variants["ours-torch-bwd"] = CuTeDSLGatedDeltaProductCPBackend()
         for name, backend in variants.items():
             def step():
@@ -119,6 +128,8 @@ def main() -> None:
                 continue
             rows.append(row)
             print(f"{row[0]:>8} {row[1]:>15} {row[2]:>9.3f} {row[3]:>10.3f} {row[4]:>9.0f}", flush=True)
+            if args.kernels:
+                _print_kernels(name)
         if fla_step is not None:
             def fla():
                 leaves = [x.detach().requires_grad_() for x in (q, k, v, g, beta)]
@@ -127,6 +138,8 @@ def main() -> None:
                 row = [tokens, "FLA", _time(fla, args.repeat), _kernel_ms(fla, args.repeat), _peak_mb(fla)]
                 rows.append(row)
                 print(f"{row[0]:>8} {row[1]:>15} {row[2]:>9.3f} {row[3]:>10.3f} {row[4]:>9.0f}", flush=True)
+                if args.kernels:
+                    _print_kernels("FLA")
             except Exception as err:
                 print(f"{tokens:>8} {'FLA':>15} failed: {type(err).__name__}: {err}", flush=True)
         del q, k, v, g, beta, do, dfinal

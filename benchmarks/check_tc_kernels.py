@@ -128,6 +128,12 @@ class Recorder:
                 count = int(gpu.seq_first_segment[-1])
                 a, b = a[:count], b[:count]
             limit = 2e-2 if name in ("ta", "tb", "p") else 1e-2
+            bad = ~torch.isfinite(a.float())
+            if bool(bad.any()):  # where a kernel writes non-finite values says which loop is wrong
+                where = torch.nonzero(bad)
+                print(f"     {self.tag} {kind} {name}: {int(bad.sum())} of {a.numel()} not finite; shape "
+                      f"{tuple(a.shape)}; first at {where[0].tolist()}, last at {where[-1].tolist()}; "
+                      f"emulation finite: {bool(torch.isfinite(b.float()).all())}", flush=True)
             check(f"{self.tag} {kind}{'/' + mode if mode else ''} {name} vs emulation", rel(a, b), limit)
 
 

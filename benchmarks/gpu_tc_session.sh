@@ -25,7 +25,7 @@ cases=${BENCH_CASES:-"1x8192:2 1x32768:2 1x131072:2 1x32768:1 32x1024:2"}
 variants=${BENCH_VARIANTS:-"default"}
 [ -z "${NO_BENCH:-}" ] && timeout 300 python3 benchmarks/bench_gdp_fwd.py --out "$out" --repeat 10 --cases $cases --variants $variants 2>&1 | tee "$out/bench.log"
 if [ -n "${TRAIN:-}" ]; then
-  timeout 300 python3 benchmarks/bench_gdp_train.py --out "$out/train" --tokens ${TRAIN_TOKENS:-8192 32768} 2>&1 | tee "$out/train.log"
+  timeout 300 python3 benchmarks/bench_gdp_train.py --out "$out/train" --tokens ${TRAIN_TOKENS:-8192 32768} ${TRAIN_ARGS:-} 2>&1 | tee "$out/train.log"
 fi
 if [ -n "${NCU:-}" ]; then
   timeout 150 ncu --kernel-name regex:"ChunkScan|ChunkPrep|SegmentFold" --launch-skip 4 --launch-count 4 \

@@ -4,7 +4,7 @@ and without a host read in torch).
 
 Vocabulary
   step      GDP over T tokens is a gated delta rule over S = T * n_h steps: token t owns steps
-            t*n_h .. t*n_h + n_h - 1 (its gate sits on the first, q is read on the last; DESIGN.md §2
+            t*n_h .. t*n_h + n_h - 1 (its gate sits on the first, q is read on the last; docs/design.md §2
             in docs/design.md). Steps are numbered along the packed row.
   sequence  tokens ``[cu_seqlens[n], cu_seqlens[n + 1])``; an *empty* sequence (equal bounds) owns no
             step and no chunk, and its final state is its initial state.
@@ -29,7 +29,8 @@ Worked example: cu_seqlens = [0, 3, 3, 70] tokens, n_h = 1, C = 64 (S = 70, N = 
     sequence 2: steps 3..69   -> chunk 1 (start 3,  len 64), chunk 2 (start 67, len 3)
     chunk_offsets [0, 1, 1, 3]; C_max = (70 + 63 * 3) // 64 = 4, so chunk 3 is an unused slot (len 0)
 
-The CuTeDSL host path (``cp_linear.kernels.chunk_index``) computes the same four arrays on the device.
+The arrays are what a kernel host path needs (per-chunk first step, length and sequence; per-sequence
+chunk offsets; int32; a static slot count from T and N), built without a host read.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Gated DeltaProduct as every backend and frontend sees it (no torch or jax here).
 
-The layouts and the recurrence are DESIGN.md §2 (docs/design.md). ``GDPInputs`` is what the
+The layouts and the recurrence are docs/design.md §2. ``GDPInputs`` is what the
 four-function protocol (``cp_linear.protocol``) hands a backend, in torch and in JAX alike; JAX
 registers it as a pytree (arrays are leaves, the rest static).
 
@@ -74,7 +74,7 @@ class GDPInputGradients(NamedTuple):
 
 
 def check_gdp_shapes(q_shape, k_shape, v_shape, g_shape, beta_shape, num_householder: int) -> None:
-    """Raise ValueError unless the five shapes agree with DESIGN.md §2 (docs/design.md)."""
+    """Raise ValueError unless the five shapes agree with docs/design.md §2."""
     if not isinstance(num_householder, int) or isinstance(num_householder, bool) or num_householder < 1:
         raise ValueError(f"num_householder must be a positive int; received {num_householder!r}")
     if len(q_shape) != 4:

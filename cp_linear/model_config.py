@@ -13,8 +13,9 @@ This module is imported by both frontends, so it must not import torch or jax.
 
 from __future__ import annotations
 
+import inspect
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 
 from cp_linear.validation import digest
 
@@ -24,8 +25,34 @@ def resolve_config(config_class, config, kwargs: dict):
     if config is None:
         return config_class(**kwargs)
     if kwargs:
-        raise ValueError(f"pass either a {config_class.__name__} or keyword arguments; received both ({sorted(kwargs)})")
+        raise ValueError(
+            f"pass either a {config_class.__name__} or keyword arguments; received both ({sorted(kwargs)})"
+        )
     return config
+
+
+REQUIRED = inspect.Parameter.empty
+
+
+def layer_signature(config_class, **options) -> inspect.Signature:
+    """``(config=None, *, <every field of config_class with its default>, <options>)``: what ``help()``
+    and ``inspect.signature`` show for a layer built from ``config_class`` (``options``: the layer's
+    own keyword arguments and defaults, ``REQUIRED`` for none)."""
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    params = [inspect.Parameter("config", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)]
+    params += [inspect.Parameter(f.name, keyword, default=REQUIRED if f.default is MISSING else f.default,
+                                 annotation=f.type) for f in fields(config_class)]
+    params += [inspect.Parameter(name, keyword, default=default) for name, default in options.items()]
+    return inspect.Signature(params)
+
+
+def document_layer_signature(layer_class, config_class, **options) -> None:
+    """Give ``layer_class`` (and its ``__init__``) the keyword signature of ``layer_signature``, so
+    that ``help()`` lists the config fields even where a metaclass hides ``__init__`` (Flax NNX)."""
+    signature = layer_signature(config_class, **options)
+    layer_class.__signature__ = signature
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    layer_class.__init__.__signature__ = signature.replace(parameters=[self_param, *signature.parameters.values()])
 
 
 def _positive_int(name: str, value) -> None:
@@ -35,7 +62,8 @@ def _positive_int(name: str, value) -> None:
 
 @dataclass(frozen=True)
 class GDPConfig:
-    """A Gated DeltaProduct mixer (flash-linear-attention's ``GatedDeltaProduct`` arguments).
+    """A Gated DeltaProduct mixer: flash-linear-attention's ``GatedDeltaProduct`` arguments with its
+    defaults (``fla/layers/gated_deltaproduct.py``), so ``GDPConfig(hidden_size=256)`` gives FLA's shapes.
 
     hidden_size       model width D
     head_dim          key head dim K (q and k heads)
@@ -47,9 +75,9 @@ class GDPConfig:
     allow_neg_eigval  beta = 2 sigmoid(b) instead of sigmoid(b)
     """
 
-    hidden_size: int
-    head_dim: int = 64
-    num_heads: int = 4
+    hidden_size: int = 2048
+    head_dim: int = 256
+    num_heads: int = 6
     num_v_heads: int | None = None
     expand_v: float = 2.0
     num_householder: int = 2
@@ -195,11 +223,11 @@ class DecoderConfig:
 _KIND_CODES = {GDPConfig: 1, AttentionConfig: 2, DecoderConfig: 3}
 
 
-def layer_signature(config) -> tuple[int, ...]:
+def config_fingerprint(config) -> tuple[int, ...]:
     """Ints that differ whenever two configs would make ranks run different collectives or shapes.
 
     Kind, every field (floats as their repr's digest) and, for a decoder, the layer count and order
-    with each layer's own signature. Under CP the torch layers exchange these in their agreement
+    with each layer's own fingerprint. Under CP the torch layers exchange these in their agreement
     header (``torch_api.layers.layout.ShardLayout``), so a rank with a different ``conv_size``,
     ``num_householder``, ``use_short_conv``, head count or layer order raises with the others
     before the first exchange.
@@ -208,13 +236,14 @@ def layer_signature(config) -> tuple[int, ...]:
         raise ValueError(f"config must be one of {[t.__name__ for t in _KIND_CODES]}; received {type(config).__name__}")
     values = [getattr(config, f.name) for f in fields(config)]
     ints = [v if isinstance(v, int) else (-1 if v is None else digest([v])) for v in values if not isinstance(v, tuple)]
-    signature = [_KIND_CODES[type(config)], *ints]
+    fingerprint = [_KIND_CODES[type(config)], *ints]
     if isinstance(config, GDPConfig):
-        signature += [config.value_heads, config.head_v_dim, *config.conv_channels]
+        fingerprint += [config.value_heads, config.head_v_dim, *config.conv_channels]
     if isinstance(config, DecoderConfig):
-        layers = {"gdp": layer_signature(config.gdp_config()), "attention": layer_signature(config.attention_config())}
-        signature += [len(config.layer_types)] + [digest(layers[kind]) for kind in config.layer_types]
-    return tuple(int(x) for x in signature)
+        layers = {"gdp": config_fingerprint(config.gdp_config()),
+                  "attention": config_fingerprint(config.attention_config())}
+        fingerprint += [len(config.layer_types)] + [digest(layers[kind]) for kind in config.layer_types]
+    return tuple(int(x) for x in fingerprint)
 
 
 # --------------------------------------------------------------------------- the parameter table
@@ -302,4 +331,5 @@ def check_state(expected: dict[str, tuple[int, ...]], received: dict[str, tuple[
         raise ValueError(f"{what} does not match the module's parameters: " + ", ".join(parts))
 
 
-__all__ = ["AttentionConfig", "DecoderConfig", "GDPConfig", "check_state", "layer_signature", "parameter_shapes"]
+__all__ = ["AttentionConfig", "DecoderConfig", "GDPConfig", "REQUIRED", "check_state", "config_fingerprint",
+           "document_layer_signature", "layer_signature", "parameter_shapes"]

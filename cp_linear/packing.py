@@ -1,9 +1,9 @@
 """Host description of a packed batch, shared by the torch and JAX layers (numpy only).
 
 Glossary
-  doc_ids    int [T], 0 = padding: the block-diagonal attention mask (DESIGN.md §3)
-  seq_idx    int [T], nondecreasing: one id per *run* of equal doc ids; GDP sequences (DESIGN.md
-             §2). A padding run is a sequence of its own, so no state leaks across it.
+  doc_ids    int [T], 0 = padding: the block-diagonal attention mask (docs/design.md §3)
+  seq_idx    int [T], nondecreasing: one id per *run* of equal doc ids; GDP sequences
+             (docs/design.md §2). A padding run is a sequence of its own, so no state leaks across it.
   position   int [T]: global index minus the start of its run. RoPE angle of the token, and how far
              back the causal conv may reach (tap s reads token t - s only when s <= position[t])
   unpacked   no ids given: every batch row is one sequence of T tokens (position = index)

@@ -178,7 +178,7 @@ def _packed_fields(ids: np.ndarray, cp_rank: int, cp_size: int) -> dict:
 
 
 def build_packed_sequence_cp_metadata(global_seq_idx, cp_rank: int, cp_size: int) -> PackedSequenceCPMetadata:
-    """Metadata of rank ``cp_rank`` for a packed batch split over ``cp_size`` ranks (DESIGN.md §2)."""
+    """Metadata of rank ``cp_rank`` for a packed batch split over ``cp_size`` ranks (docs/design.md §2)."""
     _check_cp(cp_rank, cp_size)
     ids = validate_global_seq_idx(global_seq_idx, cp_size)
     return PackedSequenceCPMetadata(**_packed_fields(ids, cp_rank, cp_size), cp_rank=int(cp_rank),
@@ -203,7 +203,8 @@ def cu_seqlens_to_seq_idx(cu_seqlens) -> np.ndarray:
     sequence ids, the index of each token's sequence."""
     cu = to_host_int_array(cu_seqlens, "cu_seqlens")
     if cu.ndim != 1 or cu.shape[0] < 2 or cu[0] != 0 or np.any(np.diff(cu) < 0) or cu[-1] <= 0:
-        raise ValueError(f"cu_seqlens must be [0, ...] nondecreasing to T > 0 with ≥ 2 entries; received {cu.tolist()}")
+        raise ValueError(f"cu_seqlens must be [0, ...] nondecreasing to T > 0 with ≥ 2 entries; "
+                         f"received {cu.tolist()}")
     return np.repeat(np.arange(cu.shape[0] - 1), np.diff(cu)).reshape(1, -1)
 
 
@@ -267,7 +268,7 @@ def validate_doc_ids(doc_ids, cp_size: int) -> np.ndarray:
 
 
 def build_blockdiag_plan(doc_ids, cp_size: int) -> BlockDiagPlan:
-    """Exchange plan for block-diagonal attention under CP (DESIGN.md §3), identical on every rank."""
+    """Exchange plan for block-diagonal attention under CP (docs/design.md §3), identical on every rank."""
     ids = validate_doc_ids(doc_ids, cp_size)
     total = ids.shape[0]
     local_len = total // cp_size

@@ -1,4 +1,4 @@
-"""The four-function protocol every chunkwise-CP backend implements (DESIGN.md §2).
+"""The four-function protocol every chunkwise-CP backend implements (docs/design.md §2).
 
 A frontend drives a backend like this, and owns every collective::
 

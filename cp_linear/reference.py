@@ -2,7 +2,7 @@
 document-masked softmax attention. Slow and obvious on purpose; every backend is tested
 against these.
 
-Shapes follow DESIGN.md §2 (docs/design.md): q [B, T, H, K], k [B, T*n_h, H, K], v [B, T*n_h, H, V],
+Shapes follow docs/design.md §2: q [B, T, H, K], k [B, T*n_h, H, K], v [B, T*n_h, H, V],
 beta [B, T*n_h, H], g [B, T, H] (None: no gate); states [N, H, K, V]. ``cu_seqlens`` may hold empty
 sequences, whose final state is their initial state.
 """

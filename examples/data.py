@@ -36,6 +36,10 @@ class RecallTask:
     def max_document_len(self) -> int:
         return 2 + 2 * self.max_pairs + 2 * min(self.queries, self.max_pairs)
 
+    @property
+    def min_document_len(self) -> int:
+        return 2 + 2 * self.min_pairs + 2 * min(self.queries, self.min_pairs)
+
     def document(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """(tokens [n], targets [n]) of one document; targets[i] is what token i should predict."""
         pairs = int(rng.integers(self.min_pairs, self.max_pairs + 1))

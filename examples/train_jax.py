@@ -22,8 +22,8 @@ import time
 
 import numpy as np
 
-from examples.common import base_parser, check_args, finish, parity_line
-from examples.data import IGNORE, RecallTask, packed_batch
+from examples.common import base_parser, check_args, decoder_config, finish, parity_line, recall_task
+from examples.data import IGNORE, packed_batch
 
 
 def _configure_host_devices(count: int) -> None:
@@ -39,9 +39,13 @@ def _configure_host_devices(count: int) -> None:
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={max(8, 2 * count)}"])
 
 
+def parser():
+    """The flags of this example (examples/common.py's)."""
+    return base_parser(__doc__.splitlines()[0], "out/train_jax")
+
+
 def main(argv=None) -> int:
-    parser = base_parser(__doc__.splitlines()[0], "out/train_jax")
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     check_args(args)
     on_gpu = args.device in ("cuda", "gpu")
     if not on_gpu:
@@ -52,7 +56,8 @@ def main(argv=None) -> int:
     from flax import nnx
     from tqdm import tqdm
 
-    from jax_api.layers import DecoderConfig, HybridDecoder, build_layout, cp_apply
+    from cp_linear.weights import initial_table
+    from jax_api.layers import HybridDecoder, build_layout, cp_apply, load_state_table
 
     platform = "gpu" if on_gpu else "cpu"
     devices = jax.devices(platform)
@@ -60,14 +65,13 @@ def main(argv=None) -> int:
         raise SystemExit(f"--cp {args.cp} needs {args.cp} {platform} devices; JAX sees {len(devices)} (on CPU, "
                          "run this script in a fresh process so that it can set XLA_FLAGS first)")
     mesh = jax.make_mesh((args.cp,), ("cp",), devices=devices[:args.cp])
-    task = RecallTask(num_keys=args.num_keys, num_values=args.num_keys, max_pairs=args.max_pairs,
-                      queries=args.queries)
-    config = DecoderConfig(vocab_size=task.vocab_size, hidden_size=args.hidden, num_layers=args.layers,
-                           num_heads=args.heads, head_dim=args.head_dim, num_kv_heads=args.kv_heads,
-                           num_householder=args.householder)
+    task = recall_task(args)
+    config = decoder_config(args, task.vocab_size)
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else None
     model = HybridDecoder(config, rngs=nnx.Rngs(args.seed), attention_options={"mode": args.attention_mode},
                           compute_dtype=dtype)
+    # numpy-drawn weights: the same as examples/train_torch.py starts from for the same --seed
+    load_state_table(model, initial_table(config, args.seed))
     tx = optax.adamw(args.lr, weight_decay=0.0)
     if args.clip > 0:
         tx = optax.chain(optax.clip_by_global_norm(args.clip), tx)
@@ -94,9 +98,11 @@ def main(argv=None) -> int:
     def flat(grads):
         return jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(nnx.to_pure_dict(grads))])
 
-    # every document fits in this many tokens: a halo of that size serves every packing, so the
-    # step compiles once instead of once per rounded halo length
+    # every document fits in this many tokens: a halo of that size serves every packing, and no shard
+    # holds more sequences than documents of the shortest length fit (plus a padding run and a partial
+    # document), so the step compiles once instead of once per rounded halo length or sequence count
     halo_floor = 1 << (task.max_document_len - 1).bit_length()
+    sequence_floor = args.seq_len // args.cp // task.min_document_len + 2
     rng = np.random.default_rng(args.seed)
     history = {"loss": [], "cp": args.cp, "num_values": task.num_values, "seq_len": args.seq_len}
     bar = tqdm(range(args.steps), desc=f"jax CP={args.cp}", unit="step", file=sys.stdout)
@@ -105,7 +111,8 @@ def main(argv=None) -> int:
         ids, targets, doc_ids = packed_batch(task, rng, args.seq_len)
         ids_j, targets_j = jnp.asarray(ids[None]), jnp.asarray(targets)
         layout = build_layout(total_len=args.seq_len, doc_ids=doc_ids, cp_size=args.cp,
-                              attention_mode=args.attention_mode, platform=platform, min_halo_len=halo_floor)
+                              attention_mode=args.attention_mode, platform=platform, min_halo_len=halo_floor,
+                              min_shard_sequences=sequence_floor)
         if step == 0:
             # step 0 with and without CP, before the update: the parity line compares the two
             cp_value, cp_grads = nnx.jit(nnx.value_and_grad(cp_loss))(model, ids_j, targets_j, layout)
@@ -129,7 +136,7 @@ def main(argv=None) -> int:
     history["tokens_per_s"] = tokens_done / (time.perf_counter() - start) if tokens_done else 0.0
     title = (f"jax: {args.layers} layers, hidden {args.hidden}, T = {args.seq_len}, CP {args.cp}, "
              f"{platform}, {args.dtype}")
-    return finish(args, history, title)
+    return finish(args, history, title, config)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ owns tokens [r L, (r+1) L). Every rank holds the full weights; the layers exchan
 need (GDP state summaries, attention K/V, the conv halo), each rank back-propagates its part of
 the loss, and one all-reduce sums the weight gradients (and the loss).
 
-    python -m examples.train_torch                    # CPU, 2 ranks, about two minutes
+    python -m examples.train_torch                    # CPU, 2 ranks (README: run time)
     python -m examples.train_torch --device cuda --cp 2 --seq-len 65536 --layers 8 --hidden 1024 \\
         --heads 8 --head-dim 128 --kv-heads 2 --dtype bfloat16 --steps 1000 --lr 1e-3
 
@@ -24,22 +24,20 @@ from datetime import timedelta
 
 import numpy as np
 
-from examples.common import base_parser, check_args, finish, free_port, parity_line
-from examples.data import IGNORE, RecallTask, packed_batch
+from examples.common import base_parser, check_args, decoder_config, finish, free_port, parity_line, recall_task
+from examples.data import IGNORE, packed_batch
 
 
 def build_model(args, task):
-    import torch
+    from cp_linear.weights import initial_table
+    from torch_api.layers import HybridDecoder, load_state_table
 
-    from torch_api.layers import DecoderConfig, HybridDecoder
-
-    config = DecoderConfig(vocab_size=task.vocab_size, hidden_size=args.hidden, num_layers=args.layers,
-                           num_heads=args.heads, head_dim=args.head_dim, num_kv_heads=args.kv_heads,
-                           num_householder=args.householder)
-    torch.manual_seed(args.seed)  # the same weights on every rank (initialised on the CPU)
+    config = decoder_config(args, task.vocab_size)
     checks = not args.skip_cp_checks
-    return HybridDecoder(config, attention_options={"mode": args.attention_mode, "check_inputs": checks},
-                         gdp_options={"cp_check_inputs": checks})
+    model = HybridDecoder(config, attention_options={"mode": args.attention_mode, "check_inputs": checks},
+                          gdp_options={"cp_check_inputs": checks})
+    # numpy-drawn weights: the same on every rank and in examples/train_jax.py for the same --seed
+    return load_state_table(model, initial_table(config, args.seed))
 
 
 def loss_pieces(model, ids, targets, doc_ids, *, layout=None, autocast=None):
@@ -81,8 +79,7 @@ def worker(rank: int, args, port: int, results) -> None:
     dist.init_process_group("nccl" if on_gpu else "gloo", rank=rank, world_size=args.cp,
                             timeout=timedelta(seconds=120), **({"device_id": device} if on_gpu else {}))
     group = dist.group.WORLD
-    task = RecallTask(num_keys=args.num_keys, num_values=args.num_keys, max_pairs=args.max_pairs,
-                      queries=args.queries)
+    task = recall_task(args)
     model = build_model(args, task).to(device)
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
@@ -171,13 +168,18 @@ def run(args) -> dict:
     return results.get()
 
 
+def parser():
+    """The flags of this example: examples/common.py's, plus --skip-cp-checks."""
+    flags = base_parser(__doc__.splitlines()[0], "out/train_torch")
+    flags.add_argument("--skip-cp-checks", action="store_true",
+                       help="skip the layers' value checks (NaN/Inf, g > 0, beta range): one agreement per step "
+                            "instead of one per layer; non-finite values are then contained instead of reported "
+                            "(docs/failure_modes.md)")
+    return flags
+
+
 def main(argv=None) -> int:
-    parser = base_parser(__doc__.splitlines()[0], "out/train_torch")
-    parser.add_argument("--skip-cp-checks", action="store_true",
-                        help="skip the layers' value checks (NaN/Inf, g > 0, beta range): one agreement per step "
-                             "instead of one per layer; non-finite values are then contained instead of reported "
-                             "(docs/failure_modes.md)")
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     check_args(args)
     if args.device in ("cuda", "gpu"):
         import torch
@@ -187,7 +189,7 @@ def main(argv=None) -> int:
     history = run(args)
     title = (f"torch: {args.layers} layers, hidden {args.hidden}, T = {args.seq_len}, CP {args.cp}, "
              f"{args.device}, {args.dtype}")
-    return finish(args, history, title)
+    return finish(args, history, title, decoder_config(args, recall_task(args).vocab_size))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
 """Tolerances derived from the rounding error of the quantity compared, not from one machine.
 
-Model (Higham, *Accuracy and Stability of Numerical Algorithms*, ch. 3, and the probabilistic
-bound of Higham & Mary, 2019): a value computed with unit roundoff ``u`` (float32: 2^-24) through
-a chain of ``n`` rounded accumulations carries a relative error of about ``u * sqrt(n)`` times the
+The model and the chain lengths live in the core (``cp_linear.rounding``, which the examples'
+parity check uses too); this module adds the measurements of cancellation the tests need.
+
+Model (Higham, *Accuracy and Stability of Numerical Algorithms*, ch. 3, and the probabilistic bound
+of Higham & Mary, 2019): a value computed with unit roundoff ``u`` (float32: 2^-24) through a chain
+of ``n`` rounded accumulations carries a relative error of about ``u * sqrt(n)`` times the
 *cancellation* of the computation, ``kappa = sum|terms| / |sum terms|`` (1 when the terms do not
 cancel). A test therefore allows
 
@@ -27,34 +30,15 @@ import os
 
 import numpy as np
 
-SAFETY = 16.0
-
-UNIT_ROUNDOFF = {
-    "float64": 2.0**-53,
-    "float32": 2.0**-24,
-    "float16": 2.0**-11,
-    "bfloat16": 2.0**-8,
-}
-
-
-def unit_roundoff(dtype) -> float:
-    """u of a dtype given as a name, a numpy / jax dtype or a torch dtype."""
-    name = str(dtype).replace("torch.", "").replace("jnp.", "")
-    if name not in UNIT_ROUNDOFF:
-        name = np.dtype(dtype).name
-    return UNIT_ROUNDOFF[name]
-
-
-def tolerance(length: int, *, cancellation: float = 1.0, dtype="float32", compared_with: str = "exact") -> float:
-    """Relative (norm-wise) tolerance for a ``dtype`` result of ``length`` chained accumulations.
-
-    ``compared_with="exact"``: against a reference whose own error is negligible (float64 for a
-    float32 result); ``"rounded"``: against a result that carries ``dtype`` rounding too (doubled).
-    """
-    if length < 1 or cancellation < 1.0 - 1e-12:
-        raise ValueError(f"length must be >= 1 and cancellation >= 1; received {length}, {cancellation}")
-    factor = {"exact": 1.0, "rounded": 2.0}[compared_with]
-    return factor * SAFETY * unit_roundoff(dtype) * math.sqrt(length) * cancellation
+from cp_linear.rounding import (  # noqa: F401  (re-exported for the tests)
+    SAFETY,
+    attention_length,
+    decoder_length,
+    gdp_length,
+    layer_length,
+    unit_roundoff,
+)
+from cp_linear.rounding import rounding_tolerance as tolerance
 
 
 def _kappa(magnitude: float, total: float) -> float:
@@ -103,37 +87,9 @@ def token_cancellation(grad_fn, cotangent, token_axes: int = 2) -> dict[str, flo
 # --------------------------------------------------------------------------- lengths of the computations
 
 
-def gdp_length(tokens: int, num_householder: int, key_dim: int) -> int:
-    """Gated DeltaProduct: every state entry accumulates S = T * n_h rank-one updates, each read
-    through a K-term product (chunked or not: the chunk's UT transform chains the same steps)."""
-    return tokens * num_householder * key_dim
-
-
-def attention_length(tokens: int, head_dim: int) -> int:
-    """Softmax attention: a D-term score, then a sum over up to T keys (forward and backward)."""
-    return tokens * head_dim
-
-
 def summary_length(count: int, key_dim: int) -> int:
     """A fold of ``count`` summaries: ``count`` chained K-term matrix products."""
     return max(1, count) * key_dim
-
-
-def layer_length(config, tokens: int, batch: int = 1) -> int:
-    """A layer (``cp_linear.model_config`` config) on sequences of ``tokens``: the projections, the
-    mixer, the output projection and, for a gradient, the sum over all ``batch * tokens`` tokens."""
-    if hasattr(config, "num_householder"):  # GDPConfig
-        mixer = gdp_length(tokens, config.num_householder, config.head_dim) + config.conv_size
-        return config.hidden_size + mixer + config.value_dim + batch * tokens
-    mixer = attention_length(tokens, config.dim_per_head)
-    return config.hidden_size + mixer + config.num_heads * config.dim_per_head + batch * tokens
-
-
-def decoder_length(config, tokens: int) -> int:
-    """A ``DecoderConfig`` model: every block's mixer chain and MLP, then the vocabulary projection."""
-    blocks = sum(layer_length(config.gdp_config() if kind == "gdp" else config.attention_config(), tokens)
-                 + 2 * config.mlp_width for kind in config.layer_types)
-    return blocks + config.hidden_size + config.vocab_size
 
 
 def rel_err(out, ref) -> float:
@@ -158,5 +114,6 @@ def assert_within(name: str, err: float, tol: float) -> None:
     assert err <= tol, f"{name}: relative error {err:.3e} exceeds the derived tolerance {tol:.3e}"
 
 
-__all__ = ["SAFETY", "assert_close", "assert_within", "attention_length", "cancellation", "decoder_length", "gdp_length",
-           "layer_length", "magnitude_cancellation", "rel_err", "summary_length", "token_cancellation", "tolerance", "unit_roundoff"]
+__all__ = ["SAFETY", "assert_close", "assert_within", "attention_length", "cancellation", "decoder_length",
+           "gdp_length", "layer_length", "magnitude_cancellation", "rel_err", "summary_length", "token_cancellation",
+           "tolerance", "unit_roundoff"]

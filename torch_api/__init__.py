@@ -18,8 +18,14 @@ _EXPORTS = {
     "gated_delta_product": "torch_api.gdp.ops",
     "CuTeDSLGatedDeltaProductCPBackend": "torch_api.gdp.cutedsl",
     "blockdiag_attention": "torch_api.attention.blockdiag",
+    "prepare_blockdiag": "torch_api.attention.blockdiag",
     "GatedDeltaProduct": "torch_api.layers",
     "BlockDiagAttention": "torch_api.layers",
+    "HybridDecoder": "torch_api.layers",
+    "DecoderConfig": "torch_api.layers",
+    "build_shard_layout": "torch_api.layers",
+    "load_state_table": "torch_api.layers",
+    "state_table": "torch_api.layers",
     "load_jax_state": "torch_api.layers",
 }
 

@@ -1,6 +1,6 @@
 """Scalar device helpers shared by the GDP kernels (imported only when a kernel is compiled).
 
-Index conventions inside every kernel (DESIGN.md §2, flattened over the batch rows):
+Index conventions inside every kernel (docs/design.md §2, flattened over the batch rows):
 q [T_all, H, K], k [S_all, H, K], v [S_all, H, V], g [T_all, H], beta [S_all, H] with
 S_all = T_all * n_h interleaved steps. The chunk and segment tables come from
 ``cp_linear.kernels.launch.forward_layout``; tensor-core helpers are in ``_mma``.

@@ -481,8 +481,22 @@ class ChunkReverseKernel:
         _mma.gemm_smem_ab(steps_mma, w, a_transposed(s_dd, V, C),
                           _b_operand(steps_mma, tidx, _mma.transposed_view(s_x, V, K), dtype, True))
         acc.fill(0.0)
-        _mma.gemm_smem_b(steps_mma, acc, _scaled_as_a(w, lambda e: Float32(-1.0), dtype),
-                         _b_operand(steps_mma, tidx, s_k, dtype, False))
+        if cutlass.const_expr(self.warps > 4):
+            # warps split N here, so a warp's accumulator holds only part of each row of w and cannot be
+            # the A operand: stage -w through shared memory, in dD's tile (dD is not read again this chunk;
+            # V = 128 here, so its V x 64 tile holds 64 x K)
+            s_w = cute.make_tensor(s_dd.iterator, _mma.smem_tile_layout(C, K))
+            cute.arch.sync_threads()
+            for e in cutlass.range_constexpr(cute.size(w)):
+                j, c = by_key[e]
+                s_w[j, c] = (-w[e]).to(dtype)
+            cute.arch.sync_threads()
+            _mma.gemm_smem_ab(steps_mma, acc, _mma.SmemOperand(steps_mma, tidx, s_w, dtype, operand="A",
+                                                               transpose=False),
+                              _b_operand(steps_mma, tidx, s_k, dtype, False))
+        else:
+            _mma.gemm_smem_b(steps_mma, acc, _scaled_as_a(w, lambda e: Float32(-1.0), dtype),
+                             _b_operand(steps_mma, tidx, s_k, dtype, False))
         for e in cutlass.range_constexpr(cute.size(acc)):
             i, j = square[e]
             d_ta[chunk, head, i, j] = acc[e]

@@ -56,14 +56,31 @@ def _scalar(dtype: str) -> Any:
 
 
 class _Launch:
-    """Base of the typed launches: fields after ``config`` are the kernel's arguments in order."""
+    """Base of the typed launches: fields after ``config`` are the kernel's arguments in order.
+
+    ``OUTPUTS`` names the tensors the kernel writes (torch passes them preallocated; JAX receives
+    them as the results of the custom call). Every kernel takes its inputs first, then its
+    outputs, then its scalars (``argument_roles``)."""
 
     config: Any
     KERNEL: ClassVar[str]
+    OUTPUTS: ClassVar[tuple[str, ...]]
 
     @classmethod
     def argument_specs(cls) -> list[tuple[str, Any]]:
         return [(f.name, f.metadata["spec"]) for f in fields(cls) if "spec" in f.metadata]
+
+    @classmethod
+    def argument_roles(cls) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+        """(input tensors, output tensors, scalars) in argument order; raises unless the kernel's
+        arguments come in that order (what a custom call's operands, results, attributes need)."""
+        specs = cls.argument_specs()
+        roles = ["scalar" if isinstance(spec, ScalarSpec) else "output" if name in cls.OUTPUTS else "input"
+                 for name, spec in specs]
+        order = {"input": 0, "output": 1, "scalar": 2}
+        if [order[r] for r in roles] != sorted(order[r] for r in roles) or set(cls.OUTPUTS) - {n for n, _ in specs}:
+            raise TypeError(f"{cls.__name__}: arguments must be inputs, then OUTPUTS {cls.OUTPUTS}, then scalars")
+        return tuple(tuple(n for (n, _), r in zip(specs, roles) if r == role) for role in ("input", "output", "scalar"))
 
     def arguments(self) -> tuple:
         return tuple(getattr(self, name) for name, _ in self.argument_specs())
@@ -77,6 +94,7 @@ class _Launch:
 @dataclass
 class ChunkPrepLaunch(_Launch):
     KERNEL: ClassVar[str] = "cp_linear.kernels.chunk_prep:ChunkPrepKernel"
+    OUTPUTS: ClassVar[tuple[str, ...]] = ("ta", "tb", "p", "scalars")
     config: cfg.ChunkPrepConfig
     q: Any = _spec(None, None, "key_dim", align=16)
     k: Any = _spec(None, None, "key_dim", align=16)
@@ -100,6 +118,7 @@ class ChunkScanLaunch(_Launch):
     mode "summary" does not read q, p, state_in or o (pass any array of the right type)."""
 
     KERNEL: ClassVar[str] = "cp_linear.kernels.chunk_scan:ChunkScanKernel"
+    OUTPUTS: ClassVar[tuple[str, ...]] = ("state_out", "o")
     config: cfg.ChunkScanConfig
     k: Any = _spec(None, None, "key_dim", align=16)
     v: Any = _spec(None, None, "value_dim", align=16)
@@ -123,6 +142,7 @@ class ChunkScanLaunch(_Launch):
 @dataclass
 class SegmentFoldLaunch(_Launch):
     KERNEL: ClassVar[str] = "cp_linear.kernels.segment_fold:SegmentFoldKernel"
+    OUTPUTS: ClassVar[tuple[str, ...]] = ("incoming", "final")
     config: cfg.SegmentFoldConfig
     summaries: Any = _spec(None, None, None, "key_dim", dtype="float32", align=16)
     seq_first_segment: Any = _spec(None, dtype="int32")
@@ -142,6 +162,7 @@ class ChunkGammaLaunch(_Launch):
     """Backward segment summaries into ``summaries`` [S, H, V + K, K] for segments flagged in ``seg_flags``."""
 
     KERNEL: ClassVar[str] = "cp_linear.kernels.chunk_reverse:ChunkGammaKernel"
+    OUTPUTS: ClassVar[tuple[str, ...]] = ("summaries",)
     config: cfg.ChunkGammaConfig
     k: Any = _spec(None, None, "key_dim", align=16)
     q: Any = _spec(None, None, "key_dim", align=16)
@@ -167,6 +188,8 @@ class ChunkReverseLaunch(_Launch):
     d_scalars rows: 0 db, 1 dc, 2 dd (column 0), 3 unused."""
 
     KERNEL: ClassVar[str] = "cp_linear.kernels.chunk_reverse:ChunkReverseKernel"
+    OUTPUTS: ClassVar[tuple[str, ...]] = ("chunk_states", "grad_in", "dv", "dq_scan", "dk_scan", "d_ta", "d_tb", "d_p",
+                                       "d_scalars")
     config: cfg.ChunkReverseConfig
     k: Any = _spec(None, None, "key_dim", align=16)
     v: Any = _spec(None, None, "value_dim", align=16)
@@ -200,6 +223,7 @@ class ChunkPrepBackwardLaunch(_Launch):
     """dq, dk, dg, dbeta from the prep outputs' gradients plus the scan's parts of dq and dk."""
 
     KERNEL: ClassVar[str] = "cp_linear.kernels.chunk_prep_backward:ChunkPrepBackwardKernel"
+    OUTPUTS: ClassVar[tuple[str, ...]] = ("dq", "dk", "dg", "dbeta")
     config: cfg.ChunkPrepBackwardConfig
     q: Any = _spec(None, None, "key_dim", align=16)
     k: Any = _spec(None, None, "key_dim", align=16)

@@ -17,12 +17,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from cp_linear.plan import MODE_CHOICES
 from cp_linear.validation import NONFINITE, any_in_ranges, attention_dims_error, nonfinite_rows, poison, sanitize
 from jax_api._checks import is_concrete, raise_failed_value_checks
+from jax_api._mesh import place, run_mesh
 from jax_api.attention.exchange import (
     BlockDiagExchangePlan,
     check_exchange_plan,
@@ -221,13 +221,6 @@ def _mesh_platform(mesh) -> str:
     return mesh.devices.flat[0].platform
 
 
-def _is_explicit_axis(mesh, axis_name: str) -> bool:
-    axis_types = getattr(mesh, "axis_types", None)
-    if not axis_types:
-        return False
-    return axis_types[tuple(mesh.axis_names).index(axis_name)] == AxisType.Explicit
-
-
 def _qkv_flags(q, k, v):
     return [~jnp.all(jnp.isfinite(x)) for x in (q, k, v)]
 
@@ -273,16 +266,14 @@ def blockdiag_attention(q, k, v, doc_ids, *, mesh, axis_name: str = "cp", mode: 
         )
     _check_plan_mode(plan, mode)
     scale = None if scale is None else float(scale)  # a static (hashable) jit argument
-    return _sharded_attention(q, k, v, plan, mesh=mesh, axis_name=axis_name, mode=mode, scale=scale)
+    return _sharded_attention(q, k, v, plan, mesh=run_mesh(mesh), axis_name=axis_name, mode=mode, scale=scale)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "axis_name", "mode", "scale"))
 def _sharded_attention(q, k, v, plan, *, mesh, axis_name, mode, scale):
     # Jitted once per (mesh, shapes, plan shape class): eager calls reuse the compiled program too.
     spec = P(None, axis_name)
-    if _is_explicit_axis(mesh, axis_name):
-        # Explicit mesh axes carry shardings in the types; shard_map then wants them to match.
-        q, k, v = (jax.reshard(x, NamedSharding(mesh, spec)) for x in (q, k, v))
+    q, k, v = (place(x, mesh, spec) for x in (q, k, v))  # Explicit axes: the types must match shard_map's
 
     def per_shard(q_shard, k_shard, v_shard, shard_plan):
         return blockdiag_attention_shard(q_shard, k_shard, v_shard, plan=shard_plan, axis_name=axis_name,

@@ -1,6 +1,6 @@
 """K/V exchanges for block-diagonal attention under CP, run inside ``jax.shard_map``.
 
-Glossary (DESIGN.md §3)
+Glossary (docs/design.md §3)
   L              local length; rank ``r`` owns tokens ``[r*L, (r+1)*L)`` of the global sequence
   needed range   ``[s_first[r], real_end[r])``: the keys/values rank r attends to
   back[r]        ``r*L - s_first[r]``: needed tokens that live on earlier ranks
@@ -66,11 +66,10 @@ class BlockDiagExchangePlan:
 
     Meta (static, hashed by ``jax.jit``; a change recompiles):
       cp_size, local_len   world size and L
-      mode                 the resolved exchange: "allgather" | "halo" | "a2a"
-      a2a_impl             "ragged" | "ppermute" for mode "a2a", else ""
-      halo_len             static halo rows (mode "halo")
-      piece_lens           static rows per rank distance 1..cp-1 (mode "a2a", ppermute)
-      recv_len, send_len   static receive / send buffer rows (mode "a2a", ragged)
+      shape                the core's ``cp_linear.plan.ExchangeShape``: the resolved mode, the a2a
+                           implementation ("ragged" | "ppermute") and the static sizes (halo rows,
+                           rows per rank distance, ragged buffer rows); read through the properties
+                           ``mode``, ``a2a_impl``, ``halo_len``, ``piece_lens``, ``recv_len``, ``send_len``
     Data (traced leaves, replicated on every rank):
       doc_ids              int32 [T]
       routing              ragged tables, each indexed by rank (empty for other modes):
@@ -82,28 +81,22 @@ class BlockDiagExchangePlan:
     routing: tuple
     cp_size: int
     local_len: int
-    mode: str
-    a2a_impl: str
-    halo_len: int = 0
-    piece_lens: tuple[int, ...] = ()
-    recv_len: int = 0
-    send_len: int = 0
+    shape: ExchangeShape
 
     @property
     def total_len(self) -> int:
         return self.cp_size * self.local_len
 
-    @property
-    def shape(self) -> ExchangeShape:
-        """The static sizes as the core describes them (``cp_linear.plan.ExchangeShape``)."""
-        return ExchangeShape(self.mode, self.a2a_impl, self.halo_len, self.piece_lens, self.recv_len, self.send_len)
+    mode = property(lambda self: self.shape.mode)
+    a2a_impl = property(lambda self: self.shape.a2a_impl)
+    halo_len = property(lambda self: self.shape.halo_len)
+    piece_lens = property(lambda self: self.shape.piece_lens)
+    recv_len = property(lambda self: self.shape.recv_len)
+    send_len = property(lambda self: self.shape.send_len)
 
 
-jax.tree_util.register_dataclass(
-    BlockDiagExchangePlan,
-    data_fields=["doc_ids", "routing"],
-    meta_fields=["cp_size", "local_len", "mode", "a2a_impl", "halo_len", "piece_lens", "recv_len", "send_len"],
-)
+jax.tree_util.register_dataclass(BlockDiagExchangePlan, data_fields=["doc_ids", "routing"],
+                                 meta_fields=["cp_size", "local_len", "shape"])
 
 
 def default_a2a_impl(platform: str) -> str:
@@ -143,9 +136,7 @@ def plan_blockdiag_exchange(doc_ids, cp_size: int, *, mode: str = "auto", platfo
     shape = exchange_shape(host_plan, mode, a2a_impl=impl, bucket=bucket_sizes)  # ValueError: impossible halo
     routing = ragged_routing(host_plan, shape) if shape.a2a_impl == "ragged" else ()
     return BlockDiagExchangePlan(doc_ids=ids.astype(np.int32), routing=routing, cp_size=int(cp_size),
-                                 local_len=host_plan.local_len, mode=shape.mode, a2a_impl=shape.a2a_impl,
-                                 halo_len=shape.halo_len, piece_lens=shape.piece_lens, recv_len=shape.recv_len,
-                                 send_len=shape.send_len)
+                                 local_len=host_plan.local_len, shape=shape)
 
 
 def check_exchange_plan(plan: BlockDiagExchangePlan) -> None:

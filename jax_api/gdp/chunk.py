@@ -85,8 +85,8 @@ def host_value_or_none(x):
 
 
 def check_gdp_inputs(q, k, v, g, beta, num_householder: int, cu_seqlens=None) -> None:
-    """Raise ValueError unless shapes and dtypes follow DESIGN.md §2 (docs/design.md) and the sizes are
-    supported (non-empty, K ≤ 256, V ≤ 512: ``cp_linear.validation``); trace-time, static checks.
+    """Raise ValueError unless shapes and dtypes follow docs/design.md §2 and the sizes are supported
+    (non-empty, K ≤ 256, V ≤ 512: ``cp_linear.validation``); trace-time, static checks.
 
     q, k, v share one floating dtype; g and beta may use any floating dtype (often float32).
     """
@@ -326,14 +326,16 @@ class _Shard:
         starting = jnp.take(initial, where.chunk_seq[1:], axis=0) * where.starts[1:, None, None, None]
         return jnp.concatenate([starting, jnp.zeros_like(initial[:1])], axis=0)[:, None]
 
-    def prepare(self, q, k, v, g, beta, initial):
-        """-> (chunk terms, E, M) in recurrence coordinates; differentiable in every argument."""
+    def terms(self, q, k, v, g, beta) -> ChunkTerms:
+        """The chunk terms of the inputs; differentiable in every argument."""
         inputs = GDPInputs(q, k, v, g, beta, self.inputs.scale, self.inputs.num_householder,
                            self.inputs.use_qk_l2norm_in_kernel, self.inputs.cu_seqlens)
+        return chunk_terms(*(to_chunks(x, self.where, self.chunk_size) for x in step_arrays(inputs)))
+
+    def summary(self, terms: ChunkTerms, initial):
+        """-> (E, M) in recurrence coordinates: the forward summary of the chunks."""
         where = self.where
-        terms = chunk_terms(*(to_chunks(x, where, self.chunk_size) for x in step_arrays(inputs)))
-        update, transition = fold_summary(terms, where.keep, self.resets(initial, where))
-        return terms, update, transition
+        return fold_summary(terms, where.keep, self.resets(initial, where))
 
     def apply(self, terms: ChunkTerms, incoming: jax.Array, initial):
         """-> (o float32 [B, T, H, V], final states [N, H, K, V] or None) from the incoming state."""
@@ -370,7 +372,8 @@ class JaxGDPLocalContext:
 class JaxGDPBackwardContext:
     """What ``cp_backward_apply`` needs; lives only inside one backward trace."""
 
-    prepare_vjp: Callable[[Any], tuple[jax.Array, ...]]  # cotangents of (terms, E, M) -> input grads
+    terms_vjp: Callable[[Any], tuple[jax.Array, ...]]  # cotangent of the chunk terms -> input grads
+    summary_vjp: Callable[[Any], tuple[Any, ...]]  # cotangents of (E, M) -> (terms, initial state)
     terms_grad: ChunkTerms
     incoming: jax.Array  # summary form, float32
     initial_grad: jax.Array | None  # from the outputs and final states (apply), [N, H, K, V]
@@ -411,26 +414,34 @@ class JaxGDPBackend:
 
     def cp_forward_prepare(self, inputs: GDPInputs) -> tuple[CPForwardPackedSummary, JaxGDPLocalContext]:
         shard, initial = _Shard(inputs, self.chunk_size), _initial(inputs)
-        terms, update, transition = shard.prepare(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, initial)
+        terms = shard.terms(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)
+        update, transition = shard.summary(terms, initial)
         summary = shard.summary_form(jnp.concatenate([update, transition], axis=-1))
         return CPForwardPackedSummary(summary), JaxGDPLocalContext(shard, terms, initial)
 
     def cp_forward_apply(self, local_context: JaxGDPLocalContext, preceding) -> CPForwardResult:
         shard, initial = local_context.shard, local_context.initial
         inputs = shard.inputs
+        saved = self.saved_context(inputs, preceding)
+        output, final = shard.apply(local_context.terms, saved.tensors[6], initial)
+        output = output.astype(inputs.q.dtype)
+        return CPForwardResult((output, final) if inputs.output_final_state else output, saved)
+
+    def saved_context(self, inputs: GDPInputs, preceding) -> CPSavedContext:
+        """What ``cp_forward_apply`` saves for ``cp_backward_prepare``: the inputs and the state entering
+        the shard's first chunk (``preceding`` folded from the initial state of the sequence that chunk
+        belongs to). A backend whose backward is this one saves the same (the CuTeDSL kernels' default)."""
+        shard, initial = _Shard(inputs, self.chunk_size), _initial(inputs)
         start = None if initial is None else shard.summary_form(shard.entering(initial, shard.where))
         if start is not None and _stack_count(preceding) > 0:
             raise ValueError("initial_state serves one device (no preceding summaries); under CP the incoming "
                              "state comes from the preceding ranks")
         incoming = compose_forward(preceding, start).astype(jnp.float32)
-        output, final = shard.apply(local_context.terms, incoming, initial)
-        output = output.astype(inputs.q.dtype)
-        saved = CPSavedContext(
+        return CPSavedContext(
             tensors=(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.cu_seqlens, incoming, initial),
             metadata={"scale": inputs.scale, "num_householder": inputs.num_householder,
                       "use_qk_l2norm_in_kernel": inputs.use_qk_l2norm_in_kernel,
                       "output_final_state": inputs.output_final_state})
-        return CPForwardResult((output, final) if inputs.output_final_state else output, saved)
 
     def cp_backward_prepare(self, output_grad, saved_context: CPSavedContext
                             ) -> tuple[CPBackwardPackedSummary, JaxGDPBackwardContext]:
@@ -438,24 +449,30 @@ class JaxGDPBackend:
         inputs = GDPInputs(q, k, v, g, beta, cu_seqlens=cu_seqlens, initial_state=initial, **saved_context.metadata)
         shard = _Shard(inputs, self.chunk_size)
         output_grad, final_grad = output_grad if inputs.output_final_state else (output_grad, None)
-        (terms, _, transition), prepare_vjp = jax.vjp(shard.prepare, q, k, v, g, beta, initial)
+        terms, terms_vjp = jax.vjp(shard.terms, q, k, v, g, beta)
+        (_, transition), summary_vjp = jax.vjp(shard.summary, terms, initial)
         (output, final), apply_vjp = jax.vjp(lambda t, s, i: shard.apply(t, s, i), terms, incoming, initial)
         final_cotangent = None if final is None else final_grad.astype(jnp.float32)
         terms_grad, incoming_grad, initial_grad = apply_vjp((output_grad.astype(jnp.float32), final_cotangent))
         summary = jnp.concatenate([incoming_grad, shard.summary_form(jnp.swapaxes(transition, -1, -2))], axis=-1)
-        context = JaxGDPBackwardContext(prepare_vjp, terms_grad, incoming, initial_grad, incoming_grad, shard)
+        context = JaxGDPBackwardContext(terms_vjp, summary_vjp, terms_grad, incoming, initial_grad, incoming_grad,
+                                        shard)
         return CPBackwardPackedSummary(summary), context
 
     def cp_backward_apply(self, backward_context: JaxGDPBackwardContext, following) -> GDPInputGradients:
         ctx = backward_context
         shard = ctx.shard
         inputs = shard.inputs
-        outgoing_grad = match_vma(compose_backward(following).astype(jnp.float32), ctx.incoming)
-        incoming = shard.recurrence_form(ctx.incoming)
-        outgoing = shard.recurrence_form(outgoing_grad)
-        # S_out = M S_in + E, so dE = dS_out and dM = dS_out S_in^T.
-        transition_grad = _einsum("bhkv,bhlv->bhkl", outgoing, incoming)
-        *grads, prepare_initial_grad = ctx.prepare_vjp((ctx.terms_grad, outgoing, transition_grad))
+        terms_grad = ctx.terms_grad
+        if _stack_count(following) > 0:  # static: one device (no rank after) skips the summary's vjp
+            outgoing_grad = match_vma(compose_backward(following).astype(jnp.float32), ctx.incoming)
+            incoming = shard.recurrence_form(ctx.incoming)
+            outgoing = shard.recurrence_form(outgoing_grad)
+            # S_out = M S_in + E, so dE = dS_out and dM = dS_out S_in^T.
+            transition_grad = _einsum("bhkv,bhlv->bhkl", outgoing, incoming)
+            summary_terms_grad, _ = ctx.summary_vjp((outgoing, transition_grad))  # initial states: one device only
+            terms_grad = jax.tree.map(jnp.add, terms_grad, summary_terms_grad)
+        grads = ctx.terms_vjp(terms_grad)
         dtypes = (inputs.q.dtype, inputs.k.dtype, inputs.v.dtype, inputs.g.dtype, inputs.beta.dtype)
         grads = [grad.astype(dtype) for grad, dtype in zip(grads, dtypes)]
         if inputs.initial_state is None:
@@ -467,5 +484,5 @@ class JaxGDPBackend:
         if inputs.is_packed:
             entering_grad = jnp.zeros(inputs.state_shape, jnp.float32).at[shard.where.chunk_seq[0]].add(
                 entering_grad[0])
-        initial_grad = ctx.initial_grad + prepare_initial_grad + entering_grad
+        initial_grad = ctx.initial_grad + entering_grad
         return GDPInputGradients(*grads, initial_grad.astype(inputs.initial_state.dtype))

@@ -40,7 +40,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from cp_linear.chunking import cu_seqlens_from_seq_idx, max_shard_sequences
@@ -59,6 +58,7 @@ from cp_linear.validation import (
     sequence_start_index,
 )
 from jax_api._checks import is_concrete, raise_failed_value_checks
+from jax_api._mesh import place, run_mesh
 from jax_api.gdp.chunk import check_gdp_inputs, host_value_or_none
 from jax_api.gdp.ops import Residuals, gate_or_zeros, resolve_backend
 
@@ -96,7 +96,8 @@ def _context_parallel_fwd(q, k, v, g, beta, cu_seqlens, preceding_rank_start, fo
     marks = trailing_bad.reshape(*trailing_bad.shape[packed_summary.ndim == 3:], 1, 1)
     gathered = jax.lax.all_gather(poison(packed_summary, marks), axis_name)  # [cp, (B,) H, K, V + K]
     rank = jax.lax.axis_index(axis_name)
-    incoming = compose_forward_range(gathered, preceding_rank_start, rank)  # [(B,) H, K, V]
+    with jax.default_matmul_precision("highest"):  # float32 folds on GPUs too (no TF32), as torch
+        incoming = compose_forward_range(gathered, preceding_rank_start, rank)  # [(B,) H, K, V]
     incoming_bad = nonfinite_rows(incoming, 2)
     incoming = jnp.where(incoming_bad[..., None, None], 0.0, incoming)
     output, saved = backend.cp_forward_apply(local, _as_single_summary(incoming))
@@ -110,7 +111,8 @@ def _context_parallel_bwd(axis_name, backend, scale, num_householder, use_qk_l2n
     summary, context = backend.cp_backward_prepare(output_grad, residuals.saved_context())
     gathered = jax.lax.all_gather(as_packed_array(summary), axis_name)
     rank = jax.lax.axis_index(axis_name)
-    outgoing_grad = compose_backward_range(gathered, rank + 1, residuals.extra)
+    with jax.default_matmul_precision("highest"):
+        outgoing_grad = compose_backward_range(gathered, rank + 1, residuals.extra)
     grads = backend.cp_backward_apply(context, _as_single_summary(outgoing_grad))
     return (*grads[:5], None, None, None, None)  # cu_seqlens, rank bounds and poison marks are integer metadata
 
@@ -154,9 +156,9 @@ def packed_shard_metadata(global_seq_idx: jax.Array, rank, local_len: int, max_s
     return cu_seqlens_from_seq_idx(local, max_sequences), preceding_rank_start, following_rank_stop
 
 
-def _resolve(q, backend, scale):
+def _resolve(q, k, v, num_householder, backend, scale):
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return resolve_backend(backend), scale
+    return resolve_backend(backend, q=q, k=k, v=v, num_householder=num_householder), scale
 
 
 # --------------------------------------------------------------------------- public functions
@@ -180,11 +182,13 @@ def gdp_chunkwise_context_parallel_shard(q, k, v, g, beta, *, axis_name: str = "
     The ids cannot be checked here (they are traced), nor can values: shapes and sizes are checked;
     a non-finite input is contained (the outputs that depend on it are NaN, all others exact, on
     every rank). The global entry point checks concrete ids and values.
+    ``backend``: any backend of the four-function protocol; None picks the CuTeDSL kernels on a
+    Hopper GPU for bf16/fp16 inputs with K, V in {64, 128}, else ``JaxGDPBackend()``.
     """
     cp_size = _axis_size(axis_name)
     g = gate_or_zeros(g, q)
     check_gdp_inputs(q, k, v, g, beta, num_householder)
-    backend, scale = _resolve(q, backend, scale)
+    backend, scale = _resolve(q, k, v, num_householder, backend, scale)
     batch, local_len = q.shape[:2]
     if global_seq_idx is None:
         cu_seqlens = None
@@ -240,7 +244,7 @@ def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, mesh, axis_name: str = "
     cp_size = mesh.shape[axis_name]
     g = gate_or_zeros(g, q)
     check_gdp_inputs(q, k, v, g, beta, num_householder)
-    backend, scale = _resolve(q, backend, scale)
+    backend, scale = _resolve(q, k, v, num_householder, backend, scale)
     batch, tokens = q.shape[:2]
     if tokens % cp_size:
         raise ValueError(f"T = {tokens} must be divisible by the size of mesh axis {axis_name!r} ({cp_size})")
@@ -257,7 +261,7 @@ def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, mesh, axis_name: str = "
         if max_sequences is not None:
             bound = _check_max_sequences(max_sequences, tokens // cp_size)
         arrays += (global_seq_idx,)
-    program = _global_program(mesh, axis_name, global_seq_idx is not None, bound, scale, num_householder,
+    program = _global_program(run_mesh(mesh), axis_name, global_seq_idx is not None, bound, scale, num_householder,
                               bool(use_qk_l2norm_in_kernel), backend)
     return program(*arrays)
 
@@ -267,8 +271,6 @@ def _global_program(mesh, axis_name: str, packed: bool, max_sequences: int | Non
                     num_householder: int, use_qk_l2norm_in_kernel: bool, backend):
     """jit(place inputs, then shard_map the per-shard function), built once per configuration so
     that eager calls reuse their compiled program too."""
-    token_sharding = NamedSharding(mesh, P(None, axis_name))
-    replicated = NamedSharding(mesh, P())
     options = dict(axis_name=axis_name, scale=scale, num_householder=num_householder,
                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, backend=backend, max_sequences=max_sequences)
 
@@ -280,8 +282,8 @@ def _global_program(mesh, axis_name: str, packed: bool, max_sequences: int | Non
     run = jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs, out_specs=P(None, axis_name))
 
     def program(*arrays):
-        placed = [jax.device_put(x, token_sharding) for x in arrays[:5]]
-        placed += [jax.device_put(x, replicated) for x in arrays[5:]]
+        placed = [place(x, mesh, P(None, axis_name)) for x in arrays[:5]]
+        placed += [place(x, mesh, P()) for x in arrays[5:]]
         return run(*placed)
 
     return jax.jit(program)

@@ -1,7 +1,7 @@
 """The Gated DeltaProduct recurrence token by token in jnp: obvious, slow, differentiable.
 
 The test oracle for the chunked backend (``jax.grad`` of it gives reference gradients; run it
-under ``jax.enable_x64(True)`` with float64 inputs for float64 references). DESIGN.md §2::
+under ``jax.enable_x64(True)`` with float64 inputs for float64 references). docs/design.md §2::
 
     for t in tokens of the sequence:
         S = exp(g[t]) * S

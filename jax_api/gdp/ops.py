@@ -42,17 +42,26 @@ from jax_api.gdp.chunk import JaxGDPBackend, check_gdp_inputs, host_value_or_non
 _PROTOCOL = ("cp_forward_prepare", "cp_forward_apply", "cp_backward_prepare", "cp_backward_apply")
 
 
-def resolve_backend(backend, *, sequence_states: bool = False):
-    """``backend`` (``JaxGDPBackend()`` when None), checked for the four functions (and, for the
-    one-device op, the sequence states of ``cp_linear.gdp.GDPInputs``)."""
-    backend = JaxGDPBackend() if backend is None else backend
+def resolve_backend(backend, *, sequence_states: bool = False, q=None, k=None, v=None, num_householder: int = 1):
+    """``backend``, checked for the four functions (and, for the one-device op, the sequence states of
+    ``cp_linear.gdp.GDPInputs``). None picks one for ``q``, ``k``, ``v``: the CuTeDSL kernels
+    (``jax_api.gdp.cutedsl.CuTeDSLGatedDeltaProductCPBackend``) where they run these inputs (a Hopper
+    GPU as JAX's default backend, bf16/fp16, K and V in {64, 128}), else ``JaxGDPBackend()``."""
+    if backend is None:
+        if q is None:
+            backend = JaxGDPBackend()
+        else:
+            from jax_api.gdp.cutedsl import auto_backend
+
+            backend = auto_backend(q, k, v, num_householder)
     for method in _PROTOCOL:
         if not callable(getattr(backend, method, None)):
             raise ValueError(f"backend must implement the four-function CP protocol; "
                              f"{type(backend).__name__} has no {method}")
     if sequence_states and not getattr(backend, "supports_sequence_states", False):
         raise ValueError(f"the one-device op needs a backend with initial and final sequence states "
-                         f"(cp_linear.gdp.GDPInputs); {type(backend).__name__} does not declare supports_sequence_states")
+                         f"(cp_linear.gdp.GDPInputs); {type(backend).__name__} does not declare "
+                         "supports_sequence_states")
     return backend
 
 
@@ -168,7 +177,7 @@ def _value_flags(q, k, v, g, beta, initial_state=None):
 def gated_delta_product(q, k, v, g, beta, *, scale: float | None = None, num_householder: int = 1,
                         cu_seqlens=None, seq_idx=None, initial_state=None, use_qk_l2norm_in_kernel: bool = False,
                         backend: Any = None, check_inputs: bool = True):
-    """Gated DeltaProduct on one device (DESIGN.md §2 in docs/design.md), differentiable.
+    """Gated DeltaProduct on one device (docs/design.md §2), differentiable.
 
     q [B, T, H, K], k [B, T*n_h, H, K], v [B, T*n_h, H, V], g [B, T, H] (log decay; None = no
     gate), beta [B, T*n_h, H]. Packed batch (B = 1): ``cu_seqlens`` int [N + 1], nondecreasing
@@ -176,8 +185,9 @@ def gated_delta_product(q, k, v, g, beta, *, scale: float | None = None, num_hou
     traced one needs ``initial_state`` to fix N); otherwise each row is one sequence (N = B).
     initial_state [N, H, K, V] (zeros when None).
     Returns (o [B, T, H, V] in q's dtype, final_state float32 [N, H, K, V]). ``backend``: any
-    backend of the four-function protocol with sequence states; None means ``JaxGDPBackend()``.
-    K ≤ 256, V ≤ 512.
+    backend of the four-function protocol with sequence states; None picks the CuTeDSL kernels on a
+    Hopper GPU for bf16/fp16 inputs with K, V in {64, 128}, else ``JaxGDPBackend()``
+    (``resolve_backend``). K ≤ 256, V ≤ 512.
 
     check_inputs: with concrete (not traced) inputs, NaN/Inf (inputs, initial_state), g > 0 and
     beta outside [0, 2] raise ValueError (one host read). Traced inputs cannot be read; there, as
@@ -186,7 +196,7 @@ def gated_delta_product(q, k, v, g, beta, *, scale: float | None = None, num_hou
     """
     g = gate_or_zeros(g, q)
     check_gdp_inputs(q, k, v, g, beta, num_householder)
-    backend = resolve_backend(backend, sequence_states=True)
+    backend = resolve_backend(backend, sequence_states=True, q=q, k=k, v=v, num_householder=num_householder)
     batch, tokens, heads, key_dim = q.shape
     value_dim = v.shape[-1]
     scale = key_dim**-0.5 if scale is None else float(scale)

@@ -19,6 +19,8 @@ _EXPORTS = {
     "BlockDiagAttention": "jax_api.layers.attention",
     "HybridDecoder": "jax_api.layers.model",
     "cp_apply": "jax_api.layers.model",
+    "load_state_table": "jax_api.layers.convert",
+    "state_table": "jax_api.layers.convert",
     "load_torch_state_dict": "jax_api.layers.convert",
     "flatten_jax_state": "jax_api.layers.convert",
 }

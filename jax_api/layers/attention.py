@@ -2,7 +2,7 @@
 in-document positions, causal within each packed document; same parameters and math as
 ``torch_api.layers.BlockDiagAttention``.
 
-``__call__(x [B, L, D], *, layout=None, axis_name=None, doc_ids=None, cu_seqlens=None,
+``__call__(hidden_states [B, L, D], *, layout=None, axis_name=None, doc_ids=None, cu_seqlens=None,
 seq_idx=None) -> [B, L, D]``: one device (axis_name None, the doc-masked softmax over all T
 tokens) or inside ``jax.shard_map`` (``jax_api.blockdiag_attention_shard`` with the layout's plan).
 """
@@ -15,10 +15,11 @@ from flax import nnx
 
 from jax_api.layers.blocks import Linear, apply_rope, rope_angles
 from jax_api.layers.layout import resolve_layout
-from cp_linear.model_config import AttentionConfig, resolve_config
+from cp_linear.model_config import AttentionConfig, REQUIRED, document_layer_signature, resolve_config
+from jax_api.layers.convert import StateTableMixin
 
 
-class BlockDiagAttention(nnx.Module):
+class BlockDiagAttention(StateTableMixin, nnx.Module):
     """Block-diagonal causal GQA attention; keyword arguments as ``AttentionConfig``.
 
     ``mode`` must match the layout's plan under CP ("auto" accepts the plan's own mode).
@@ -33,8 +34,9 @@ class BlockDiagAttention(nnx.Module):
         self.v_proj = Linear(c.hidden_size, c.kv_heads * d, bias=c.qkv_bias, rngs=rngs)
         self.o_proj = Linear(c.num_heads * d, c.hidden_size, rngs=rngs)
 
-    def __call__(self, x: jax.Array, *, layout=None, axis_name: str | None = None, doc_ids=None, cu_seqlens=None,
-                 seq_idx=None) -> jax.Array:
+    def __call__(self, hidden_states: jax.Array, *, layout=None, axis_name: str | None = None, doc_ids=None,
+                 cu_seqlens=None, seq_idx=None) -> jax.Array:
+        x = hidden_states
         c, d = self.config, self.config.dim_per_head
         layout = resolve_layout(x, layout=layout, axis_name=axis_name, doc_ids=doc_ids, seq_idx=seq_idx,
                                 cu_seqlens=cu_seqlens)
@@ -59,5 +61,8 @@ class BlockDiagAttention(nnx.Module):
                                  scale=d**-0.5).astype(q.dtype)
         return self.o_proj(o.reshape(batch, length, c.num_heads * d))
 
+
+# help() and inspect.signature list every keyword argument (a metaclass hides __init__ from them)
+document_layer_signature(BlockDiagAttention, AttentionConfig, rngs=REQUIRED, mode="auto")
 
 __all__ = ["BlockDiagAttention"]

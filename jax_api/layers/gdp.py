@@ -1,7 +1,8 @@
 """``GatedDeltaProduct`` as a Flax NNX module: the same mixer, parameters and math as
 ``torch_api.layers.GatedDeltaProduct`` (see its docstring for the per-token formulas).
 
-``__call__(x [B, L, D], *, layout=None, axis_name=None, cu_seqlens=None, seq_idx=None) -> [B, L, D]``
+``__call__(hidden_states [B, L, D], *, layout=None, axis_name=None, cu_seqlens=None, seq_idx=None)
+-> [B, L, D]``
   one device   axis_name None; x holds all T tokens; packing from ``layout`` or the ids
   CP           call inside ``jax.shard_map`` over mesh axis ``axis_name`` with x this rank's
                L tokens and ``layout = build_layout(..., cp_size=cp)`` passed in replicated
@@ -20,7 +21,8 @@ from flax import nnx
 from jax_api.layers.blocks import GatedRMSNorm, Linear, RMSNorm, ShortConvolution
 from jax_api.layers.conv import conv_window
 from jax_api.layers.layout import resolve_layout
-from cp_linear.model_config import GDPConfig, resolve_config
+from cp_linear.model_config import GDPConfig, REQUIRED, document_layer_signature, resolve_config
+from jax_api.layers.convert import StateTableMixin
 
 
 def _init_decay(rngs: nnx.Rngs, heads: int) -> tuple[jax.Array, jax.Array]:
@@ -31,8 +33,11 @@ def _init_decay(rngs: nnx.Rngs, heads: int) -> tuple[jax.Array, jax.Array]:
     return a_log, dt + jnp.log(-jnp.expm1(-dt))
 
 
-class GatedDeltaProduct(nnx.Module):
-    """Gated DeltaProduct mixer; keyword arguments as ``GDPConfig``; ``rngs`` for the initial weights."""
+class GatedDeltaProduct(StateTableMixin, nnx.Module):
+    """Gated DeltaProduct mixer; keyword arguments as ``GDPConfig``; ``rngs`` for the initial weights.
+
+    ``backend``: a GDP backend of the four-function protocol, or None: the CuTeDSL kernels where they
+    run the activations (a Hopper GPU, bf16/fp16, head sizes 64 or 128), else ``JaxGDPBackend``."""
 
     def __init__(self, config: GDPConfig | None = None, *, rngs: nnx.Rngs, backend=None, **kwargs):
         self.config = config = resolve_config(GDPConfig, config, kwargs)
@@ -70,8 +75,9 @@ class GatedDeltaProduct(nnx.Module):
         q_win, k_win, v_win = jnp.split(window, [q_ch, q_ch + k_ch], axis=-1)
         return self.q_conv1d(q_win, positions), self.k_conv1d(k_win, positions), self.v_conv1d(v_win, positions)
 
-    def __call__(self, x: jax.Array, *, layout=None, axis_name: str | None = None, cu_seqlens=None,
+    def __call__(self, hidden_states: jax.Array, *, layout=None, axis_name: str | None = None, cu_seqlens=None,
                  seq_idx=None) -> jax.Array:
+        x = hidden_states
         c, n = self.config, self.config.num_householder
         layout = resolve_layout(x, layout=layout, axis_name=axis_name, seq_idx=seq_idx, cu_seqlens=cu_seqlens)
         if x.shape[-1] != c.hidden_size:
@@ -94,7 +100,7 @@ class GatedDeltaProduct(nnx.Module):
             a = self.a_proj(x).astype(jnp.float32) + self.dt_bias[...]
             g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a)
         else:
-            g = jnp.zeros((batch, length, c.value_heads), jnp.float32)
+            g = None  # no gate, as flash-linear-attention passes it
 
         options = dict(num_householder=n, use_qk_l2norm_in_kernel=True, backend=self.backend)
         if axis_name is not None:
@@ -114,5 +120,8 @@ class GatedDeltaProduct(nnx.Module):
             o = self.o_norm(o)
         return self.o_proj(o.reshape(batch, length, c.value_dim))
 
+
+# help() and inspect.signature list every keyword argument (a metaclass hides __init__ from them)
+document_layer_signature(GatedDeltaProduct, GDPConfig, rngs=REQUIRED, backend=None)
 
 __all__ = ["GatedDeltaProduct"]

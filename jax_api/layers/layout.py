@@ -78,7 +78,8 @@ def layout_from_packed(packed: PackedLayout, *, cp_size: int = 1, attention_mode
         if plan.mode == "halo" and plan.halo_len < min_halo_len:
             # extra halo rows hold other documents' tokens, which the doc mask drops; a fixed
             # halo keeps the plan's static shape (and so the compiled program) across packings
-            plan = dataclasses.replace(plan, halo_len=min(min_halo_len, plan.local_len))
+            plan = dataclasses.replace(plan, shape=dataclasses.replace(plan.shape, halo_len=min(min_halo_len,
+                                                                                              plan.local_len)))
     cu = jnp.asarray(packed.cu_seqlens(), jnp.int32) if (packed.packed and cp_size == 1) else None
     return TokenLayout(seq_idx=jnp.asarray(packed.seq_idx.reshape(1, -1), jnp.int32),
                        doc_ids=jnp.asarray(packed.doc_ids, jnp.int32),

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import jax
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_api._mesh import is_explicit, place, run_mesh
 from jax_api.layers.attention import BlockDiagAttention
 from jax_api.layers.blocks import Embedding, GatedMLP, Linear, RMSNorm
 from jax_api.layers.gdp import GatedDeltaProduct
 from jax_api.layers.layout import TokenLayout, build_layout
 from cp_linear.model_config import DecoderConfig
+from jax_api.layers.convert import StateTableMixin
 
 
 class HybridBlock(nnx.Module):
@@ -39,7 +40,7 @@ class HybridBlock(nnx.Module):
         return h + self.mlp(self.mlp_norm(h))
 
 
-class HybridDecoder(nnx.Module):
+class HybridDecoder(StateTableMixin, nnx.Module):
     """``__call__(input_ids [B, L], *, layout=None, axis_name=None, doc_ids=None) -> logits [B, L, V]``.
 
     One device: ``doc_ids`` int [T] (0 = padding, B = 1) or a ``layout``; neither: each row one
@@ -81,12 +82,6 @@ class HybridDecoder(nnx.Module):
         return self.lm_head(self.norm(h))
 
 
-def _is_explicit_axis(mesh, axis_name: str) -> bool:
-    axis_types = getattr(mesh, "axis_types", None) or ()
-    names = tuple(mesh.axis_names)
-    return bool(axis_types) and axis_types[names.index(axis_name)] == AxisType.Explicit
-
-
 def cp_apply(model: nnx.Module, input_ids: jax.Array, layout: TokenLayout, *, mesh, axis_name: str = "cp"):
     """Logits [B, T, V] of ``model`` on global ``input_ids`` [B, T], split along T over ``mesh[axis_name]``.
 
@@ -95,9 +90,9 @@ def cp_apply(model: nnx.Module, input_ids: jax.Array, layout: TokenLayout, *, me
     """
     graphdef, state = nnx.split(model)
     tokens = P(None, axis_name)
-    if _is_explicit_axis(mesh, axis_name):
-        # explicit mesh axes carry shardings in the types; shard_map wants them to match its in_specs
-        input_ids = jax.reshard(input_ids, NamedSharding(mesh, tokens))
+    mesh = run_mesh(mesh)  # Explicit axes outside a mesh context: their Auto twin (jax_api/_mesh.py)
+    if is_explicit(mesh, axis_name):  # the types must match shard_map's in_specs
+        input_ids = place(input_ids, mesh, tokens)
 
     def per_shard(state, ids, layout):
         return nnx.merge(graphdef, state)(ids, layout=layout, axis_name=axis_name)

@@ -219,7 +219,8 @@ def test_ragged_tables_deliver_each_rank_exactly_its_needed_range():
     for dst in range(4):  # run the ragged all-to-all on the host with global positions as payload
         buffer = np.full(shape.recv_len, -1)
         for src in range(4):
-            sent = send_index[src, input_offsets[src, dst]:input_offsets[src, dst] + send_sizes[src, dst]] + src * length
+            start, size = input_offsets[src, dst], send_sizes[src, dst]
+            sent = send_index[src, start:start + size] + src * length
             buffer[output_offsets[src, dst]:output_offsets[src, dst] + send_sizes[src, dst]] = sent
         assert recv_sizes[dst].sum() == plan.back[dst] and list(buffer[buffer >= 0]) == list(
             range(plan.s_first[dst], dst * length))

@@ -41,7 +41,8 @@ def test_chunked_matches_naive(num_householder, use_qk_l2norm, chunk_size):
     q, k, v, g, beta = random_gdp_inputs(rng, tokens=63, key_dim=12, value_dim=10, num_householder=num_householder)
     cu = [0, 1, 30, 63]
     init = rng.normal(size=(3, 2, 12, 10))
-    args = dict(num_householder=num_householder, cu_seqlens=cu, initial_state=init, use_qk_l2norm_in_kernel=use_qk_l2norm)
+    args = dict(num_householder=num_householder, cu_seqlens=cu, initial_state=init,
+                use_qk_l2norm_in_kernel=use_qk_l2norm)
     o_ref, s_ref = ref.naive_gated_delta_product(q, k, v, g, beta, **args)
     o, s = ref.chunked_gated_delta_product(q, k, v, g, beta, chunk_size=chunk_size, **args)
     tol = tolerance(gdp_length(63, num_householder, 12), compared_with="rounded", **F64)

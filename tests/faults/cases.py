@@ -166,7 +166,7 @@ def layer_call(rank, world, layer, doc_ids, *, nan_at=None):
     if nan_at is not None:
         x[0, nan_at, 0] = float("nan")
     layout = build_shard_layout(total_len=world * LOCAL_LEN, doc_ids=torch.tensor(doc_ids), cp_group=dist.group.WORLD)
-    return layer.to(dev)(x, cp_metadata=layout)
+    return layer.to(dev)(x, layout=layout)
 
 
 # --------------------------------------------------------------------------- class 1: different packed ids
@@ -490,7 +490,7 @@ def layer_edited_layout(rank, world):
         packed = dataclasses.replace(packed, position=position)
     layout = ShardLayout(packed, dist.group.WORLD)
     x = torch.randn(1, LOCAL_LEN, HIDDEN).to(device(rank))
-    GatedDeltaProduct(small_gdp_config()).to(device(rank))(x, cp_metadata=layout)
+    GatedDeltaProduct(small_gdp_config()).to(device(rank))(x, layout=layout)
 
 
 # --------------------------------------------------------------------------- the registry

@@ -79,7 +79,8 @@ def test_naive_recurrence_matches_numpy_reference_in_float64(num_householder):
                                                      initial_state=init, use_qk_l2norm_in_kernel=True)
     with jax.enable_x64(True):
         o, final = naive_gated_delta_product(*(jnp.asarray(x) for x in inputs), num_householder=num_householder,
-                                             cu_seqlens=cu, initial_state=jnp.asarray(init), use_qk_l2norm_in_kernel=True)
+                                             cu_seqlens=cu, initial_state=jnp.asarray(init),
+                                             use_qk_l2norm_in_kernel=True)
         assert o.dtype == jnp.float64
     tol = tolerance(gdp_length(13, num_householder, KEY_DIM), dtype="float64", compared_with="rounded")
     assert_close("output", o_ref, o, tol)

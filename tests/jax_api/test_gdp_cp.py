@@ -40,8 +40,12 @@ def mesh_of(cp_size, axis_name="cp"):
 
 
 def is_split_along_tokens(array, axis_name="cp"):
-    spec = tuple(array.sharding.spec) + (None,) * array.ndim
-    return spec[: array.ndim] == (None, axis_name) + (None,) * (array.ndim - 2)
+    """``array`` is laid out as ``P(None, axis_name)`` over its mesh. Compared as shardings, not specs:
+    on a 1-device mesh XLA reports the equivalent ``P()`` for an output of an Auto-axes mesh."""
+    sharding = array.sharding
+    if not isinstance(sharding, NamedSharding):
+        return False
+    return sharding.is_equivalent_to(NamedSharding(sharding.mesh, P(None, axis_name)), array.ndim)
 
 
 @functools.lru_cache(maxsize=None)

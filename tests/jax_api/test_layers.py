@@ -72,10 +72,12 @@ def sharded_loss(module, layout, mesh, cotangent):
     return loss
 
 
-def single_loss(module, layout, cotangent):
+def single_loss(module, layout):
+    """``loss(state, x, cotangent)`` = sum(out * cotangent) on one device (the cotangent an argument,
+    so one compiled program also gives the per-token gradients of kappa)."""
     graphdef, _ = nnx.split(module)
 
-    def loss(state, x):
+    def loss(state, x, cotangent):
         out = nnx.merge(graphdef, state)(x, layout=layout)
         return jnp.sum(out * cotangent), out
 
@@ -86,14 +88,12 @@ def flat(tree):
     return np.concatenate([np.ravel(a) for a in jax.tree.leaves(tree)])
 
 
-def gradient_cancellation(module, layout, x, cotangent):
-    """kappa of the input and parameter gradients of sum(out * cotangent) as sums over tokens."""
-    graphdef, state = nnx.split(module)
-    _, vjp = jax.vjp(lambda state, x: nnx.merge(graphdef, state)(x, layout=layout), state, x)
-    pullback = jax.jit(vjp)
+def gradient_cancellation(one, state, x, cotangent):
+    """kappa of the input and parameter gradients of sum(out * cotangent) as sums over tokens;
+    ``one`` is the jitted value_and_grad of ``single_loss`` (tests/tolerance.py)."""
 
     def grads(cot):
-        state_grad, x_grad = pullback(jnp.asarray(cot))
+        _, (state_grad, x_grad) = one(state, x, jnp.asarray(cot))
         return {"x": np.asarray(x_grad), "params": flat(state_grad)}
 
     return token_cancellation(grads, np.asarray(cotangent))
@@ -107,14 +107,14 @@ def assert_cp_matches(module, doc_ids, cp, batch=1, seed=0, attention_mode="auto
     cotangent = jnp.asarray(rng.normal(size=(batch, total, 20)), jnp.float32)
     mesh = mesh_of(cp)
     state = nnx.state(module)
-    one = jax.jit(jax.value_and_grad(single_loss(module, build_layout(total_len=total, doc_ids=doc_ids), cotangent),
+    one = jax.jit(jax.value_and_grad(single_loss(module, build_layout(total_len=total, doc_ids=doc_ids)),
                                      argnums=(0, 1), has_aux=True))
     layout = build_layout(total_len=total, doc_ids=doc_ids, cp_size=cp, attention_mode=attention_mode)
     many = jax.jit(jax.value_and_grad(sharded_loss(module, layout, mesh, cotangent), argnums=(0, 1), has_aux=True))
-    (_, out_ref), (state_grad_ref, x_grad_ref) = one(state, x)
+    (_, out_ref), (state_grad_ref, x_grad_ref) = one(state, x, cotangent)
     (_, out), (state_grad, x_grad) = many(state, jax.device_put(x, NamedSharding(mesh, P(None, "cp"))))
     length = layer_length(module.config, total, batch)
-    kappa = gradient_cancellation(module, build_layout(total_len=total, doc_ids=doc_ids), x, cotangent)
+    kappa = gradient_cancellation(one, state, x, cotangent)
     assert_close("output", out_ref, out, tolerance(length, compared_with="rounded"))
     assert_close("input gradient", x_grad_ref, x_grad,
                  tolerance(length, cancellation=kappa["x"], compared_with="rounded"))
@@ -167,20 +167,23 @@ def test_decoder_under_cp_equals_one_device():
     mesh = mesh_of(4)
     layout = build_layout(total_len=doc_ids.shape[0], doc_ids=doc_ids, cp_size=4)
 
-    def cp_loss(model):
-        return jnp.mean(cp_apply(model, tokens, layout, mesh=mesh) ** 2)
+    # sum(logits * cot) with cot = d mean(logits^2) / d logits has the gradients of mean(logits^2) at these
+    # weights, and the cotangent as an argument lets one compiled program give kappa's per-token gradients
+    def cp_loss(model, cot):
+        return jnp.sum(cp_apply(model, tokens, layout, mesh=mesh) * cot)
 
-    def one_loss(model):
-        return jnp.mean(model(tokens, doc_ids=doc_ids) ** 2)
+    def one_loss(model, cot):
+        logits = model(tokens, doc_ids=doc_ids)
+        return jnp.sum(logits * cot), logits
 
     pure = lambda g: flat(nnx.to_pure_dict(g))  # noqa: E731
-    graphdef, state = nnx.split(model)  # kappa first, on one device, before CP runs on the mesh
-    logits, vjp = jax.vjp(lambda state: nnx.merge(graphdef, state)(tokens, doc_ids=doc_ids), state)
-    pullback = jax.jit(vjp)
-    cotangent = np.asarray(2 * logits / logits.size)  # d mean(logits^2) / d logits
-    kappa = token_cancellation(lambda cot: {"params": pure(pullback(jnp.asarray(cot))[0])}, cotangent)["params"]
-    value_ref, grads_ref = nnx.jit(nnx.value_and_grad(one_loss))(model)
-    value, grads = nnx.jit(nnx.value_and_grad(cp_loss))(model)
+    one = nnx.jit(nnx.value_and_grad(one_loss, has_aux=True))
+    (_, logits), _ = one(model, jnp.zeros((1, doc_ids.shape[0], 13), jnp.float32))
+    cotangent = np.asarray(2 * logits / logits.size)
+    # kappa first, on one device, before CP runs on the (explicit-axis) mesh
+    kappa = token_cancellation(lambda cot: {"params": pure(one(model, jnp.asarray(cot))[1])}, cotangent)["params"]
+    (value_ref, _), grads_ref = one(model, cotangent)
+    value, grads = nnx.jit(nnx.value_and_grad(cp_loss))(model, cotangent)
     length = decoder_length(config, doc_ids.shape[0]) + logits_count(config, doc_ids.shape[0])
     assert_close("loss", float(value_ref), float(value), tolerance(length, compared_with="rounded"))
     assert_close("parameter gradients", pure(grads_ref), pure(grads),

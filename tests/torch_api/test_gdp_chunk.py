@@ -140,30 +140,26 @@ def test_one_device_matches_numpy_chunked_reference_at_scale_argument():
     check_close("final_state", final, final_ref, gdp_tolerance(45, 2, 9))
 
 
-class OneDeviceMethodsOnly(TorchGDPBackend):
-    """A backend from before sequence states: the op serves it through one_device_forward/backward
-    (as the CuTeDSL backend's forward is served today)."""
-
-    supports_sequence_states = False
-
-
 @pytest.mark.parametrize("lengths", [pytest.param([20, 1, 24], id="packed"), pytest.param(None, id="rows-B2")])
-def test_backend_without_sequence_states_runs_through_its_one_device_methods(lengths):
+def test_one_device_methods_give_the_ops_results(lengths):
+    """TorchGDPBackend.one_device_forward / one_device_backward (the benchmarks' and GPU tests'
+    reference) are the four functions with no neighbours, as the op runs them."""
     arrays = gdp_arrays(9, batch=1 if lengths else 2, tokens=45, num_householder=2)
     cu = None if lengths is None else torch.tensor(cu_from_lengths(lengths))
     rng = np.random.default_rng(10)
     initial = torch.tensor(rng.normal(size=(3 if lengths else 2, 2, 8, 6)), dtype=torch.float32)
     do = torch.tensor(rng.normal(size=(1 if lengths else 2, 45, 2, 6)), dtype=torch.float32)
-    results = []
-    for backend in (TorchGDPBackend(16), OneDeviceMethodsOnly(16)):
-        leaves = [x.requires_grad_() for x in to_torch(arrays)] + [initial.clone().requires_grad_()]
-        o, final = gated_delta_product(*leaves[:5], num_householder=2, cu_seqlens=cu, initial_state=leaves[5],
-                                       backend=backend)
-        ((o * do).sum() + final.square().sum()).backward()
-        results.append([o.detach(), final.detach()] + [leaf.grad for leaf in leaves])
-    tol = gdp_tolerance(45, 2, 8) * 2  # two float32 runs of the same chunked algorithm
-    for name, ours, theirs in zip(("o", "final") + tuple(f"d{n}" for n in NAMES) + ("dinitial",), *results):
-        check_close(name, theirs, ours.double().numpy(), tol)
+    backend = TorchGDPBackend(16)
+    leaves = [x.requires_grad_() for x in to_torch(arrays)] + [initial.clone().requires_grad_()]
+    o, final = gated_delta_product(*leaves[:5], num_householder=2, cu_seqlens=cu, initial_state=leaves[5],
+                                   backend=backend)
+    ((o * do).sum() + final.square().sum()).backward()
+    inputs = GDPInputs(*to_torch(arrays), 8 ** -0.5, 2, False, cu)
+    o_method, final_method, saved = backend.one_device_forward(inputs, initial)
+    grads, initial_grad = backend.one_device_backward(do, 2 * final_method, saved)
+    assert torch.equal(o_method, o.detach()) and torch.equal(final_method, final.detach())
+    for name, ours, theirs in zip(NAMES + ("initial",), (*grads[:5], initial_grad), (x.grad for x in leaves)):
+        assert torch.equal(ours, theirs), name
 
 
 def test_no_gate_is_a_zero_gate_as_in_flash_linear_attention():
@@ -372,7 +368,7 @@ def _valid_call_args():
     pytest.param(lambda t, kw: kw.update(initial_state=torch.zeros(2, 2, 8, 6)), r"initial_state must be",
                  id="initial-state-wrong-count"),
     pytest.param(lambda t, kw: kw.update(num_householder=3), "k must have shape", id="num-householder-mismatch"),
-    pytest.param(lambda t, kw: kw.update(backend=object()), "one_device_forward", id="backend-without-one-device"),
+    pytest.param(lambda t, kw: kw.update(backend=object()), "cp_forward_prepare", id="backend-without-protocol"),
 ])
 def test_gated_delta_product_rejects_bad_input(change, match):
     tensors, kwargs = _valid_call_args()

@@ -277,7 +277,7 @@ def test_masked_conv_matches_per_document_conv():
     pytest.param(lambda m, x: m(x[:, :, :7]), "D=20", id="wrong-width"),
     pytest.param(lambda m, x: m(torch.cat([x, x]), cu_seqlens=torch.tensor([0, 5, 16])), "B = 1", id="packed-B2"),
     pytest.param(lambda m, x: m(x, cu_seqlens=torch.tensor([0, 5, 15])), "T = 15", id="ids-for-another-T"),
-    pytest.param(lambda m, x: m(x, cp_metadata=object()), "ShardLayout", id="metadata-of-wrong-type"),
+    pytest.param(lambda m, x: m(x, layout=object()), "ShardLayout", id="metadata-of-wrong-type"),
     pytest.param(lambda m, x: m(x, seq_idx=torch.tensor([[0, 1] * 8])), "nondecreasing", id="reappearing-sequence"),
 ])
 def test_gdp_layer_rejects_bad_input(call, match):
@@ -337,8 +337,8 @@ def layer_cp_cases(rank, world):
             module = seeded(GatedDeltaProduct, 1, **GDP_VARIANTS[variant])
             errors[f"gdp-{variant}-{name}"] = _run_cp_case(
                 rank, world, module, x_full, cotangent,
-                lambda m, x: m(x, cp_metadata=build_shard_layout(total_len=total, doc_ids=doc_ids)),
-                lambda m, x: m(x, cp_metadata=layout)), module.config
+                lambda m, x: m(x, layout=build_shard_layout(total_len=total, doc_ids=doc_ids)),
+                lambda m, x: m(x, layout=layout)), module.config
         modes = ["auto", "allgather", "a2a"] + (["halo"] if build_blockdiag_plan(doc_ids, world).use_halo else [])
         for mode in modes:
             module = seeded(BlockDiagAttention, 3, mode=mode, **ATTENTION)

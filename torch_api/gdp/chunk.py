@@ -359,36 +359,21 @@ class TorchGDPBackend:
             return grads
         return grads._replace(dinitial_state=problem.layout.initial_state_grads(state_grads, ctx.final_grad))
 
-    # ---- the earlier one-device interface, for backends that call it (the CuTeDSL backend's backward)
+    # ---- one device (through the four functions; what torch_api.gated_delta_product runs)
 
     def one_device_forward(self, inputs: GDPInputs, initial_state: torch.Tensor | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor, CPSavedContext]:
-        """-> (o [B, T, H, V], final_state float32 [N, H, K, V], saved context), through the four
-        functions; ``saved.tensors = (q, k, v, g, beta, cu_seqlens | None, initial_state | None)``."""
+        """-> (o [B, T, H, V], final_state float32 [N, H, K, V], saved context): the four functions
+        with no neighbours."""
         inputs = replace(inputs, initial_state=initial_state, output_final_state=True)
-        summary, local = self.cp_forward_prepare(inputs)
-        (output, final_state), _ = self.cp_forward_apply(local, summary.packed[:0])
-        initial = local.initial
-        saved = CPSavedContext(tensors=(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.cu_seqlens,
-                                        initial), metadata=_metadata(inputs))
+        _, local = self.cp_forward_prepare(inputs)
+        (output, final_state), saved = self.cp_forward_apply(local, None)
         return output, final_state, saved
 
     def one_device_backward(self, output_grad: torch.Tensor | None, final_state_grad: torch.Tensor | None,
-                            saved_context: CPSavedContext) -> tuple[GDPInputGradients, torch.Tensor]:
-        """-> (input gradients, dL/d initial_state float32 [N, H, K, V]) for a ``one_device_forward`` context."""
-        q, k, v, g, beta, cu_seqlens, initial = saved_context.tensors[:7]
-        metadata = saved_context.metadata
-        zeros = torch.zeros(GDPInputs(q, k, v, g, beta, 1.0, cu_seqlens=cu_seqlens).state_shape,
-                            dtype=torch.float32, device=q.device)
-        inputs = GDPInputs(q, k, v, g, beta, metadata["scale"], metadata["num_householder"],
-                           metadata["use_qk_l2norm_in_kernel"], cu_seqlens, zeros if initial is None else initial,
-                           True)
-        placement = ChunkPlacement.build(q.shape[0], k.shape[1], inputs.num_householder, cu_seqlens, self.chunk_size,
-                                         q.device)
-        incoming = _packed_form(placement.initial_and_resets(inputs.initial_state.float())[0], inputs)
-        transition = incoming.new_zeros(*incoming.shape[:-1], incoming.shape[-2])  # M: unused by the one device
-        saved = make_cp_saved_context(inputs, incoming, transition)
-        final_state_grad = zeros if final_state_grad is None else final_state_grad
-        _, context = self.cp_backward_prepare((output_grad, final_state_grad), saved)
+                            saved_context: CPSavedContext) -> tuple[GDPInputGradients, torch.Tensor | None]:
+        """-> (input gradients, dL/d initial_state float32 [N, H, K, V] or None) for a
+        ``one_device_forward`` context."""
+        _, context = self.cp_backward_prepare((output_grad, final_state_grad), saved_context)
         grads = self.cp_backward_apply(context, None)
         return grads._replace(dinitial_state=None), grads.dinitial_state

@@ -1,6 +1,6 @@
 """Chunkwise context parallelism for Gated DeltaProduct over torch.distributed.
 
-Glossary (DESIGN.md §2)
+Glossary (docs/design.md §2)
   shard      the contiguous slice of the sequence one rank holds (L tokens)
   summary    the affine map of a shard: forward ``[E | M]`` (S_out = M S_in + E), backward
              ``[gamma | M^T]`` (dS_in = M^T dS_out + gamma); float32 [H, K, V + K] for a packed
@@ -331,7 +331,7 @@ def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, cp_group, global_seq_idx
                                    use_qk_l2norm_in_kernel=False, backend=None, check_inputs: bool = True):
     """GDP over a sequence split contiguously across the ranks of ``cp_group``; differentiable.
 
-    Local shards in, local output out (DESIGN.md §2 layouts, docs/design.md):
+    Local shards in, local output out (docs/design.md §2 layouts):
       q [B, L, H, K], k [B, L*n_h, H, K], v [B, L*n_h, H, V], g [B, L, H] (None: no gate),
       beta [B, L*n_h, H] -> o [B, L, H, V] in q's dtype; gradients flow to q, k, v, g and beta.
     Packed batch: B = 1 and either ``global_seq_idx`` (int [1, T], the replicated ids, as in

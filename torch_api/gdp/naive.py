@@ -1,6 +1,7 @@
-"""The Gated DeltaProduct recurrence token by token, in torch (DESIGN.md §2).
+"""The Gated DeltaProduct recurrence token by token, in torch (docs/design.md §2).
 
-Slow and obvious on purpose (the test oracle with autograd; ``cp_linear.reference`` is the float64 numpy one): differentiable, runs in the input dtype (use float64 as the autograd
+Slow and obvious on purpose (the test oracle with autograd; ``cp_linear.reference`` is the float64
+numpy one): differentiable, runs in the input dtype (use float64 as the autograd
 oracle in tests), one Python step per token and Householder step.
 q [B, T, H, K], k [B, T*n_h, H, K], v [B, T*n_h, H, V], g [B, T, H], beta [B, T*n_h, H];
 initial_state [N, H, K, V] (N sequences: B rows, or the entries of cu_seqlens when B = 1).

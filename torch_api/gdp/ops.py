@@ -8,14 +8,11 @@ in ``cu_seqlens``). Gradients flow to q, k, v, g, beta and ``initial_state``.
 The op runs through the backend's four functions (``cp_linear.protocol``) with empty neighbour
 stacks: the inputs carry the per-sequence initial states and ask for the final states
 (``cp_linear.gdp.GDPInputs``), so ``cp_forward_apply`` returns ``(o, final_state)`` and
-``cp_backward_prepare`` takes ``(do, d_final_state)``. A backend without those sequence states
-(``supports_sequence_states``; the CuTeDSL forward today) is served through its own
-``one_device_forward`` / ``one_device_backward`` until it gains them.
+``cp_backward_prepare`` takes ``(do, d_final_state)``; the backend declares these sequence states
+with ``supports_sequence_states`` (``TorchGDPBackend`` and the CuTeDSL backend do).
 """
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import torch
 
@@ -44,15 +41,10 @@ def gate_or_zeros(g, q: torch.Tensor) -> torch.Tensor:
 class _GatedDeltaProduct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, backend, options, q, k, v, g, beta, initial_state):
-        inputs = GDPInputs(q, k, v, g, beta, **options)
-        ctx.protocol = bool(getattr(backend, "supports_sequence_states", False))
+        inputs = GDPInputs(q, k, v, g, beta, **options, initial_state=initial_state, output_final_state=True)
         with float32_region(q.device):
-            if ctx.protocol:
-                inputs = replace(inputs, initial_state=initial_state, output_final_state=True)
-                summary, local = backend.cp_forward_prepare(inputs)
-                (output, final_state), saved = backend.cp_forward_apply(local, _empty_stack(summary))
-            else:
-                output, final_state, saved = backend.one_device_forward(inputs, initial_state)
+            summary, local = backend.cp_forward_prepare(inputs)
+            (output, final_state), saved = backend.cp_forward_apply(local, _empty_stack(summary))
         ctx.backend = backend
         ctx.saved_metadata = saved.metadata
         ctx.initial_dtype = None if initial_state is None else initial_state.dtype
@@ -67,19 +59,15 @@ class _GatedDeltaProduct(torch.autograd.Function):
         saved = CPSavedContext(tuple(ctx.saved_tensors), ctx.saved_metadata)
         device = (output_grad if output_grad is not None else final_state_grad).device
         with float32_region(device):
-            if ctx.protocol:
-                summary, context = ctx.backend.cp_backward_prepare((output_grad, final_state_grad), saved)
-                grads = ctx.backend.cp_backward_apply(context, _empty_stack(summary))
-                initial_grad = grads.dinitial_state
-            else:
-                grads, initial_grad = ctx.backend.one_device_backward(output_grad, final_state_grad, saved)
-        initial_grad = None if ctx.initial_dtype is None else initial_grad.to(ctx.initial_dtype)
+            summary, context = ctx.backend.cp_backward_prepare((output_grad, final_state_grad), saved)
+            grads = ctx.backend.cp_backward_apply(context, _empty_stack(summary))
+        initial_grad = None if ctx.initial_dtype is None else grads.dinitial_state.to(ctx.initial_dtype)
         return None, None, grads.dq, grads.dk, grads.dv, grads.dg, grads.dbeta, initial_grad
 
 
 def gated_delta_product(q, k, v, g, beta, *, scale=None, num_householder=1, cu_seqlens=None,
                         initial_state=None, use_qk_l2norm_in_kernel=False, backend=None, check_inputs=True):
-    """Gated DeltaProduct on one device (DESIGN.md §2 in docs/design.md), differentiable.
+    """Gated DeltaProduct on one device (docs/design.md §2), differentiable.
 
     q [B, T, H, K], k [B, T*n_h, H, K], v [B, T*n_h, H, V], g [B, T, H] (log decay; None = no
     gate), beta [B, T*n_h, H]; fp32 / bf16 / fp16. cu_seqlens int [N + 1] for a packed batch
@@ -95,13 +83,13 @@ def gated_delta_product(q, k, v, g, beta, *, scale=None, num_householder=1, cu_s
     from torch_api.gdp.chunk import TorchGDPBackend
 
     backend = TorchGDPBackend() if backend is None else backend
-    protocol = getattr(backend, "supports_sequence_states", False)
-    methods = ("cp_forward_prepare", "cp_forward_apply", "cp_backward_prepare", "cp_backward_apply") if protocol \
-        else ("one_device_forward", "one_device_backward")
-    for method in methods:
+    for method in ("cp_forward_prepare", "cp_forward_apply", "cp_backward_prepare", "cp_backward_apply"):
         if not callable(getattr(backend, method, None)):
-            raise ValueError(f"backend {type(backend).__name__} has no {method}(); gated_delta_product needs the "
-                             "four-function protocol with sequence states (TorchGDPBackend) or the one-device methods")
+            raise ValueError(f"backend {type(backend).__name__} has no {method}(); gated_delta_product runs the "
+                             "four-function protocol (cp_linear.protocol)")
+    if not getattr(backend, "supports_sequence_states", False):
+        raise ValueError(f"backend {type(backend).__name__} does not declare supports_sequence_states: the one-device "
+                         "op needs per-sequence initial and final states (cp_linear.gdp.GDPInputs)")
     gate_given = g is not None
     g = gate_or_zeros(g, q)
     scale = q.shape[-1] ** -0.5 if scale is None and isinstance(q, torch.Tensor) else scale

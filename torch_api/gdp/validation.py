@@ -30,7 +30,7 @@ def float_bits(value: float) -> int:
 
 
 def gdp_input_error(q, k, v, g, beta, *, num_householder, scale, cu_seqlens=None) -> str | None:
-    """Shapes, dtypes, devices and limits of one GDP call (DESIGN.md §2); no values are read.
+    """Shapes, dtypes, devices and limits of one GDP call (docs/design.md §2); no values are read.
     Limits and empty sizes come from ``cp_linear.validation`` (shared with jax_api)."""
     named = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
     for name, x in named.items():

@@ -2,7 +2,7 @@
 
 Vocabulary
   step     one Householder update. Token t owns steps t*n_h .. t*n_h + n_h - 1; its gate g[t] sits
-           on the first step and q[t] is read on the last (DESIGN.md §2), so GDP over T tokens is a
+           on the first step and q[t] is read on the last (docs/design.md §2), so GDP over T tokens is a
            gated delta rule over S = T*n_h steps.
   chunk    at most C consecutive steps (64) of ONE sequence, as ``cp_linear.chunking`` lays them out
            (the one layout of every backend). Unfilled slots hold identity steps (q = k = v = 0,

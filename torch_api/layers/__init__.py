@@ -1,7 +1,8 @@
 """torch layers: ``GatedDeltaProduct``, ``BlockDiagAttention``, ``HybridDecoder`` and weight conversion.
 
-Names resolve lazily: ``cp_linear.model_config`` and ``cp_linear.packing`` import neither
-torch nor jax, and ``jax_api.layers`` imports them for the shared parameter table and host layout.
+Names resolve lazily: ``cp_linear.model_config``, ``cp_linear.packing`` and ``cp_linear.weights``
+import neither torch nor jax; ``jax_api.layers`` uses the same parameter table, host layout and
+weight tables (``state_table`` / ``load_state_table`` convert weights both ways through them).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ _EXPORTS = {
     "GatedDeltaProduct": "torch_api.layers.gdp",
     "BlockDiagAttention": "torch_api.layers.attention",
     "HybridDecoder": "torch_api.layers.model",
+    "load_state_table": "torch_api.layers.convert",
+    "state_table": "torch_api.layers.convert",
     "load_jax_state": "torch_api.layers.convert",
     "torch_state_arrays": "torch_api.layers.convert",
 }

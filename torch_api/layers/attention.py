@@ -18,16 +18,17 @@ import torch
 import torch.nn as nn
 
 from torch_api.layers.blocks import apply_rope, rope_angles
-from cp_linear.model_config import AttentionConfig, layer_signature, resolve_config
+from cp_linear.model_config import AttentionConfig, config_fingerprint, document_layer_signature, resolve_config
 from cp_linear.validation import digest
+from torch_api.layers.convert import StateTableMixin
 from torch_api.layers.layout import resolve_layout
 
 
-class BlockDiagAttention(nn.Module):
+class BlockDiagAttention(StateTableMixin, nn.Module):
     """Block-diagonal causal GQA attention; keyword arguments as ``AttentionConfig``.
 
     ``forward(hidden_states [B, L, D], *, doc_ids=None, cu_seqlens=None, seq_idx=None,
-    cp_group=None, cp_metadata=None) -> [B, L, D]``. ``doc_ids`` int [T] (0 = padding: those rows
+    cp_group=None, layout=None) -> [B, L, D]``. ``doc_ids`` int [T] (0 = padding: those rows
     output 0), ``seq_idx`` [1, T] or ``cu_seqlens`` [N + 1] (no padding) describe the global packed
     sequence (replicated under CP); none of them: each batch row is one causal document.
     ``mode`` picks the CP exchange ("auto", "allgather", "halo", "a2a"); ``kernel`` the local
@@ -54,13 +55,13 @@ class BlockDiagAttention(nn.Module):
     def cp_signature(self) -> tuple[int, ...]:
         """Configuration, options and grad requirement: what the ranks must share."""
         needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
-        return (*layer_signature(self.config), digest([self.mode, self.kernel]), int(bool(self.check_inputs)),
+        return (*config_fingerprint(self.config), digest([self.mode, self.kernel]), int(bool(self.check_inputs)),
                 int(needs_grad))
 
     def forward(self, hidden_states: torch.Tensor, *, doc_ids=None, cu_seqlens=None, seq_idx=None, cp_group=None,
-                cp_metadata=None) -> torch.Tensor:
+                layout=None) -> torch.Tensor:
         c, d = self.config, self.config.dim_per_head
-        layout = resolve_layout(hidden_states, cp_metadata=cp_metadata, cp_group=cp_group, doc_ids=doc_ids,
+        layout = resolve_layout(hidden_states, layout=layout, cp_group=cp_group, doc_ids=doc_ids,
                                 seq_idx=seq_idx, cu_seqlens=cu_seqlens)
         error = layout.hidden_error(hidden_states, c.hidden_size)
         signature = layout.signature(hidden_states, self.cp_signature())
@@ -98,5 +99,8 @@ class BlockDiagAttention(nn.Module):
                                      contain=not self.check_inputs)
         return self.o_proj(o.reshape(batch, length, c.num_heads * d))
 
+
+# help() and inspect.signature list every keyword argument (a metaclass hides __init__ from them)
+document_layer_signature(BlockDiagAttention, AttentionConfig, mode="auto", kernel="auto")
 
 __all__ = ["BlockDiagAttention"]

@@ -1,8 +1,10 @@
-"""Weights between the torch and JAX layers: ``load_jax_state(module, state)`` (JAX -> torch, in place).
+"""Weights of the torch layers as the core's framework-neutral table (``cp_linear.weights``).
 
-Both frameworks hold the same parameters under the same dotted names and shapes
-(``cp_linear.model_config.parameter_shapes`` is the one table), so conversion is a checked
-name-for-name copy with no transposes. The reverse direction is ``jax_api.load_torch_state_dict``.
+``state_table(module)`` exports ``{dotted name: numpy array}``; ``load_state_table(module, state)``
+copies any table the core reads (a JAX layer, its ``nnx.State``, a Linen variables dict, a flat
+mapping of arrays) into ``module`` after checking it against the one parameter table
+(``cp_linear.model_config.parameter_shapes``). Names and shapes agree across the frameworks, so
+the copy has no transposes, and nothing here imports JAX.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import numpy as np
 import torch
 
 from cp_linear.model_config import check_state, parameter_shapes
+from cp_linear.weights import checked_table, to_numpy
 
 
 def module_parameter_table(module: torch.nn.Module) -> dict[str, tuple[int, ...]]:
@@ -25,33 +28,40 @@ def module_parameter_table(module: torch.nn.Module) -> dict[str, tuple[int, ...]
     return expected
 
 
-def load_jax_state(module: torch.nn.Module, state) -> torch.nn.Module:
-    """Copy JAX weights into ``module`` in place and return it.
-
-    state: the matching ``jax_api.layers`` NNX module, its ``nnx.State`` (``nnx.state(model)``), a
-    Linen variables dict from ``nnx.bridge`` (``{"params": ...}``), a nested dict / pytree of
-    arrays keyed by name, or a flat ``{dotted name: array}`` dict. Every parameter must be present
-    with the shape of the table; extra or missing names raise ValueError before anything is copied.
-    """
-    from jax_api.layers.convert import flatten_jax_state
-
+def state_table(module: torch.nn.Module) -> dict[str, np.ndarray]:
+    """``{dotted name: numpy copy}`` of the module's parameters (float32 for half precision), in the
+    order of the table."""
     expected = module_parameter_table(module)
-    arrays = flatten_jax_state(state)
-    check_state(expected, {name: tuple(np.shape(a)) for name, a in arrays.items()}, what="the JAX state")
+    params = dict(module.named_parameters())
+    return {name: to_numpy(params[name]) for name in expected}
+
+
+def load_state_table(module: torch.nn.Module, state) -> torch.nn.Module:
+    """Copy weights into ``module`` in place and return it.
+
+    state: anything ``cp_linear.weights.flat_table`` reads (a ``jax_api.layers`` module, its
+    ``nnx.State``, a Linen variables dict, a nested or flat ``{name: array}``). Every parameter
+    must be present with the shape of the table; extra or missing names raise ValueError before
+    anything is copied. Values keep the module's dtypes.
+    """
+    module_parameter_table(module)
+    table = checked_table(module.config, state, what="the state")
     params = dict(module.named_parameters())
     with torch.no_grad():
-        for name in expected:
-            host = np.asarray(arrays[name])
-            params[name].copy_(torch.from_numpy(np.array(host, copy=True)).to(params[name].dtype))
+        for name, array in table.items():
+            params[name].copy_(torch.from_numpy(array).to(params[name].dtype))
     return module
 
 
-def torch_state_arrays(module: torch.nn.Module) -> dict[str, np.ndarray]:
-    """``{dotted name: float32/64 numpy copy}`` of the module's parameters, checked against the table."""
-    expected = module_parameter_table(module)
-    params = dict(module.named_parameters())
-    return {name: params[name].detach().cpu().float().numpy() if params[name].dtype in (torch.bfloat16, torch.float16)
-            else params[name].detach().cpu().numpy() for name in expected}
+class StateTableMixin:
+    """``module.state_table()`` for the torch layers (what ``cp_linear.weights.flat_table`` reads)."""
+
+    def state_table(self) -> dict[str, np.ndarray]:
+        return state_table(self)
 
 
-__all__ = ["load_jax_state", "module_parameter_table", "torch_state_arrays"]
+load_jax_state = load_state_table  # the name before the table moved to the core
+torch_state_arrays = state_table
+
+__all__ = ["StateTableMixin", "load_jax_state", "load_state_table", "module_parameter_table", "state_table",
+           "torch_state_arrays"]

@@ -26,8 +26,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from torch_api.layers.blocks import GatedRMSNorm, RMSNorm, ShortConvolution
-from cp_linear.model_config import GDPConfig, layer_signature, resolve_config
+from cp_linear.model_config import GDPConfig, config_fingerprint, document_layer_signature, resolve_config
 from cp_linear.validation import digest
+from torch_api.layers.convert import StateTableMixin
 from torch_api.layers.conv import conv_window
 from torch_api.layers.layout import resolve_layout
 
@@ -39,16 +40,16 @@ def _init_decay(heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     return a_log, dt + torch.log(-torch.expm1(-dt))
 
 
-class GatedDeltaProduct(nn.Module):
+class GatedDeltaProduct(StateTableMixin, nn.Module):
     """Gated DeltaProduct mixer; keyword arguments as ``GDPConfig`` (FLA's names and defaults).
 
     ``forward(hidden_states [B, L, D], *, cu_seqlens=None, seq_idx=None, cp_group=None,
-    cp_metadata=None) -> [B, L, D]``.
+    layout=None) -> [B, L, D]``.
 
     One device: ``cu_seqlens`` int [N + 1] or ``seq_idx`` int [1, T] for a packed batch (B = 1), or
     neither (each row one sequence). Under CP (``cp_group``): hidden_states is this rank's shard of
     L tokens and the ids describe the *global* packed sequence (replicated on every rank), or pass
-    ``cp_metadata`` = ``build_shard_layout(...)`` built once per step for all layers.
+    ``layout`` = ``build_shard_layout(...)`` built once per step for all layers.
     ``cp_check_inputs`` is handed to the GDP op (``check_inputs``, on one device too): value checks
     with a ValueError, or containment of non-finite values when False (docs/failure_modes.md).
     Under CP the layer agrees with the other ranks (fixed-size header) on its input, its layout and
@@ -102,7 +103,7 @@ class GatedDeltaProduct(nn.Module):
         """Configuration, flags, backend and grad requirement: what the ranks must share."""
         needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
         backend = "default" if self.backend is None else type(self.backend).__name__
-        return (*layer_signature(self.config), int(bool(self.cp_check_inputs)), digest([backend]), int(needs_grad))
+        return (*config_fingerprint(self.config), int(bool(self.cp_check_inputs)), digest([backend]), int(needs_grad))
 
     def _gated_delta_product(self, q, k, v, g, beta, layout, agreed: bool = False):
         """The GDP op (CP or one device); it keeps its own math float32 under autocast, and q/k/v/beta
@@ -126,9 +127,9 @@ class GatedDeltaProduct(nn.Module):
         return o
 
     def forward(self, hidden_states: torch.Tensor, *, cu_seqlens=None, seq_idx=None, cp_group=None,
-                cp_metadata=None) -> torch.Tensor:
+                layout=None) -> torch.Tensor:
         c, n = self.config, self.config.num_householder
-        layout = resolve_layout(hidden_states, cp_metadata=cp_metadata, cp_group=cp_group, seq_idx=seq_idx,
+        layout = resolve_layout(hidden_states, layout=layout, cp_group=cp_group, seq_idx=seq_idx,
                                 cu_seqlens=cu_seqlens)
         error = layout.hidden_error(hidden_states, c.hidden_size)
         if error is None and layout.is_cp and c.use_short_conv and c.conv_size - 1 > layout.local_len:
@@ -151,7 +152,7 @@ class GatedDeltaProduct(nn.Module):
         if c.use_forget_gate:
             g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias)
         else:
-            g = x.new_zeros(batch, length, c.value_heads, dtype=torch.float32)
+            g = None  # no gate, as flash-linear-attention passes it
 
         o = self._gated_delta_product(q, k, v, g, beta, layout, agreed)
         if c.use_output_gate:
@@ -161,5 +162,8 @@ class GatedDeltaProduct(nn.Module):
             o = self.o_norm(o)
         return self.o_proj(o.reshape(batch, length, c.value_dim))
 
+
+# help() and inspect.signature list every keyword argument (a metaclass hides __init__ from them)
+document_layer_signature(GatedDeltaProduct, GDPConfig, backend=None, cp_check_inputs=True)
 
 __all__ = ["GatedDeltaProduct"]

@@ -6,7 +6,7 @@ layers of a step pay the host work once instead of N times. A model (``HybridDec
 all its layers once per call (``agree_model``); a layer used on its own agrees per call::
 
     layout = build_shard_layout(doc_ids=global_doc_ids, total_len=T, cp_group=group)   # per step
-    h = gdp_layer(h, cp_metadata=layout); h = attention_layer(h, cp_metadata=layout)
+    h = gdp_layer(h, layout=layout); h = attention_layer(h, layout=layout)
 
 Without ``cp_group`` the same object describes the whole sequence on one device (cp_size 1).
 """
@@ -167,23 +167,23 @@ def build_shard_layout(*, total_len: int, doc_ids=None, seq_idx=None, cu_seqlens
                        cp_group)
 
 
-def resolve_layout(hidden_states, *, cp_metadata=None, cp_group=None, doc_ids=None, seq_idx=None,
+def resolve_layout(hidden_states, *, layout=None, cp_group=None, doc_ids=None, seq_idx=None,
                    cu_seqlens=None) -> ShardLayout:
-    """The layout a layer call runs with: ``cp_metadata`` as given, else one built from the ids.
+    """The layout a layer call runs with: ``layout`` as given, else one built from the ids.
 
     Building problems (bad ids) come from replicated data, so every rank raises the same error.
     """
-    if cp_metadata is not None:
-        if not isinstance(cp_metadata, ShardLayout):
+    if layout is not None:
+        if not isinstance(layout, ShardLayout):
             raise ValueError(
-                f"cp_metadata must be a ShardLayout (torch_api.layers.build_shard_layout); received "
-                f"{type(cp_metadata).__name__}. A bare PackedSequenceCPMetadata lacks where the shard's first "
+                f"layout must be a ShardLayout (torch_api.layers.build_shard_layout); received "
+                f"{type(layout).__name__}. A bare PackedSequenceCPMetadata lacks where the shard's first "
                 "sequence starts on the previous rank, which the conv halo and RoPE need")
         if any(x is not None for x in (doc_ids, seq_idx, cu_seqlens)):
-            raise ValueError("pass either cp_metadata or ids (doc_ids / seq_idx / cu_seqlens), not both")
-        if cp_group is not None and resolve_group(cp_group) is not cp_metadata.group:
-            raise ValueError("cp_group differs from the group cp_metadata was built for")
-        return cp_metadata
+            raise ValueError("pass either layout or ids (doc_ids / seq_idx / cu_seqlens), not both")
+        if cp_group is not None and resolve_group(cp_group) is not layout.group:
+            raise ValueError("cp_group differs from the group layout was built for")
+        return layout
     world = 1 if cp_group is None else dist.get_world_size(resolve_group(cp_group))
     if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
         raise ValueError(f"hidden_states must be a tensor [B, L, D]; received shape "

@@ -18,8 +18,9 @@ import torch.nn as nn
 from torch_api._dist import resolve_group
 from torch_api.layers.attention import BlockDiagAttention
 from torch_api.layers.blocks import GatedMLP, RMSNorm
-from cp_linear.model_config import DecoderConfig, layer_signature
+from cp_linear.model_config import DecoderConfig, config_fingerprint
 from cp_linear.validation import digest
+from torch_api.layers.convert import StateTableMixin
 from torch_api.layers.gdp import GatedDeltaProduct
 from torch_api.layers.layout import ShardLayout, build_shard_layout
 
@@ -37,11 +38,11 @@ class HybridBlock(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.mlp_width)
 
     def forward(self, h: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
-        h = h + self.attn(self.attn_norm(h), cp_metadata=layout)
+        h = h + self.attn(self.attn_norm(h), layout=layout)
         return h + self.mlp(self.mlp_norm(h))
 
 
-class HybridDecoder(nn.Module):
+class HybridDecoder(StateTableMixin, nn.Module):
     """The hybrid decoder of ``DecoderConfig``.
 
     ``forward(input_ids [B, L], *, doc_ids=None, cp_group=None, layout=None) -> logits [B, L, V]``
@@ -91,7 +92,7 @@ class HybridDecoder(nn.Module):
         layers = [(layout.signature_of(hidden, dtype, device, block.attn.cp_signature()), block.attn.AGREEMENT)
                   for block in self.layers]
         params = [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in self.named_parameters()]
-        signature = (*layout.signature_of(hidden, dtype, device, layer_signature(self.config)), len(self.layers),
+        signature = (*layout.signature_of(hidden, dtype, device, config_fingerprint(self.config)), len(self.layers),
                      digest([sig for sig, _ in layers]), digest(params))
         error = None
         if input_ids.dtype not in (torch.int32, torch.int64):

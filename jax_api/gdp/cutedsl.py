@@ -1,0 +1,561 @@
+"""``CuTeDSLGatedDeltaProductCPBackend`` for JAX: the GDP protocol on the tensor-core kernels of
+``cp_linear.kernels``, the same kernels and the same launch plan as the torch backend
+(``torch_api/gdp/cutedsl.py``), so both frameworks compute bit for bit the same thing.
+
+A thin adapter, like its torch twin: it flattens the shard, builds the framework-neutral work
+layout (``cp_linear.kernels.launch.forward_layout``) with jax.numpy, and runs each typed launch as
+one XLA custom call (``jax_api.gdp.kernel_calls``): the launch's output buffers are the custom
+call's results, allocated by XLA; the kernel runs on XLA's stream. Everything is traced, so it
+works under ``jax.jit``, inside ``jax.shard_map`` and under ``jax.grad`` (through the custom_vjp
+of the frontends), and a new packing is new data, never a new program.
+
+Launch plan of one shard (the torch backend's, launch for launch)::
+
+    prepare   chunk_prep           every chunk: T, P, scalars
+              chunk_scan summary   every segment followed by another one, plus (CP) every segment
+                                   of the trailing sequence: [E^T ; M^T] from [0 ; I]
+              segment_fold         (CP) the trailing sequence's segment summaries -> its [E | M]
+    apply     segment_fold         every segment's incoming state (sequence 0 from S_in, the fold of
+                                   the preceding summaries; the others from their initial state)
+              chunk_scan output    outputs and every segment's end state
+
+The backward is ``JaxGDPBackend``'s (a float32 recomputation from the saved inputs: the default,
+as torch's default is ``TorchGDPBackend``), or with ``backward="kernels"`` the backward kernels::
+
+    prepare   chunk_prep, chunk_gamma    backward summaries [gamma ; M_b] per segment
+              segment_fold (descending)  the leading sequence's gamma
+    apply     segment_fold (descending)  every segment's outgoing state gradient
+              chunk_reverse, chunk_prep_backward   input gradients, dL/d initial state
+
+Inputs the kernels do not take (not a Hopper GPU, float32, K or V outside {64, 128}) run on
+``JaxGDPBackend`` after one warning per reason (``fallback=False`` raises instead); summaries are
+packed float32 ``[E | M]`` either way.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import warnings
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+
+from cp_linear.gdp import GDPInputGradients, GDPInputs
+from cp_linear.kernels import configs as kcfg
+from cp_linear.kernels import launch as kl
+from cp_linear.protocol import CPForwardResult, CPSavedContext
+from cp_linear.summary import (
+    CPBackwardPackedSummary,
+    CPBackwardUnpackedSummary,
+    CPForwardPackedSummary,
+    CPForwardUnpackedSummary,
+    compose_backward,
+    compose_forward,
+)
+from jax_api.gdp import kernel_calls
+from jax_api.gdp.chunk import JaxGDPBackend, check_gdp_inputs
+
+_DTYPE_NAMES = {jnp.dtype(jnp.bfloat16): "bfloat16", jnp.dtype(jnp.float16): "float16"}
+_KERNEL_BACKWARD = "kernel_backward"  # saved-context flag: the kernels' backward reads the segment states
+_F32 = jnp.float32
+DEFAULT_SM_COUNT = 132  # an H100 / H200, where a device does not report its SM count
+
+
+# --------------------------------------------------------------------------- where the kernels run
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_platform_reason() -> str | None:
+    """Why this process cannot run the kernels (None when it can): they need a Hopper (sm_90) GPU
+    as JAX's default backend, nvidia-cutlass-dsl and jax-tvm-ffi (the ``cuda`` extra)."""
+    backend = jax.default_backend()
+    if backend not in ("gpu", "cuda"):
+        return f"the kernels need a CUDA GPU; JAX's default backend is {backend}"
+    capability = str(getattr(jax.devices()[0], "compute_capability", ""))
+    if not capability.startswith("9."):
+        return f"the kernels are built for sm_90a (Hopper); the GPU reports compute capability {capability or '?'}"
+    for module in ("cutlass", "jax_tvm_ffi"):
+        if importlib.util.find_spec(module) is None:
+            return f"the kernels need the {module} package (pip install 'cp_linear[cuda]')"
+    return None
+
+
+def unsupported_reason(q, k, v, num_householder: int) -> str | None:
+    """Why the kernels cannot run these inputs here (None when they can)."""
+    reason = kernel_platform_reason()
+    if reason is not None:
+        return reason
+    if jnp.dtype(q.dtype) not in _DTYPE_NAMES:
+        return f"the kernels take bfloat16 or float16 q/k/v; received {jnp.dtype(q.dtype).name}"
+    key_dim, value_dim = q.shape[-1], v.shape[-1]
+    if key_dim not in kcfg.HEAD_DIMS or value_dim not in kcfg.HEAD_DIMS:
+        return f"the kernels support K, V in {kcfg.HEAD_DIMS}; received K = {key_dim}, V = {value_dim}"
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        return "q, k and v must share one dtype"
+    if not 1 <= num_householder <= kcfg.CHUNK_SIZE:
+        return f"the kernels take num_householder in [1, {kcfg.CHUNK_SIZE}]; received {num_householder}"
+    return None
+
+
+def auto_backend(q, k, v, num_householder: int):
+    """The backend the JAX ops use when none is given: the kernels where they can run these inputs
+    (a Hopper GPU, bf16/fp16, K and V in {64, 128}), else ``JaxGDPBackend``."""
+    if unsupported_reason(q, k, v, num_householder) is None:
+        return CuTeDSLGatedDeltaProductCPBackend()
+    return JaxGDPBackend()
+
+
+def _sm_count() -> int:
+    count = getattr(jax.devices()[0], "core_count", None)
+    return int(count) if count else DEFAULT_SM_COUNT
+
+
+# --------------------------------------------------------------------------- shards and contexts
+
+
+def _flat(x: jax.Array) -> jax.Array:
+    """[B, T, ...] -> [B*T, ...]"""
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+@dataclass
+class _Shard:
+    """One shard flattened over its batch rows, its work layout and the per-chunk prep results."""
+
+    inputs: GDPInputs
+    rows: bool  # each batch row is one sequence (no cu_seqlens)
+    q: jax.Array  # [T_all, H, K]
+    k: jax.Array  # [S_all, H, K]
+    v: jax.Array  # [S_all, H, V]
+    layout: kl.ForwardLayout
+    row_block: int
+    trailing: jax.Array | None  # int32 []: the last nonempty sequence (packed shards)
+    ta: jax.Array = None  # [C_max, H, 64, 64]
+    tb: jax.Array = None
+    p: jax.Array = None  # [C_max, H, NQ, 64]
+    scalars: jax.Array = None  # [C_max, H, 4, 64] float32
+    summaries: jax.Array = None  # [S_max, H, V + K, K] float32 ([E^T ; M^T] per segment)
+
+    @property
+    def heads(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def key_dim(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def value_dim(self) -> int:
+        return self.v.shape[2]
+
+    @property
+    def dtype(self) -> str:
+        return _DTYPE_NAMES[jnp.dtype(self.q.dtype)]
+
+    @property
+    def query_tile(self) -> int:
+        return kcfg.query_tile(self.inputs.num_householder)
+
+    def tables(self, *names: str) -> dict[str, jax.Array]:
+        return {name: getattr(self.layout, name) for name in names}
+
+
+@dataclass
+class CuTeDSLForwardContext:
+    """Between ``cp_forward_prepare`` and ``cp_forward_apply``."""
+
+    shard: _Shard
+    summary: jax.Array  # [1 or B, H, K, V + K] float32
+    initial: jax.Array | None  # float32 [N, H, K, V] (inputs.initial_state), or None
+
+
+@dataclass
+class CuTeDSLBackwardContext:
+    """Between ``cp_backward_prepare`` and ``cp_backward_apply`` (kernel backward)."""
+
+    shard: _Shard
+    do: jax.Array  # [T_all, H, V] input dtype
+    grad_summaries: jax.Array  # [S_max, H, V + K, K] float32: rows [gamma ; M_b] per segment
+    incoming: jax.Array  # [S_max, H, V, K] float32: the forward's segment incoming states
+    end_grads: jax.Array  # [N, H, V, K] float32: dL/d final state of each sequence (zeros: none)
+
+
+# --------------------------------------------------------------------------- the backend
+
+
+@dataclass(frozen=True)
+class CuTeDSLGatedDeltaProductCPBackend:
+    """GDP chunkwise-CP backend on the tensor-core CuTeDSL kernels (sm_90a), for JAX.
+
+    Options as the torch backend's: ``segment_chunks`` (chunks per segment; None sizes segments so
+    that one long sequence gives about ``ctas_per_sm`` output CTAs per SM), ``row_block`` (state rows
+    per scan CTA, 0: ``launch.scan_row_block``'s measured choice), ``mma`` ("sync" or "wgmma"),
+    ``fallback`` (False: raise on inputs the kernels do not take). ``backward``: "jax" (default:
+    ``JaxGDPBackend``'s recomputation from the saved inputs) or "kernels" (the backward kernels from
+    the segments' saved incoming states). ``sm_count``: SMs to size segments for (None: the
+    device's). ``cuda_graph``: let XLA capture the custom calls in its command buffers.
+    Frozen and hashable: an argument of ``jax.jit`` / ``custom_vjp`` like ``JaxGDPBackend``.
+    """
+
+    segment_chunks: int | None = None
+    row_block: int = 0
+    ctas_per_sm: float = 2
+    fallback: bool = True
+    mma: str = "sync"
+    backward: str = "jax"
+    sm_count: int | None = None
+    cuda_graph: bool = False
+    _warned: set = field(default_factory=set, compare=False, hash=False, repr=False)
+
+    supports_sequence_states = True
+
+    def __post_init__(self):
+        if self.segment_chunks is not None and (not isinstance(self.segment_chunks, int) or self.segment_chunks < 1):
+            raise ValueError(f"segment_chunks must be a positive int or None; received {self.segment_chunks!r}")
+        if self.row_block not in (0, 64, 128):
+            raise ValueError(f"row_block must be 0 (automatic), 64 or 128; received {self.row_block!r}")
+        if not self.ctas_per_sm > 0:
+            raise ValueError(f"ctas_per_sm must be positive; received {self.ctas_per_sm!r}")
+        if self.mma not in kcfg.MMA_KINDS:
+            raise ValueError(f"mma must be one of {kcfg.MMA_KINDS}; received {self.mma!r}")
+        if self.backward not in ("jax", "kernels"):
+            raise ValueError(f"backward must be 'jax' or 'kernels'; received {self.backward!r}")
+        if self.sm_count is not None and (not isinstance(self.sm_count, int) or self.sm_count < 1):
+            raise ValueError(f"sm_count must be a positive int or None; received {self.sm_count!r}")
+
+    @property
+    def _fallback(self) -> JaxGDPBackend:
+        return JaxGDPBackend()
+
+    def _use_kernels(self, inputs: GDPInputs) -> bool:
+        """True when the kernels take ``inputs``; else warn once per reason (or raise without fallback)."""
+        check_gdp_inputs(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.num_householder,
+                         inputs.cu_seqlens)
+        reason = unsupported_reason(inputs.q, inputs.k, inputs.v, inputs.num_householder)
+        if reason is None:
+            return True
+        if not self.fallback:
+            raise ValueError(f"CuTeDSLGatedDeltaProductCPBackend: {reason}")
+        if reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(f"CuTeDSLGatedDeltaProductCPBackend runs JaxGDPBackend: {reason}", stacklevel=3)
+        return False
+
+    # ------------------------------------------------------------------ launches
+
+    def _launch(self, launch_cls, config, inputs, results, scalars) -> dict[str, jax.Array]:
+        return kernel_calls.launch(launch_cls, config, inputs=inputs, results=results, scalars=scalars,
+                                   cuda_graph=self.cuda_graph)
+
+    def _shard(self, inputs: GDPInputs, *, cp_summary: bool, summaries: bool = True,
+               grad_summary_sequence: int | None = None) -> _Shard:
+        q, k, v = _flat(inputs.q), _flat(inputs.k), _flat(inputs.v)
+        batch, tokens = inputs.q.shape[:2]
+        heads, key_dim, value_dim = q.shape[1], q.shape[2], v.shape[2]
+        rows = inputs.cu_seqlens is None
+        if rows:
+            cu = jnp.arange(0, (batch + 1) * tokens, tokens, dtype=jnp.int32)
+        else:
+            cu = jnp.asarray(inputs.cu_seqlens, jnp.int32)
+        num_seqs = cu.shape[0] - 1
+        n_h = inputs.num_householder
+        row_block = self.row_block or kl.scan_row_block(key_dim, value_dim, n_h)
+        row_block = row_block if row_block <= min(key_dim, value_dim) else 0
+        dtype = _DTYPE_NAMES[jnp.dtype(q.dtype)]
+        scan_rows = kcfg.ChunkScanConfig(dtype, key_dim, value_dim, "output", 32, row_block).rows_per_cta
+        # the trailing sequence: the last nonempty one (a JAX layout pads N with empty sequences)
+        trailing = _last_nonempty(cu) if not rows else None
+        summary_sequence = trailing if cp_summary else None
+        layout = kl.forward_layout(cu, total_tokens=q.shape[0], num_householder=n_h, heads=heads,
+                                   row_blocks=value_dim // scan_rows, sm_count=self.sm_count or _sm_count(),
+                                   segment_chunks=self.segment_chunks, summary_sequence=summary_sequence,
+                                   ctas_per_sm=self.ctas_per_sm, grad_summary_sequence=grad_summary_sequence)
+        every_real_segment = jnp.where(jnp.arange(layout.max_segments) < layout.num_segments, kl.SUMMARY_FLAG,
+                                       0).astype(jnp.int32)
+        if grad_summary_sequence is not None and rows:  # every row leads: all its segments
+            layout.seg_grad_flags = every_real_segment
+        if cp_summary and rows:  # every row continues on the next rank: every segment needs a summary
+            layout.seg_flags = every_real_segment
+        shard = _Shard(inputs=inputs, rows=rows, q=q, k=k, v=v, layout=layout, row_block=row_block, trailing=trailing)
+        chunks, tile = layout.max_chunks, shard.query_tile
+        prep = self._launch(
+            kl.ChunkPrepLaunch, kcfg.ChunkPrepConfig(dtype, key_dim, tile),
+            dict(q=q, k=k, g=_flat(inputs.g).astype(_F32), beta=_flat(inputs.beta).astype(_F32),
+                 **shard.tables("chunk_first_step", "chunk_steps", "num_chunks")),
+            dict(ta=(chunks, heads, 64, 64), tb=(chunks, heads, 64, 64), p=(chunks, heads, tile, 64),
+                 scalars=(chunks, heads, 4, 64)),
+            dict(scale=float(inputs.scale), use_l2=int(bool(inputs.use_qk_l2norm_in_kernel)), num_householder=n_h))
+        shard.ta, shard.tb, shard.p, shard.scalars = prep["ta"], prep["tb"], prep["p"], prep["scalars"]
+        if summaries:  # mode "summary" reads neither state_in nor o: tiny placeholders of the right type
+            shard.summaries, _ = self._scan(shard, "summary", state_in=jnp.zeros((1, 1, value_dim, key_dim), _F32),
+                                            state_rows=value_dim + key_dim, o_shape=(1, 1, value_dim))
+        return shard
+
+    def _scan(self, shard: _Shard, mode: str, *, state_in, state_rows: int, o_shape: tuple):
+        """chunk_scan -> (state_out [S_max, H, state_rows, K] float32, o of ``o_shape``)."""
+        layout, heads = shard.layout, shard.heads
+        tile = shard.query_tile if mode == "output" else 0
+        out = self._launch(
+            kl.ChunkScanLaunch,
+            kcfg.ChunkScanConfig(shard.dtype, shard.key_dim, shard.value_dim, mode, tile, shard.row_block, self.mma),
+            dict(k=shard.k, v=shard.v, q=shard.q, ta=shard.ta, tb=shard.tb, p=shard.p, scalars=shard.scalars,
+                 **shard.tables("chunk_first_step", "chunk_steps", "seg_first_chunk", "seg_chunks", "seg_flags",
+                                "num_segments"), state_in=state_in),
+            dict(state_out=(layout.max_segments, heads, state_rows, shard.key_dim), o=o_shape),
+            dict(num_householder=shard.inputs.num_householder))
+        return out["state_out"], out["o"]
+
+    def _fold(self, shard: _Shard, summaries: jax.Array, *, init: jax.Array | None, init_count: int, rows: int,
+              first_sequence: int, write_final: bool, descending: bool) -> tuple[jax.Array, jax.Array | None]:
+        """segment_fold -> (incoming [S_max, H, rows, K], final [N, H, rows, K] or None)."""
+        heads, key_dim, layout = shard.heads, shard.key_dim, shard.layout
+        if init is None:  # read only for sequences below init_count (none)
+            init = jnp.zeros((1, heads, rows, key_dim), _F32)
+        out = self._launch(
+            kl.SegmentFoldLaunch, kcfg.SegmentFoldConfig(key_dim),
+            dict(summaries=summaries, seq_first_segment=layout.seq_first_segment, init=init),
+            dict(incoming=(layout.max_segments, heads, rows, key_dim),
+                 final=(layout.num_sequences if write_final else 1, heads, rows, key_dim)),
+            dict(init_count=init_count, value_rows=shard.value_dim, identity_row=shard.value_dim,
+                 first_sequence=first_sequence, write_final=int(write_final), descending=int(descending)))
+        return out["incoming"], out["final"] if write_final else None
+
+    def _output(self, shard: _Shard, incoming: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """chunk_scan output -> (o [B, T, H, V], end state of every segment [S_max, H, V, K] float32)."""
+        state_out, o = self._scan(shard, "output", state_in=incoming, state_rows=shard.value_dim,
+                                  o_shape=(shard.q.shape[0], shard.heads, shard.value_dim))
+        batch, tokens = shard.inputs.q.shape[:2]
+        return o.reshape(batch, tokens, shard.heads, shard.value_dim), state_out
+
+    # ------------------------------------------------------------------ forward protocol
+
+    def cp_forward_prepare(self, inputs: GDPInputs):
+        """Chunk prep, the summary pass and the fold of the trailing sequence's segments -> its packed
+        ``[E | M]`` (M = 0 when the trailing sequence starts inside the shard; E + M S0 when it starts
+        from ``inputs.initial_state`` S0)."""
+        if not self._use_kernels(inputs):
+            return self._fallback.cp_forward_prepare(inputs)
+        initial = _initial_states(inputs)
+        shard = self._shard(inputs, cp_summary=True)
+        value_dim = shard.value_dim
+        # every sequence's fold (torch folds only the trailing one, N - 1; here its index is data): the
+        # folds are independent, so the trailing sequence's rows are the same either way
+        _, stacked_rows = self._fold(shard, shard.summaries, init=None, init_count=0, rows=value_dim + shard.key_dim,
+                                     first_sequence=0, write_final=True, descending=False)
+        trailing = slice(None) if shard.rows else shard.trailing[None]
+        summary = jnp.swapaxes(stacked_rows[trailing], -1, -2)  # [n, H, K, V + K] = [E | M]
+        if initial is not None:
+            summary = summary.at[..., :value_dim].add(_matmul(summary[..., value_dim:], initial[trailing]))
+        if not shard.rows:  # M = 0 when the trailing sequence starts inside the shard
+            summary = summary.at[..., value_dim:].set(jnp.where(shard.trailing > 0, 0.0, summary[..., value_dim:]))
+        packed = summary if shard.rows else summary[0]
+        return CPForwardPackedSummary(packed), CuTeDSLForwardContext(shard, summary, initial)
+
+    def cp_forward_apply(self, local_context, preceding) -> CPForwardResult:
+        """Every segment's incoming state (the fold of ``preceding`` for the leading sequence,
+        ``initial_state`` or zero for the others), then the output pass; ``(o, final_state)`` when the
+        inputs ask for final states."""
+        if not isinstance(local_context, CuTeDSLForwardContext):  # prepared by the fallback
+            return self._fallback.cp_forward_apply(local_context, preceding)
+        shard, summary, initial = local_context.shard, local_context.summary, local_context.initial
+        inputs, value_dim = shard.inputs, shard.value_dim
+        stacked = _packed_stack(preceding)
+        leading_count = summary.shape[0] if shard.rows else 1
+        if stacked is not None and stacked.shape[0]:
+            if initial is not None:
+                raise ValueError("initial_state serves one device (no preceding summaries); under CP the incoming "
+                                 "state comes from the preceding ranks")
+            expected = (stacked.shape[0], *summary.shape) if shard.rows else (stacked.shape[0], *summary.shape[1:])
+            if tuple(stacked.shape) != expected:
+                raise ValueError(f"preceding summaries must have shape {expected}; received {tuple(stacked.shape)}")
+            with jax.default_matmul_precision("highest"):
+                leading_state = compose_forward(stacked.reshape(stacked.shape[0], *summary.shape))  # [n, H, K, V]
+            init, init_count = jnp.swapaxes(leading_state, -1, -2), leading_count
+        elif initial is not None:
+            init, init_count = jnp.swapaxes(initial, -1, -2), initial.shape[0]
+        else:
+            init, init_count = None, 0
+        incoming, _ = self._fold(shard, shard.summaries, init=init, init_count=init_count, rows=value_dim,
+                                 first_sequence=0, write_final=False, descending=False)
+        output, state_out = self._output(shard, incoming)
+        if inputs.output_final_state:
+            start = initial if initial is not None else jnp.zeros(inputs.state_shape, _F32)
+            output = (output, _final_states(shard, state_out, start))
+        if self.backward == "kernels":  # the segments' incoming states: the reverse pass restarts from them
+            transition = summary[..., value_dim:]
+            saved = CPSavedContext(
+                tensors=(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.cu_seqlens,
+                         transition if shard.rows else transition[0], inputs.initial_state, incoming),
+                metadata={"scale": inputs.scale, "num_householder": inputs.num_householder,
+                          "use_qk_l2norm_in_kernel": inputs.use_qk_l2norm_in_kernel,
+                          "output_final_state": inputs.output_final_state, _KERNEL_BACKWARD: True})
+        else:  # JaxGDPBackend's backward recomputes from the inputs and the incoming state
+            saved = self._fallback.saved_context(inputs, preceding)
+        return CPForwardResult(output, saved)
+
+    # ------------------------------------------------------------------ backward protocol
+
+    def cp_backward_prepare(self, output_grad, saved_context: CPSavedContext):
+        """The leading fragment's packed ``[gamma | M^T]`` from a zero outgoing gradient: on the backward
+        kernels when the forward saved the segment states (``backward="kernels"``), else
+        ``JaxGDPBackend.cp_backward_prepare``."""
+        metadata = dict(saved_context.metadata)
+        if not metadata.pop(_KERNEL_BACKWARD, False):
+            return self._fallback.cp_backward_prepare(output_grad, saved_context)
+        q, k, v, g, beta, cu_seqlens, transition, initial_state, incoming = saved_context.tensors
+        inputs = GDPInputs(q, k, v, g, beta, cu_seqlens=cu_seqlens, initial_state=initial_state, **metadata)
+        output_grad, final_grad = output_grad if inputs.output_final_state else (output_grad, None)
+        shard = self._shard(inputs, cp_summary=False, summaries=False, grad_summary_sequence=0)
+        layout, heads, key_dim, value_dim = shard.layout, shard.heads, shard.key_dim, shard.value_dim
+        if output_grad is None:
+            do = jnp.zeros((shard.q.shape[0], heads, value_dim), shard.q.dtype)
+        else:
+            expected = (*inputs.q.shape[:3], value_dim)
+            if tuple(output_grad.shape) != expected:
+                raise ValueError(f"output_grad must have shape {expected}; received {tuple(output_grad.shape)}")
+            do = _flat(output_grad.astype(shard.q.dtype))
+        end_grads = jnp.zeros((layout.num_sequences, heads, value_dim, key_dim), _F32)
+        if final_grad is not None:
+            end_grads = end_grads + jnp.swapaxes(final_grad.astype(_F32), -1, -2)
+        grad_summaries = self._gamma(shard, do)
+        _, gamma_rows = self._fold(shard, grad_summaries, init=end_grads, init_count=layout.num_sequences,
+                                   rows=value_dim, first_sequence=0, write_final=True, descending=True)
+        gamma = jnp.swapaxes(gamma_rows if shard.rows else gamma_rows[0], -1, -2)
+        summary = jnp.concatenate([gamma, jnp.swapaxes(transition, -1, -2)], axis=-1)
+        context = CuTeDSLBackwardContext(shard, do, grad_summaries, incoming, end_grads)
+        return CPBackwardPackedSummary(summary), context
+
+    def cp_backward_apply(self, backward_context, following) -> GDPInputGradients:
+        """Input gradients: the trailing sequence's outgoing gradient (every row's) is the fold of the
+        following summaries; each segment's comes from the descending fold, then the reverse pass and
+        the prep backward (or ``JaxGDPBackend.cp_backward_apply``)."""
+        if not isinstance(backward_context, CuTeDSLBackwardContext):
+            return self._fallback.cp_backward_apply(backward_context, following)
+        ctx = backward_context
+        shard, end_grads = ctx.shard, ctx.end_grads
+        layout, inputs = shard.layout, shard.inputs
+        stacked = _packed_backward_stack(following)
+        if stacked is not None and stacked.shape[0]:
+            with jax.default_matmul_precision("highest"):
+                outgoing = jnp.swapaxes(compose_backward(stacked), -1, -2)  # [H, V, K] or [B, H, V, K] (rows)
+            end_grads = end_grads + outgoing if shard.rows else end_grads.at[shard.trailing].add(outgoing)
+        grad_out, _ = self._fold(shard, ctx.grad_summaries, init=end_grads, init_count=layout.num_sequences,
+                                 rows=shard.value_dim, first_sequence=0, write_final=False, descending=True)
+        grads, grad_in = self._reverse(shard, ctx.do, ctx.incoming, grad_out)
+        if inputs.initial_state is None:
+            return grads
+        # d initial state: the gradient entering each sequence's first segment (an empty one passes its end's)
+        first_segment = jnp.minimum(layout.seq_first_segment[:-1], layout.max_segments - 1)
+        d_initial = jnp.take(grad_in, first_segment, axis=0)
+        empty = (layout.seq_segments == 0)[:, None, None, None]
+        d_initial = jnp.swapaxes(jnp.where(empty, end_grads, d_initial), -1, -2)
+        return grads._replace(dinitial_state=d_initial.astype(inputs.initial_state.dtype))
+
+    def _gamma(self, shard: _Shard, do: jax.Array) -> jax.Array:
+        """chunk_gamma -> backward summaries [S_max, H, V + K, K] of the segments in ``seg_grad_flags``."""
+        layout = shard.layout
+        out = self._launch(
+            kl.ChunkGammaLaunch, kcfg.ChunkGammaConfig(shard.dtype, shard.key_dim, shard.value_dim, shard.query_tile),
+            dict(k=shard.k, q=shard.q, do=do, ta=shard.ta, p=shard.p, scalars=shard.scalars,
+                 **shard.tables("chunk_first_step", "chunk_steps", "seg_first_chunk", "seg_chunks"),
+                 seg_flags=layout.seg_grad_flags, num_segments=layout.num_segments),
+            dict(summaries=(layout.max_segments, shard.heads, shard.value_dim + shard.key_dim, shard.key_dim)),
+            dict(num_householder=shard.inputs.num_householder))
+        return out["summaries"]
+
+    def _reverse(self, shard: _Shard, do: jax.Array, incoming: jax.Array, grad_out: jax.Array):
+        """chunk_reverse then chunk_prep_backward -> (GDPInputGradients, dX at every segment start)."""
+        layout, inputs = shard.layout, shard.inputs
+        heads, key_dim, value_dim, tile = shard.heads, shard.key_dim, shard.value_dim, shard.query_tile
+        chunks, tokens_all, steps_all = layout.max_chunks, shard.q.shape[0], shard.k.shape[0]
+        reverse = self._launch(
+            kl.ChunkReverseLaunch, kcfg.ChunkReverseConfig(shard.dtype, key_dim, value_dim, tile),
+            dict(k=shard.k, v=shard.v, q=shard.q, do=do, ta=shard.ta, tb=shard.tb, p=shard.p, scalars=shard.scalars,
+                 **shard.tables("chunk_first_step", "chunk_steps", "seg_first_chunk", "seg_chunks", "num_segments"),
+                 state_in=incoming, grad_out=grad_out),
+            dict(chunk_states=(chunks, heads, value_dim, key_dim), grad_in=grad_out.shape,
+                 dv=(steps_all, heads, value_dim), dq_scan=(tokens_all, heads, key_dim),
+                 dk_scan=(steps_all, heads, key_dim), d_ta=(chunks, heads, 64, 64), d_tb=(chunks, heads, 64, 64),
+                 d_p=(chunks, heads, tile, 64), d_scalars=(chunks, heads, 4, 64)),
+            dict(num_householder=inputs.num_householder))
+        prep = self._launch(
+            kl.ChunkPrepBackwardLaunch, kcfg.ChunkPrepBackwardConfig(shard.dtype, key_dim, tile),
+            dict(q=shard.q, k=shard.k, g=_flat(inputs.g).astype(_F32), beta=_flat(inputs.beta).astype(_F32),
+                 **shard.tables("chunk_first_step", "chunk_steps", "num_chunks"),
+                 **{name: reverse[name] for name in ("d_ta", "d_tb", "d_p", "d_scalars", "dq_scan", "dk_scan")}),
+            dict(dq=(tokens_all, heads, key_dim), dk=(steps_all, heads, key_dim), dg=(tokens_all, heads),
+                 dbeta=(steps_all, heads)),
+            dict(scale=float(inputs.scale), use_l2=int(bool(inputs.use_qk_l2norm_in_kernel)),
+                 num_householder=inputs.num_householder))
+        shaped = lambda x, like: x.reshape(like.shape).astype(like.dtype)  # noqa: E731
+        grads = GDPInputGradients(shaped(prep["dq"], inputs.q), shaped(prep["dk"], inputs.k),
+                                  shaped(reverse["dv"], inputs.v), shaped(prep["dg"], inputs.g),
+                                  shaped(prep["dbeta"], inputs.beta))
+        return grads, reverse["grad_in"]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+
+
+def _last_nonempty(cu: jax.Array) -> jax.Array:
+    """int32 []: index of the last sequence with tokens (0 when none has any)."""
+    index = jnp.arange(cu.shape[0] - 1, dtype=jnp.int32)
+    return jnp.max(jnp.where(cu[1:] > cu[:-1], index, 0))
+
+
+def _initial_states(inputs: GDPInputs) -> jax.Array | None:
+    """float32 [N, H, K, V] of ``inputs.initial_state`` (shape checked), or None."""
+    if inputs.initial_state is None:
+        return None
+    expected = inputs.state_shape
+    if tuple(inputs.initial_state.shape) != expected:
+        raise ValueError(f"initial_state must be [N, H, K, V] = {expected}; received "
+                         f"{tuple(inputs.initial_state.shape)}")
+    return jax.lax.stop_gradient(inputs.initial_state).astype(_F32)
+
+
+def _final_states(shard: _Shard, state_out: jax.Array, start: jax.Array) -> jax.Array:
+    """The end state of each sequence's last segment [N, H, K, V]; an empty sequence keeps ``start``."""
+    layout = shard.layout
+    last_segment = jnp.maximum(layout.seq_first_segment[1:] - 1, 0)
+    final_state = jnp.swapaxes(jnp.take(state_out, last_segment, axis=0), -1, -2)
+    empty = (layout.seq_segments == 0)[:, None, None, None]
+    return jnp.where(empty, start, final_state)
+
+
+def _packed_stack(preceding) -> jax.Array | None:
+    """Stacked forward summaries [n, ..., K, V + K] float32 from any summary form (None when absent)."""
+    if preceding is None:
+        return None
+    if isinstance(preceding, CPForwardPackedSummary):
+        preceding = preceding.packed
+    elif isinstance(preceding, CPForwardUnpackedSummary):
+        preceding = jnp.concatenate([preceding.state_update, preceding.transition], axis=-1)
+    if not hasattr(preceding, "shape") or not hasattr(preceding, "dtype"):
+        raise ValueError(f"preceding must be an array or a forward summary; received {type(preceding).__name__}")
+    if preceding.dtype != _F32:
+        raise ValueError(f"preceding summaries must be float32; received {preceding.dtype}")
+    return preceding
+
+
+def _packed_backward_stack(following) -> jax.Array | None:
+    """Stacked backward summaries [n, ..., K, V + K] float32 from any summary form (None when absent)."""
+    if following is None:
+        return None
+    if isinstance(following, CPBackwardPackedSummary):
+        following = following.packed
+    elif isinstance(following, CPBackwardUnpackedSummary):
+        following = jnp.concatenate([following.local_state_grad, jnp.swapaxes(following.transition, -1, -2)],
+                                    axis=-1)
+    if not hasattr(following, "shape") or not hasattr(following, "dtype"):
+        raise ValueError(f"following must be an array or a backward summary; received {type(following).__name__}")
+    return following.astype(_F32)
+
+
+__all__ = ["CuTeDSLGatedDeltaProductCPBackend", "auto_backend", "kernel_platform_reason", "unsupported_reason"]

@@ -1,0 +1,79 @@
+"""Test-only: the kernels' XLA custom calls carried out on the CPU by the torch emulation.
+
+``register_emulated_kernels()`` registers, for the CPU platform, an implementation of every
+kernel's custom-call target (``jax_api.gdp.kernel_calls.register_kernel``, the bridge's one
+injection point): a TVM-FFI function that receives the call's operands, results and attributes
+in the kernel's argument order, as XLA buffers (DLPack, no copy), and runs
+``cp_linear.kernels.emulation.run_emulated`` on them. The traced program is the product's, custom
+calls included; only the implementation behind each target differs from the GPU's.
+
+Every result buffer is filled with NaN (floats) or a large negative int before the emulation
+writes it, so a read of anything a kernel does not write shows up in the outputs (XLA's result
+buffers are uninitialised on the GPU too).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections import Counter
+
+import torch
+
+from cp_linear.kernels import configs as kcfg
+from cp_linear.kernels import launch as kl
+from cp_linear.kernels.emulation import run_emulated
+
+LAUNCH_COUNTS: Counter = Counter()  # config -> launches executed (on the CPU, at run time)
+_LOCK = threading.Lock()
+_DONE: list[bool] = []
+_POISON_INT = -(2**30)
+
+
+def _poison(tensor: torch.Tensor) -> None:
+    tensor.fill_(float("nan") if tensor.is_floating_point() else _POISON_INT)
+
+
+def _emulate(config, *arguments) -> None:
+    launch_cls = kl.LAUNCHES[type(config)]
+    inputs, outputs, _ = launch_cls.argument_roles()
+    count = len(inputs) + len(outputs)
+    tensors = [torch.from_dlpack(x) for x in arguments[:count]]
+    for tensor in tensors[len(inputs):]:
+        _poison(tensor)
+    run_emulated(launch_cls(config, *tensors, *arguments[count:]))
+    with _LOCK:
+        LAUNCH_COUNTS[config] += 1
+
+
+def every_config() -> list:
+    """Every config the backends can ask for (the library's, plus the row-block variants)."""
+    configs = set(kcfg.all_configs())
+    for dtype in kcfg.TENSOR_CORE_DTYPES:
+        for key_dim in kcfg.HEAD_DIMS:
+            for value_dim in kcfg.HEAD_DIMS:
+                for row_block in (0, 64, 128):
+                    if row_block > min(key_dim, value_dim):
+                        continue
+                    for mma in kcfg.MMA_KINDS:
+                        configs.add(kcfg.ChunkScanConfig(dtype, key_dim, value_dim, "summary", 0, row_block, mma))
+                        for tile in kcfg.QUERY_TILES:
+                            configs.add(kcfg.ChunkScanConfig(dtype, key_dim, value_dim, "output", tile, row_block, mma))
+    return sorted(configs, key=kcfg.describe)
+
+
+def register_emulated_kernels() -> None:
+    """Register the emulation of every kernel config as its custom call's CPU implementation (once)."""
+    import tvm_ffi
+
+    from jax_api.gdp import kernel_calls
+
+    with _LOCK:
+        if _DONE:
+            return
+        for config in every_config():
+            function = tvm_ffi.convert(functools.partial(_emulate, config))
+            for cuda_graph in (False, True):
+                kernel_calls.register_kernel(config, function, platform="cpu", cuda_graph=cuda_graph,
+                                             pass_owned_tensor=True)
+        _DONE.append(True)

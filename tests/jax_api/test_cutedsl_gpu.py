@@ -1,0 +1,240 @@
+"""JAX and torch run the same CuTeDSL kernels on a Hopper GPU: bit-for-bit the same results.
+
+Same inputs, the same launch plan (``jax_api/gdp/cutedsl.py`` mirrors ``torch_api/gdp/cutedsl.py``),
+the same compiled kernels (one TVM-FFI function per config, called by torch on its stream and by
+XLA through its custom calls): outputs, final states and, with ``backward="kernels"`` in both,
+every gradient must be identical bits. With the default backwards (``TorchGDPBackend`` and
+``JaxGDPBackend``: two float32 recomputations) only the forward is bitwise; the gradients agree to
+rounding. On two GPUs the JAX CP op (jit + shard_map + custom_vjp, all-gathers over NCCL) is
+checked against torch's four functions on the same two shards, one per GPU, with the summaries
+exchanged by hand (what torch's all-gather hands each rank), which is bit-exact.
+
+Run with ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (set below when this module loads first) so that
+JAX leaves GPU memory to torch. Marked ``gpu``: skipped without a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+torch = pytest.importorskip("torch")
+jax = pytest.importorskip("jax")
+
+import jax.numpy as jnp  # noqa: E402
+
+from tests.cp_linear.gdp_cases import rel_err, seq_idx_from_lengths  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta")
+
+
+def _jax_gpus() -> list:
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []
+
+
+@pytest.fixture(scope="module")
+def kernels_here():
+    import jax_api.gdp.cutedsl as jcd
+
+    reason = jcd.kernel_platform_reason()
+    if reason is not None:
+        pytest.skip(f"JAX cannot run the kernels here: {reason}")
+    sm_jax = jcd._sm_count()
+    sm_torch = torch.cuda.get_device_properties(0).multi_processor_count
+    # segments are sized from the SM count: both frameworks must see the same one
+    assert sm_jax == sm_torch, f"JAX sees {sm_jax} SMs, torch {sm_torch}"
+
+
+def _inputs(lengths, heads, key_dim, value_dim, n_h, dtype, seed, rows=1):
+    gen = torch.Generator().manual_seed(seed)
+    tokens = sum(lengths)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    q = r(rows, tokens, heads, key_dim).to(dtype)
+    k = r(rows, tokens * n_h, heads, key_dim).to(dtype)
+    v = r(rows, tokens * n_h, heads, value_dim).to(dtype)
+    g = torch.nn.functional.logsigmoid(r(rows, tokens, heads) + 3.0)
+    beta = torch.sigmoid(r(rows, tokens * n_h, heads))
+    return q, k, v, g, beta
+
+
+def _jax(t: torch.Tensor, device=None) -> jax.Array:
+    x = jnp.asarray(t.detach().float().cpu().numpy(), device=device)
+    return x.astype({torch.bfloat16: jnp.bfloat16, torch.float16: jnp.float16}.get(t.dtype, jnp.float32))
+
+
+def _bits(x) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu()
+        return x.view(torch.int16).numpy() if x.element_size() == 2 else x.view(torch.int32).numpy()
+    x = np.asarray(jax.device_get(x))
+    return x.view(np.int16) if x.dtype.itemsize == 2 else x.view(np.int32)
+
+
+def _assert_same_bits(name, ours, theirs):
+    a, b = _bits(ours), _bits(theirs)
+    assert a.shape == b.shape, (name, a.shape, b.shape)
+    different = int(np.count_nonzero(a != b))
+    assert different == 0, f"{name}: {different} of {a.size} elements differ between JAX and torch"
+
+
+ONE_DEVICE_CASES = [
+    pytest.param((17, 90, 1, 40), 1, 2, 128, 64, 2, torch.bfloat16, id="bf16-docs17,90,1,40-H2-K128-V64-nh2"),
+    pytest.param((300,), 2, 2, 128, 128, 1, torch.bfloat16, id="bf16-rows2xT300-H2-K128-V128-nh1"),
+    pytest.param((300, 0, 700), 1, 4, 64, 64, 3, torch.float16, id="fp16-docs300,0,700-H4-K64-V64-nh3"),
+    pytest.param((8192,), 1, 2, 128, 128, 2, torch.bfloat16, id="bf16-T8192-H2-K128-V128-nh2-segments"),
+]
+
+
+@pytest.mark.parametrize("lengths, rows, heads, key_dim, value_dim, n_h, dtype", ONE_DEVICE_CASES)
+@pytest.mark.parametrize("backward", ["kernels", "default"])
+def test_one_device_op_matches_torch_bit_for_bit(kernels_here, lengths, rows, heads, key_dim, value_dim, n_h, dtype,
+                                                 backward):
+    import jax_api
+    import jax_api.gdp.cutedsl as jcd
+    import torch_api
+    import torch_api.gdp.cutedsl as tcd
+
+    packed = rows == 1 and len(lengths) > 1
+    q, k, v, g, beta = _inputs(lengths, heads, key_dim, value_dim, n_h, dtype, seed=len(lengths) + n_h, rows=rows)
+    count = len(lengths) if packed else rows
+    gen = torch.Generator().manual_seed(11)
+    initial = torch.randn(count, heads, key_dim, value_dim, generator=gen) * 0.1
+    do = torch.randn(rows, sum(lengths), heads, value_dim, generator=gen).to(dtype)
+    dfinal = torch.randn(count, heads, key_dim, value_dim, generator=gen)
+    cu = torch.tensor(np.cumsum([0, *lengths]), dtype=torch.int32) if packed else None
+    options = dict(num_householder=n_h, use_qk_l2norm_in_kernel=True)
+
+    leaves = [x.cuda().requires_grad_() for x in (q, k, v, g, beta, initial)]
+    torch_backend = tcd.CuTeDSLGatedDeltaProductCPBackend(backward="kernels" if backward == "kernels" else "torch")
+    o_t, final_t = torch_api.gated_delta_product(*leaves[:5], cu_seqlens=None if cu is None else cu.cuda(),
+                                                 initial_state=leaves[5], backend=torch_backend, **options)
+    torch.autograd.backward([o_t, final_t], [do.cuda(), dfinal.cuda()])
+
+    jax_backend = jcd.CuTeDSLGatedDeltaProductCPBackend(backward="kernels" if backward == "kernels" else "jax")
+
+    @jax.jit
+    def run(q, k, v, g, beta, initial, cu, do, dfinal):
+        def op(q, k, v, g, beta, initial):
+            return jax_api.gated_delta_product(q, k, v, g, beta, cu_seqlens=cu, initial_state=initial,
+                                               backend=jax_backend, **options)
+
+        (o, final), vjp = jax.vjp(op, q, k, v, g, beta, initial)
+        return o, final, vjp((do, dfinal))
+
+    cu_j = None if cu is None else jnp.asarray(cu.numpy())
+    o_j, final_j, grads_j = run(*(_jax(x) for x in (q, k, v, g, beta, initial)), cu_j, _jax(do), _jax(dfinal))
+    _assert_same_bits("o", o_j, o_t)
+    _assert_same_bits("final_state", final_j, final_t)
+    for name, ours, leaf in zip(GRAD_NAMES + ("dinitial",), grads_j, leaves):
+        if backward == "kernels":
+            _assert_same_bits(name, ours, leaf.grad)
+        else:  # two float32 recomputations: the gradients' own rounding (bf16/fp16 for q, k, v)
+            limit = 1e-2 if leaf.dtype != torch.float32 else 1e-3
+            theirs = leaf.grad.float().cpu().numpy()
+            assert rel_err(np.asarray(ours.astype(jnp.float32)), theirs) < limit, name
+
+
+def test_new_packings_reuse_the_program_and_the_kernels(kernels_here):
+    """A jitted op sees a new packing as data: no retrace, no new kernel, no host callback."""
+    import jax_api
+    import jax_api.gdp.cutedsl as jcd
+    from cp_linear.kernels import cache
+
+    n_h, heads, dim = 2, 4, 128
+    q, k, v, g, beta = (_jax(x) for x in _inputs([4096], heads, dim, dim, n_h, torch.bfloat16, seed=3))
+    backend = jcd.CuTeDSLGatedDeltaProductCPBackend(backward="kernels")
+    traces = []
+
+    @jax.jit
+    def step(q, k, v, g, beta, cu):
+        traces.append(1)
+
+        def loss(q, k, v, g, beta):
+            o, _ = jax_api.gated_delta_product(q, k, v, g, beta, cu_seqlens=cu, num_householder=n_h,
+                                               use_qk_l2norm_in_kernel=True, backend=backend)
+            return jnp.sum(o.astype(jnp.float32))
+
+        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
+
+    compiled = []
+    for lengths in ([1000, 96, 3000], [4000, 32, 64], [1, 1, 4094]):
+        cu = jnp.asarray(np.cumsum([0, *lengths]), jnp.int32)
+        jax.block_until_ready(step(q, k, v, g, beta, cu))
+        compiled.append(len(cache._COMPILED))
+    assert len(traces) == 1 and step._cache_size() == 1
+    assert compiled[0] == compiled[1] == compiled[2]
+    text = step.lower(q, k, v, g, beta, cu).as_text()
+    assert "callback" not in text and "cp_linear_ChunkReverseConfig" in text
+
+
+def test_cp_over_two_gpus_matches_torch_bit_for_bit(kernels_here):
+    if len(_jax_gpus()) < 2 or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    import jax_api
+    import jax_api.gdp.cutedsl as jcd
+    import torch_api.gdp.cutedsl as tcd
+    from torch_api.gdp.types import GDPInputs
+
+    n_h, heads, dim = 2, 4, 128
+    lengths = [1000, 5000, 2192]  # shards of 4096: [1000, 3096] | [1904, 2192]; the middle one spans both
+    q, k, v, g, beta = _inputs(lengths, heads, dim, dim, n_h, torch.bfloat16, seed=21)
+    do = torch.randn(1, sum(lengths), heads, dim, generator=torch.Generator().manual_seed(22)).bfloat16()
+    half = sum(lengths) // 2
+    cu_local = [[0, 1000, half], [0, 6000 - half, half]]
+
+    # torch: each shard on its own GPU, the all-gathers by hand (stacking is what every rank receives)
+    backend = tcd.CuTeDSLGatedDeltaProductCPBackend(backward="kernels")
+    shards, dos = [], []
+    for rank in range(2):
+        device = torch.device("cuda", rank)
+        tok, step = slice(rank * half, (rank + 1) * half), slice(rank * half * n_h, (rank + 1) * half * n_h)
+        with torch.cuda.device(device):
+            shards.append(GDPInputs(*(x.to(device) for x in (q[:, tok], k[:, step], v[:, step], g[:, tok],
+                                                             beta[:, step])), scale=dim ** -0.5, num_householder=n_h,
+                                    use_qk_l2norm_in_kernel=True,
+                                    cu_seqlens=torch.tensor(cu_local[rank], dtype=torch.int32, device=device)))
+        dos.append(do[:, tok].to(device))
+    prepared = []
+    for rank in range(2):
+        with torch.cuda.device(rank):
+            prepared.append(backend.cp_forward_prepare(shards[rank]))
+    gathered = [torch.stack([s.packed.to(f"cuda:{rank}") for s, _ in prepared]) for rank in range(2)]
+    applied = []
+    for rank in range(2):
+        with torch.cuda.device(rank):
+            applied.append(backend.cp_forward_apply(prepared[rank][1], gathered[rank][0:rank]))
+    backward = []
+    for rank in range(2):
+        with torch.cuda.device(rank):
+            backward.append(backend.cp_backward_prepare(dos[rank], applied[rank].saved_context))
+    gathered = [torch.stack([s.packed.to(f"cuda:{rank}") for s, _ in backward]) for rank in range(2)]
+    grads_t = []
+    for rank in range(2):
+        with torch.cuda.device(rank):
+            grads_t.append(backend.cp_backward_apply(backward[rank][1], gathered[rank][rank + 1:2]))
+    o_t = torch.cat([applied[r].output.cpu() for r in range(2)], dim=1)
+
+    mesh = jax.sharding.Mesh(np.array(_jax_gpus()[:2]), ("cp",))
+    jax_backend = jcd.CuTeDSLGatedDeltaProductCPBackend(backward="kernels")
+    seq_idx = jnp.asarray(seq_idx_from_lengths(lengths), jnp.int32)
+
+    def loss(q, k, v, g, beta, do):
+        o = jax_api.gdp_chunkwise_context_parallel(q, k, v, g, beta, mesh=mesh, global_seq_idx=seq_idx,
+                                                   max_sequences=2, num_householder=n_h,
+                                                   use_qk_l2norm_in_kernel=True, backend=jax_backend)
+        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)), o
+
+    (_, o_j), grads_j = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(
+        *(_jax(x) for x in (q, k, v, g, beta, do)))
+    _assert_same_bits("o", o_j, o_t)
+    for name, ours in zip(GRAD_NAMES, grads_j):
+        theirs = torch.cat([getattr(grads_t[r], name).cpu() for r in range(2)], dim=1)
+        _assert_same_bits(name, ours, theirs)
