@@ -101,6 +101,6 @@ class BlockDiagAttention(StateTableMixin, nn.Module):
 
 
 # help() and inspect.signature list every keyword argument (a metaclass hides __init__ from them)
-document_layer_signature(BlockDiagAttention, AttentionConfig, mode="auto", kernel="auto")
+document_layer_signature(BlockDiagAttention, AttentionConfig, mode="auto", kernel="auto", check_inputs=True)
 
 __all__ = ["BlockDiagAttention"]
