@@ -95,10 +95,11 @@ def main() -> None:
     parser.add_argument("--out", default="out/bench_gdp_train")
     parser.add_argument("--no-torch-backward", action="store_true", help="skip the torch-backward variant")
     parser.add_argument("--kernels", action="store_true", help="print each variant's largest kernels")
+    parser.add_argument("--no-fla", action="store_true", help="skip flash-linear-attention")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     nh, heads, dim = args.nh, args.heads, 128
-    fla_step = _fla_step(nh)
+    fla_step = None if args.no_fla else _fla_step(nh)
     rows = []
     print(f"GDP fwd+bwd, H={heads}, K=V={dim}, n_h={nh}, bf16, l2norm; ms per step (median of {args.repeat})")
     print(f"{'T':>8} {'variant':>15} {'wall ms':>9} {'kernel ms':>10} {'peak MB':>9}", flush=True)
@@ -114,7 +115,7 @@ def main() -> None:
         dfinal = rand(1, heads, dim, dim)
         variants = {"ours": CuTeDSLGatedDeltaProductCPBackend(backward="kernels")}
         if tokens <= 8192 and not args.no_torch_backward:
-            variants["ours-torch-bwd"] = CuTeDSLGatedDeltaProductCPBackend()
+            variants["ours-torch-bwd"] = CuTeDSLGatedDeltaProductCPBackend(backward="torch")
         for name, backend in variants.items():
             def step():
                 leaves = [x.detach().requires_grad_() for x in (q, k, v, g, beta)]

@@ -23,6 +23,7 @@ Two halves, both free of torch and jax imports:
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -305,6 +306,14 @@ def scan_row_block(key_dim: int, value_dim: int, num_householder: int) -> int:
     return 0
 
 
+def scan_mma(dtype: str, key_dim: int, value_dim: int) -> str:
+    """The scan's MMA kind (``ChunkScanConfig.mma``) for ``mma="auto"``: the warpgroup-MMA scan where
+    it is compiled (bf16, K = V = 128), as measured on an H200 at H = 16, n_h = 2 (kernel time 8k:
+    0.543 vs 0.600 ms; 32k: 1.663 vs 1.881; 128k: 6.228 vs 7.044; 32 x 1k: 1.221 vs 1.265), warp
+    ``mma.sync`` elsewhere."""
+    return "wgmma" if dtype == "bfloat16" and key_dim == value_dim == 128 else "sync"
+
+
 def segment_chunks_for(total_chunks_bound: int, heads: int, row_blocks: int, sm_count: int,
                        *, ctas_per_sm: float = 2, min_chunks: int = 8) -> int:
     """Chunks per segment so that the output pass has about ``ctas_per_sm`` CTAs per SM when one
@@ -333,6 +342,88 @@ class ForwardLayout:
     seg_flags: Any  # int32 [max_segments]
     num_segments: Any  # int32 [1]
     seg_grad_flags: Any = None  # int32 [max_segments]: backward summaries (segments after a sequence's first)
+
+
+def kernels_take(reason: str | None, *, fallback: bool, warned: set, fallback_name: str) -> bool:
+    """A kernel backend's answer to ``unsupported_reason``: True when there is none; otherwise raise
+    (``fallback=False``) or warn once per reason that ``fallback_name`` runs instead, and False."""
+    if reason is None:
+        return True
+    if not fallback:
+        raise ValueError(f"CuTeDSLGatedDeltaProductCPBackend: {reason}")
+    if reason not in warned:
+        warned.add(reason)
+        warnings.warn(f"CuTeDSLGatedDeltaProductCPBackend runs {fallback_name}: {reason}", stacklevel=4)
+    return False
+
+
+def check_preceding_summaries(stacked_shape, summary_shape, *, rows: bool, has_initial: bool) -> None:
+    """Raise unless the stacked preceding summaries [n, (B,) H, K, V + K] fit this shard's summary
+    (``summary_shape`` [1 or B, H, K, V + K]) and no initial state competes with them."""
+    if has_initial:
+        raise ValueError("initial_state serves one device (no preceding summaries); under CP the incoming "
+                         "state comes from the preceding ranks")
+    expected = (stacked_shape[0], *summary_shape) if rows else (stacked_shape[0], *summary_shape[1:])
+    if tuple(stacked_shape) != expected:
+        raise ValueError(f"preceding summaries must have shape {expected}; received {tuple(stacked_shape)}")
+
+
+def check_initial_state_shape(inputs) -> None:
+    """Raise unless ``inputs.initial_state`` (when given) is [N, H, K, V] (``GDPInputs.state_shape``)."""
+    if inputs.initial_state is not None and tuple(inputs.initial_state.shape) != inputs.state_shape:
+        raise ValueError(f"initial_state must be [N, H, K, V] = {inputs.state_shape}; received "
+                         f"{tuple(inputs.initial_state.shape)}")
+
+
+@dataclass
+class KernelShard:
+    """One shard flattened over its batch rows and its work layout: the base of the torch and JAX
+    adapters' shards, which add the per-chunk prep results in their arrays."""
+
+    inputs: Any  # cp_linear.gdp.GDPInputs
+    rows: bool  # each batch row is one sequence (no cu_seqlens)
+    q: Any  # [T_all, H, K]
+    k: Any  # [S_all, H, K]
+    v: Any  # [S_all, H, V]
+    layout: ForwardLayout
+    row_block: int  # ChunkScanConfig.row_block
+
+    @property
+    def heads(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def key_dim(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def value_dim(self) -> int:
+        return self.v.shape[2]
+
+    @property
+    def query_tile(self) -> int:
+        return cfg.query_tile(self.inputs.num_householder)
+
+
+@dataclass
+class KernelForwardContext:
+    """A kernel backend's context between ``cp_forward_prepare`` and ``cp_forward_apply`` (either
+    frontend's arrays)."""
+
+    shard: Any
+    summary: Any  # [1 or B, H, K, V + K] float32
+    initial: Any  # float32 [N, H, K, V] (inputs.initial_state), or None
+
+
+@dataclass
+class KernelBackwardContext:
+    """A kernel backend's context between ``cp_backward_prepare`` and ``cp_backward_apply``."""
+
+    shard: Any
+    do: Any  # [T_all, H, V] input dtype
+    grad_summaries: Any  # [S_max, H, V + K, K] float32: rows [gamma ; M_b] per segment
+    incoming: Any  # [S_max, H, V, K] float32: the forward's segment incoming states
+    end_grads: Any  # [N, H, V, K] float32: dL/d final state of each sequence (zeros: none)
 
 
 def forward_layout(cu_seqlens, *, total_tokens: int, num_householder: int, heads: int, row_blocks: int,

@@ -19,8 +19,8 @@ Launch plan of one shard (the torch backend's, launch for launch)::
                                    the preceding summaries; the others from their initial state)
               chunk_scan output    outputs and every segment's end state
 
-The backward is ``JaxGDPBackend``'s (a float32 recomputation from the saved inputs: the default,
-as torch's default is ``TorchGDPBackend``), or with ``backward="kernels"`` the backward kernels::
+The backward runs the backward kernels (the default, ``backward="kernels"``, as in torch), or
+``JaxGDPBackend``'s float32 recomputation from the saved inputs with ``backward="jax"``::
 
     prepare   chunk_prep, chunk_gamma    backward summaries [gamma ; M_b] per segment
               segment_fold (descending)  the leading sequence's gamma
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import warnings
 from dataclasses import dataclass, field
 
 import jax
@@ -48,9 +47,8 @@ from cp_linear.kernels import launch as kl
 from cp_linear.protocol import CPForwardResult, CPSavedContext
 from cp_linear.summary import (
     CPBackwardPackedSummary,
-    CPBackwardUnpackedSummary,
     CPForwardPackedSummary,
-    CPForwardUnpackedSummary,
+    as_packed_array,
     compose_backward,
     compose_forward,
 )
@@ -121,16 +119,9 @@ def _flat(x: jax.Array) -> jax.Array:
 
 
 @dataclass
-class _Shard:
-    """One shard flattened over its batch rows, its work layout and the per-chunk prep results."""
+class _Shard(kl.KernelShard):
+    """``kl.KernelShard`` with the per-chunk prep results."""
 
-    inputs: GDPInputs
-    rows: bool  # each batch row is one sequence (no cu_seqlens)
-    q: jax.Array  # [T_all, H, K]
-    k: jax.Array  # [S_all, H, K]
-    v: jax.Array  # [S_all, H, V]
-    layout: kl.ForwardLayout
-    row_block: int
     trailing: jax.Array | None  # int32 []: the last nonempty sequence (packed shards)
     ta: jax.Array = None  # [C_max, H, 64, 64]
     tb: jax.Array = None
@@ -139,47 +130,15 @@ class _Shard:
     summaries: jax.Array = None  # [S_max, H, V + K, K] float32 ([E^T ; M^T] per segment)
 
     @property
-    def heads(self) -> int:
-        return self.q.shape[1]
-
-    @property
-    def key_dim(self) -> int:
-        return self.q.shape[2]
-
-    @property
-    def value_dim(self) -> int:
-        return self.v.shape[2]
-
-    @property
     def dtype(self) -> str:
         return _DTYPE_NAMES[jnp.dtype(self.q.dtype)]
-
-    @property
-    def query_tile(self) -> int:
-        return kcfg.query_tile(self.inputs.num_householder)
 
     def tables(self, *names: str) -> dict[str, jax.Array]:
         return {name: getattr(self.layout, name) for name in names}
 
 
-@dataclass
-class CuTeDSLForwardContext:
-    """Between ``cp_forward_prepare`` and ``cp_forward_apply``."""
-
-    shard: _Shard
-    summary: jax.Array  # [1 or B, H, K, V + K] float32
-    initial: jax.Array | None  # float32 [N, H, K, V] (inputs.initial_state), or None
-
-
-@dataclass
-class CuTeDSLBackwardContext:
-    """Between ``cp_backward_prepare`` and ``cp_backward_apply`` (kernel backward)."""
-
-    shard: _Shard
-    do: jax.Array  # [T_all, H, V] input dtype
-    grad_summaries: jax.Array  # [S_max, H, V + K, K] float32: rows [gamma ; M_b] per segment
-    incoming: jax.Array  # [S_max, H, V, K] float32: the forward's segment incoming states
-    end_grads: jax.Array  # [N, H, V, K] float32: dL/d final state of each sequence (zeros: none)
+CuTeDSLForwardContext = kl.KernelForwardContext
+CuTeDSLBackwardContext = kl.KernelBackwardContext
 
 
 # --------------------------------------------------------------------------- the backend
@@ -191,10 +150,10 @@ class CuTeDSLGatedDeltaProductCPBackend:
 
     Options as the torch backend's: ``segment_chunks`` (chunks per segment; None sizes segments so
     that one long sequence gives about ``ctas_per_sm`` output CTAs per SM), ``row_block`` (state rows
-    per scan CTA, 0: ``launch.scan_row_block``'s measured choice), ``mma`` ("sync" or "wgmma"),
-    ``fallback`` (False: raise on inputs the kernels do not take). ``backward``: "jax" (default:
-    ``JaxGDPBackend``'s recomputation from the saved inputs) or "kernels" (the backward kernels from
-    the segments' saved incoming states). ``sm_count``: SMs to size segments for (None: the
+    per scan CTA, 0: ``launch.scan_row_block``'s measured choice), ``mma`` ("auto", "sync" or "wgmma"),
+    ``fallback`` (False: raise on inputs the kernels do not take). ``backward``: "kernels" (default:
+    the backward kernels from the segments' saved incoming states, checked on an H200 as the torch
+    backend's) or "jax" (``JaxGDPBackend``'s recomputation from the saved inputs). ``sm_count``: SMs to size segments for (None: the
     device's). ``cuda_graph``: let XLA capture the custom calls in its command buffers.
     Frozen and hashable: an argument of ``jax.jit`` / ``custom_vjp`` like ``JaxGDPBackend``.
     """
@@ -203,8 +162,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
     row_block: int = 0
     ctas_per_sm: float = 2
     fallback: bool = True
-    mma: str = "sync"
-    backward: str = "jax"
+    mma: str = "auto"
+    backward: str = "kernels"
     sm_count: int | None = None
     cuda_graph: bool = False
     _warned: set = field(default_factory=set, compare=False, hash=False, repr=False)
@@ -218,8 +177,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
             raise ValueError(f"row_block must be 0 (automatic), 64 or 128; received {self.row_block!r}")
         if not self.ctas_per_sm > 0:
             raise ValueError(f"ctas_per_sm must be positive; received {self.ctas_per_sm!r}")
-        if self.mma not in kcfg.MMA_KINDS:
-            raise ValueError(f"mma must be one of {kcfg.MMA_KINDS}; received {self.mma!r}")
+        if self.mma != "auto" and self.mma not in kcfg.MMA_KINDS:
+            raise ValueError(f"mma must be 'auto' or one of {kcfg.MMA_KINDS}; received {self.mma!r}")
         if self.backward not in ("jax", "kernels"):
             raise ValueError(f"backward must be 'jax' or 'kernels'; received {self.backward!r}")
         if self.sm_count is not None and (not isinstance(self.sm_count, int) or self.sm_count < 1):
@@ -233,15 +192,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
         """True when the kernels take ``inputs``; else warn once per reason (or raise without fallback)."""
         check_gdp_inputs(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.num_householder,
                          inputs.cu_seqlens)
-        reason = unsupported_reason(inputs.q, inputs.k, inputs.v, inputs.num_householder)
-        if reason is None:
-            return True
-        if not self.fallback:
-            raise ValueError(f"CuTeDSLGatedDeltaProductCPBackend: {reason}")
-        if reason not in self._warned:
-            self._warned.add(reason)
-            warnings.warn(f"CuTeDSLGatedDeltaProductCPBackend runs JaxGDPBackend: {reason}", stacklevel=3)
-        return False
+        return kl.kernels_take(unsupported_reason(inputs.q, inputs.k, inputs.v, inputs.num_householder),
+                               fallback=self.fallback, warned=self._warned, fallback_name="JaxGDPBackend")
 
     # ------------------------------------------------------------------ launches
 
@@ -293,13 +245,17 @@ class CuTeDSLGatedDeltaProductCPBackend:
                                             state_rows=value_dim + key_dim, o_shape=(1, 1, value_dim))
         return shard
 
+    def _scan_mma(self, shard: _Shard) -> str:
+        return self.mma if self.mma != "auto" else kl.scan_mma(shard.dtype, shard.key_dim, shard.value_dim)
+
     def _scan(self, shard: _Shard, mode: str, *, state_in, state_rows: int, o_shape: tuple):
         """chunk_scan -> (state_out [S_max, H, state_rows, K] float32, o of ``o_shape``)."""
         layout, heads = shard.layout, shard.heads
         tile = shard.query_tile if mode == "output" else 0
         out = self._launch(
             kl.ChunkScanLaunch,
-            kcfg.ChunkScanConfig(shard.dtype, shard.key_dim, shard.value_dim, mode, tile, shard.row_block, self.mma),
+            kcfg.ChunkScanConfig(shard.dtype, shard.key_dim, shard.value_dim, mode, tile, shard.row_block,
+                                  self._scan_mma(shard)),
             dict(k=shard.k, v=shard.v, q=shard.q, ta=shard.ta, tb=shard.tb, p=shard.p, scalars=shard.scalars,
                  **shard.tables("chunk_first_step", "chunk_steps", "seg_first_chunk", "seg_chunks", "seg_flags",
                                 "num_segments"), state_in=state_in),
@@ -364,12 +320,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         stacked = _packed_stack(preceding)
         leading_count = summary.shape[0] if shard.rows else 1
         if stacked is not None and stacked.shape[0]:
-            if initial is not None:
-                raise ValueError("initial_state serves one device (no preceding summaries); under CP the incoming "
-                                 "state comes from the preceding ranks")
-            expected = (stacked.shape[0], *summary.shape) if shard.rows else (stacked.shape[0], *summary.shape[1:])
-            if tuple(stacked.shape) != expected:
-                raise ValueError(f"preceding summaries must have shape {expected}; received {tuple(stacked.shape)}")
+            kl.check_preceding_summaries(stacked.shape, summary.shape, rows=shard.rows, has_initial=initial is not None)
             with jax.default_matmul_precision("highest"):
                 leading_state = compose_forward(stacked.reshape(stacked.shape[0], *summary.shape))  # [n, H, K, V]
             init, init_count = jnp.swapaxes(leading_state, -1, -2), leading_count
@@ -511,12 +462,9 @@ def _last_nonempty(cu: jax.Array) -> jax.Array:
 
 def _initial_states(inputs: GDPInputs) -> jax.Array | None:
     """float32 [N, H, K, V] of ``inputs.initial_state`` (shape checked), or None."""
+    kl.check_initial_state_shape(inputs)
     if inputs.initial_state is None:
         return None
-    expected = inputs.state_shape
-    if tuple(inputs.initial_state.shape) != expected:
-        raise ValueError(f"initial_state must be [N, H, K, V] = {expected}; received "
-                         f"{tuple(inputs.initial_state.shape)}")
     return jax.lax.stop_gradient(inputs.initial_state).astype(_F32)
 
 
@@ -533,10 +481,7 @@ def _packed_stack(preceding) -> jax.Array | None:
     """Stacked forward summaries [n, ..., K, V + K] float32 from any summary form (None when absent)."""
     if preceding is None:
         return None
-    if isinstance(preceding, CPForwardPackedSummary):
-        preceding = preceding.packed
-    elif isinstance(preceding, CPForwardUnpackedSummary):
-        preceding = jnp.concatenate([preceding.state_update, preceding.transition], axis=-1)
+    preceding = as_packed_array(preceding)
     if not hasattr(preceding, "shape") or not hasattr(preceding, "dtype"):
         raise ValueError(f"preceding must be an array or a forward summary; received {type(preceding).__name__}")
     if preceding.dtype != _F32:
@@ -548,11 +493,7 @@ def _packed_backward_stack(following) -> jax.Array | None:
     """Stacked backward summaries [n, ..., K, V + K] float32 from any summary form (None when absent)."""
     if following is None:
         return None
-    if isinstance(following, CPBackwardPackedSummary):
-        following = following.packed
-    elif isinstance(following, CPBackwardUnpackedSummary):
-        following = jnp.concatenate([following.local_state_grad, jnp.swapaxes(following.transition, -1, -2)],
-                                    axis=-1)
+    following = as_packed_array(following)
     if not hasattr(following, "shape") or not hasattr(following, "dtype"):
         raise ValueError(f"following must be an array or a backward summary; received {type(following).__name__}")
     return following.astype(_F32)

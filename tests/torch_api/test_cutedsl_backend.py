@@ -211,7 +211,7 @@ def test_cp_rows_each_row_continues_across_ranks():
 
 @pytest.mark.gpu
 def test_gated_delta_product_runs_the_kernel_forward_and_torch_backward():
-    from torch_api import TorchGDPBackend, gated_delta_product
+    from torch_api import CuTeDSLGatedDeltaProductCPBackend, TorchGDPBackend, gated_delta_product
 
     rng = np.random.default_rng(3)
     lengths = (40, 89)
@@ -219,7 +219,8 @@ def test_gated_delta_product_runs_the_kernel_forward_and_torch_backward():
                                       num_householder=2)
     cu = _cu(lengths)
     leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
-    o, final = gated_delta_product(*leaves, num_householder=2, cu_seqlens=cu, backend=_backend())
+    o, final = gated_delta_product(*leaves, num_householder=2, cu_seqlens=cu,
+                                   backend=CuTeDSLGatedDeltaProductCPBackend(backward="torch"))
     (o.square().sum() + final.sum()).backward()
     ref_leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
     ref_o, ref_final = gated_delta_product(*ref_leaves, num_householder=2, cu_seqlens=cu, backend=TorchGDPBackend())

@@ -17,6 +17,7 @@ from cp_linear.kernels import launch as kl
 from cp_linear.kernels.emulation import run_emulated
 from cp_linear.reference import naive_gated_delta_product
 from tests.cp_linear.gdp_cases import rel_err
+from tests.cutedsl_inputs import emulation_inputs
 from torch_api.gdp.types import GDPInputs
 
 
@@ -27,16 +28,7 @@ def emulated(monkeypatch):
     monkeypatch.setattr(cutedsl, "_sm_count", lambda device: 132)
 
 
-def _inputs(lengths, heads, key_dim, value_dim, n_h, seed, rows=1):
-    gen = torch.Generator().manual_seed(seed)
-    tokens = sum(lengths)
-    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    q = r(rows, tokens, heads, key_dim).bfloat16()
-    k = r(rows, tokens * n_h, heads, key_dim).bfloat16()
-    v = r(rows, tokens * n_h, heads, value_dim).bfloat16()
-    g = torch.nn.functional.logsigmoid(r(rows, tokens, heads) + 3.0)
-    beta = torch.sigmoid(r(rows, tokens * n_h, heads))
-    return q, k, v, g, beta
+_inputs = emulation_inputs
 
 
 def _reference(q, k, v, g, beta, n_h, cu, initial=None):
