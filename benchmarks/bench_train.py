@@ -108,7 +108,10 @@ def measure(rank: int, world: int, group, args) -> dict | None:
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     config = DecoderConfig(**(TINY if args.dry_run else FULL))
     torch.manual_seed(0)
-    model = HybridDecoder(config).to(device)
+    # the layers' value checks read the host and add headers per op (docs/failure_modes.md): off unless asked
+    checks = bool(getattr(args, "check_inputs", False))
+    model = HybridDecoder(config, gdp_options={"cp_check_inputs": checks},
+                          attention_options={"check_inputs": checks}).to(device)
     total = args.tokens * world
     ids = _doc_ids(total, 0)
     layout = build_shard_layout(total_len=total, doc_ids=ids, cp_group=group).materialize(device)
@@ -208,6 +211,8 @@ def main(argv=None, run=run_world) -> list[dict]:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--timeout", type=int, default=240, help="seconds per collective and per spawned run")
     parser.add_argument("--dry-run", action="store_true", help="a tiny model on the CPU (gloo for CP)")
+    parser.add_argument("--check-inputs", action="store_true",
+                        help="the layers' value checks on (NaN/Inf, g, beta; one more header per op)")
     args = parser.parse_args(argv)
     if args.dry_run:
         args.tokens, args.repeat, args.warmup = min(args.tokens, 32), 1, 0

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 L2NORM_EPS = 1e-6  # q and k / sqrt(sum(x^2) + L2NORM_EPS) with use_qk_l2norm_in_kernel
-MAX_KEY_DIM = 256
+MAX_KEY_DIM = 256  # bounds the [K, K] transition every summary carries
+MAX_VALUE_DIM = 512  # covers flash-linear-attention's default layer (head_dim 256, expand_v 2)
 
 Array = Any
 
@@ -103,4 +104,5 @@ def cu_seqlens_error(values, tokens: int) -> str | None:
     return None
 
 
-__all__ = ["GDPInputGradients", "GDPInputs", "L2NORM_EPS", "MAX_KEY_DIM", "check_gdp_shapes", "cu_seqlens_error"]
+__all__ = ["GDPInputGradients", "GDPInputs", "L2NORM_EPS", "MAX_KEY_DIM", "MAX_VALUE_DIM", "check_gdp_shapes",
+           "cu_seqlens_error"]

@@ -17,6 +17,8 @@ import inspect
 import math
 from dataclasses import MISSING, dataclass, field, fields
 
+from cp_linear.validation import digest
+
 
 def resolve_config(config_class, config, kwargs: dict):
     """A layer's config: the one given, or one built from keyword arguments (not both)."""
@@ -216,6 +218,34 @@ class DecoderConfig:
                                num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rope_theta=self.rope_theta)
 
 
+# --------------------------------------------------------------------------- cross-rank signatures
+
+_KIND_CODES = {GDPConfig: 1, AttentionConfig: 2, DecoderConfig: 3}
+
+
+def config_fingerprint(config) -> tuple[int, ...]:
+    """Ints that differ whenever two configs would make ranks run different collectives or shapes.
+
+    Kind, every field (floats as their repr's digest) and, for a decoder, the layer count and order
+    with each layer's own fingerprint. Under CP the torch layers exchange these in their agreement
+    header (``torch_api.layers.layout.ShardLayout``), so a rank with a different ``conv_size``,
+    ``num_householder``, ``use_short_conv``, head count or layer order raises with the others
+    before the first exchange.
+    """
+    if type(config) not in _KIND_CODES:
+        raise ValueError(f"config must be one of {[t.__name__ for t in _KIND_CODES]}; received {type(config).__name__}")
+    values = [getattr(config, f.name) for f in fields(config)]
+    ints = [v if isinstance(v, int) else (-1 if v is None else digest([v])) for v in values if not isinstance(v, tuple)]
+    fingerprint = [_KIND_CODES[type(config)], *ints]
+    if isinstance(config, GDPConfig):
+        fingerprint += [config.value_heads, config.head_v_dim, *config.conv_channels]
+    if isinstance(config, DecoderConfig):
+        layers = {"gdp": config_fingerprint(config.gdp_config()),
+                  "attention": config_fingerprint(config.attention_config())}
+        fingerprint += [len(config.layer_types)] + [digest(layers[kind]) for kind in config.layer_types]
+    return tuple(int(x) for x in fingerprint)
+
+
 # --------------------------------------------------------------------------- the parameter table
 
 
@@ -301,5 +331,5 @@ def check_state(expected: dict[str, tuple[int, ...]], received: dict[str, tuple[
         raise ValueError(f"{what} does not match the module's parameters: " + ", ".join(parts))
 
 
-__all__ = ["AttentionConfig", "DecoderConfig", "GDPConfig", "REQUIRED", "check_state", "document_layer_signature",
-           "layer_signature", "parameter_shapes"]
+__all__ = ["AttentionConfig", "DecoderConfig", "GDPConfig", "REQUIRED", "check_state", "config_fingerprint",
+           "document_layer_signature", "layer_signature", "parameter_shapes"]

@@ -27,6 +27,7 @@ from cp_linear.plan import (
     PackedSequenceCPMetadata,
     build_packed_sequence_cp_metadata,
     cu_seqlens_to_seq_idx,
+    ids_fingerprint,
     validate_doc_ids,
     validate_global_seq_idx,
 )
@@ -50,6 +51,33 @@ class PackedLayout:
     seq_idx: np.ndarray
     position: np.ndarray
     packed: bool = True
+
+    def __post_init__(self):
+        # Tamper-evident: seq_idx and position are functions of doc_ids; an edited layout (e.g. through
+        # dataclasses.replace) records why in ``error`` and the layers raise it on every rank together.
+        error = None
+        try:
+            ids = np.asarray(self.doc_ids)
+            if ids.ndim != 1 or any(np.shape(x) != ids.shape for x in (self.seq_idx, self.position)):
+                raise ValueError(f"doc_ids, seq_idx and position must share one shape [T]; received "
+                                 f"{np.shape(ids)}, {np.shape(self.seq_idx)}, {np.shape(self.position)}")
+            if not np.array_equal(self.seq_idx, np.cumsum(_run_starts(ids)) - 1):
+                raise ValueError("PackedLayout.seq_idx does not match its doc_ids (edited after it was built?)")
+            if not np.array_equal(self.position, _position_in_run(ids)):
+                raise ValueError("PackedLayout.position does not match its doc_ids (edited after it was built?)")
+            for name in ("doc_ids", "seq_idx", "position"):
+                frozen = np.array(getattr(self, name), dtype=np.int64, copy=True)
+                frozen.flags.writeable = False
+                object.__setattr__(self, name, frozen)
+        except ValueError as err:
+            error = str(err)
+        object.__setattr__(self, "_error", error)
+        object.__setattr__(self, "_ids_fingerprint", ids_fingerprint(self.doc_ids))
+
+    @property
+    def error(self) -> str | None:
+        """Why the layout is inconsistent (fields edited), or None."""
+        return self._error
 
     @property
     def total_len(self) -> int:
@@ -106,10 +134,7 @@ class PackedLayout:
 
     def fingerprint(self) -> tuple[int, int]:
         """Two ints that differ when the layouts differ (for cross-rank agreement)."""
-        import zlib
-
-        raw = np.ascontiguousarray(self.doc_ids, np.int64).tobytes()
-        return zlib.crc32(raw) & 0x7FFFFFFF, int(self.packed) * self.total_len
+        return self._ids_fingerprint, int(self.packed) * self.total_len
 
 
 def layout_from_ids(*, doc_ids=None, seq_idx=None, cu_seqlens=None, total_len: int) -> PackedLayout:

@@ -34,6 +34,7 @@ Attention exchange policy (the frontends only turn a routing into their collecti
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import array_api_compat
@@ -58,6 +59,16 @@ def _check_cp(cp_rank: int | None, cp_size: int) -> None:
 # --------------------------------------------------------------------------- GDP metadata
 
 
+def ids_fingerprint(ids) -> int:
+    """A non-negative 62-bit int that changes when the ids (their length or any value) change.
+
+    Cheap host hash (CRC-32 and Adler-32 of the int64 bytes, ~1 GB/s) that ranks exchange in their
+    agreement header to prove they hold the same replicated ids; not cryptographic.
+    """
+    raw = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1).tobytes()
+    return ((zlib.crc32(raw) << 30) ^ zlib.adler32(raw) ^ len(raw)) & ((1 << 62) - 1)
+
+
 @dataclass(frozen=True)
 class PackedSequenceCPMetadata:
     """What one rank needs to run chunkwise CP over a packed batch (host values).
@@ -67,6 +78,12 @@ class PackedSequenceCPMetadata:
     preceding_rank_start  rank of the first token of the shard's first sequence
     following_rank_stop   1 + rank of the last token of the shard's last sequence
     cp_rank, cp_size      the rank and world size it was built for (checked by the frontends)
+    global_seq_idx        int64 [T]: the replicated ids it was built from (read-only)
+
+    Tamper-evident: construction (including ``dataclasses.replace``) checks every field against
+    ``global_seq_idx`` and records the result in ``error`` instead of raising, so that the CP op
+    can raise it on every rank at once; the arrays are read-only. ``fingerprint`` is
+    ``ids_fingerprint(global_seq_idx)``, which the CP op's agreement compares across ranks.
     """
 
     local_seq_idx: np.ndarray
@@ -75,6 +92,44 @@ class PackedSequenceCPMetadata:
     following_rank_stop: int
     cp_rank: int = 0
     cp_size: int = 1
+    global_seq_idx: np.ndarray | None = None
+
+    def __post_init__(self):
+        error, fingerprint = None, -1
+        try:
+            if self.global_seq_idx is None:
+                raise ValueError("metadata carries no global_seq_idx to be checked against; build it with "
+                                 "cp_linear.build_packed_sequence_cp_metadata(global_seq_idx, cp_rank, cp_size)")
+            ids = validate_global_seq_idx(np.asarray(self.global_seq_idx).reshape(1, -1), self.cp_size)
+            _check_cp(self.cp_rank, self.cp_size)
+            fingerprint = ids_fingerprint(ids)
+            expected = _packed_fields(ids, self.cp_rank, self.cp_size)
+            for name, want in expected.items():
+                have = getattr(self, name)
+                same = (np.array_equal(np.asarray(have), want) and np.shape(have) == np.shape(want)
+                        if isinstance(want, np.ndarray) else have == want)
+                if not same:
+                    raise ValueError(f"metadata.{name} = {np.asarray(have).tolist()} does not match its global_seq_idx "
+                                     f"(expected {np.asarray(want).tolist()} for rank {self.cp_rank} of "
+                                     f"{self.cp_size}): the metadata was edited after it was built")
+            for name in ("local_seq_idx", "local_cu_seqlens", "global_seq_idx"):
+                frozen = np.array(getattr(self, name), copy=True)
+                frozen.flags.writeable = False
+                object.__setattr__(self, name, frozen)
+        except ValueError as err:
+            error = str(err)
+        object.__setattr__(self, "_error", error)
+        object.__setattr__(self, "_fingerprint", fingerprint)
+
+    @property
+    def error(self) -> str | None:
+        """Why this metadata cannot be trusted (fields edited, no ids), or None."""
+        return self._error
+
+    @property
+    def fingerprint(self) -> int:
+        """``ids_fingerprint(global_seq_idx)`` (-1 when the metadata is invalid)."""
+        return self._fingerprint
 
     @property
     def local_len(self) -> int:
@@ -110,24 +165,24 @@ def validate_global_seq_idx(global_seq_idx, cp_size: int) -> np.ndarray:
     return ids
 
 
-def build_packed_sequence_cp_metadata(global_seq_idx, cp_rank: int, cp_size: int) -> PackedSequenceCPMetadata:
-    """Metadata of rank ``cp_rank`` for a packed batch split over ``cp_size`` ranks (docs/design.md §2)."""
-    _check_cp(cp_rank, cp_size)
-    ids = validate_global_seq_idx(global_seq_idx, cp_size)
+def _packed_fields(ids: np.ndarray, cp_rank: int, cp_size: int) -> dict:
+    """The derived fields of ``PackedSequenceCPMetadata`` from validated ids [T]."""
     local_len = ids.shape[0] // cp_size
     shard_start = cp_rank * local_len
     local = ids[shard_start : shard_start + local_len]
     changes = np.nonzero(np.diff(local) != 0)[0] + 1
     cu = np.concatenate([[0], changes, [local_len]]).astype(np.int32)
     preceding_rank_start, following_rank_stop = sequence_rank_range(ids, cp_rank, local_len)
-    return PackedSequenceCPMetadata(
-        local_seq_idx=local.reshape(1, local_len).copy(),
-        local_cu_seqlens=cu,
-        preceding_rank_start=int(preceding_rank_start),
-        following_rank_stop=int(following_rank_stop),
-        cp_rank=int(cp_rank),
-        cp_size=int(cp_size),
-    )
+    return dict(local_seq_idx=local.reshape(1, local_len), local_cu_seqlens=cu,
+                preceding_rank_start=int(preceding_rank_start), following_rank_stop=int(following_rank_stop))
+
+
+def build_packed_sequence_cp_metadata(global_seq_idx, cp_rank: int, cp_size: int) -> PackedSequenceCPMetadata:
+    """Metadata of rank ``cp_rank`` for a packed batch split over ``cp_size`` ranks (docs/design.md §2)."""
+    _check_cp(cp_rank, cp_size)
+    ids = validate_global_seq_idx(global_seq_idx, cp_size)
+    return PackedSequenceCPMetadata(**_packed_fields(ids, cp_rank, cp_size), cp_rank=int(cp_rank),
+                                    cp_size=int(cp_size), global_seq_idx=ids)
 
 
 def sequence_rank_range(ids, rank, local_len: int):
@@ -431,6 +486,32 @@ def exchange_shape(plan: BlockDiagPlan, mode: str, *, a2a_impl: str = "exact", b
         recv_len, send_len = ragged_buffer_lens(plan, bucket)
         return ExchangeShape(resolved, a2a_impl, recv_len=recv_len, send_len=send_len)
     return ExchangeShape(resolved, a2a_impl)
+
+
+def exchange_shape_error(plan: BlockDiagPlan, shape: ExchangeShape) -> str | None:
+    """Why ``shape`` cannot serve ``plan``, or None: every static size must cover what each rank needs
+    and stay within the shard (a larger size is fine: the extra rows belong to other documents and
+    the doc mask drops them). Used to reject an edited exchange description (tamper evidence)."""
+    cp, length = plan.cp_size, plan.local_len
+    if shape.mode not in EXCHANGE_MODES:
+        return f"mode {shape.mode!r} is not a resolved exchange {EXCHANGE_MODES}"
+    if shape.mode != "a2a" and (shape.a2a_impl or shape.piece_lens or shape.recv_len or shape.send_len):
+        return f"mode {shape.mode!r} carries a2a sizes {shape}"
+    if shape.mode == "halo" and (not plan.use_halo or not plan.halo_len <= shape.halo_len <= length):
+        return f"halo_len = {shape.halo_len} must lie in [{plan.halo_len}, L = {length}] (back = {list(plan.back)})"
+    if shape.mode != "halo" and shape.halo_len:
+        return f"mode {shape.mode!r} carries halo_len = {shape.halo_len}"
+    if shape.mode == "a2a" and shape.a2a_impl == "ppermute":
+        needed = ppermute_piece_lens(plan, bucket=False)
+        if len(shape.piece_lens) != cp - 1 or any(not n <= p <= length for n, p in zip(needed, shape.piece_lens)):
+            return f"piece_lens = {shape.piece_lens} must cover {needed} and stay ≤ L = {length}"
+    if shape.mode == "a2a" and shape.a2a_impl == "ragged":
+        recv_len, send_len = ragged_buffer_lens(plan, bucket=False)
+        if not (recv_len <= shape.recv_len <= (cp - 1) * length and send_len <= shape.send_len <= (cp - 1) * length):
+            return f"recv_len, send_len = {shape.recv_len}, {shape.send_len} must cover {recv_len}, {send_len}"
+    if shape.mode == "a2a" and shape.a2a_impl not in ("ragged", "ppermute", "exact"):
+        return f"a2a_impl {shape.a2a_impl!r} is not one of ('exact', 'ragged', 'ppermute')"
+    return None
 
 
 def exchange_tokens_received(plan: BlockDiagPlan, mode) -> list[int]:

@@ -33,8 +33,9 @@ def build_model(args, task):
     from torch_api.layers import HybridDecoder, load_state_table
 
     config = decoder_config(args, task.vocab_size)
-    model = HybridDecoder(config, attention_options={"mode": args.attention_mode},
-                          gdp_options={"cp_check_inputs": not args.skip_cp_checks})
+    checks = not args.skip_cp_checks
+    model = HybridDecoder(config, attention_options={"mode": args.attention_mode, "check_inputs": checks},
+                          gdp_options={"cp_check_inputs": checks})
     # numpy-drawn weights: the same on every rank and in examples/train_jax.py for the same --seed
     return load_state_table(model, initial_table(config, args.seed))
 
@@ -171,8 +172,9 @@ def parser():
     """The flags of this example: examples/common.py's, plus --skip-cp-checks."""
     flags = base_parser(__doc__.splitlines()[0], "out/train_torch")
     flags.add_argument("--skip-cp-checks", action="store_true",
-                       help="skip the GDP op's per-layer NaN check and cross-rank agreement (one host sync "
-                            "per layer and direction); bad input then fails on one rank instead of all")
+                       help="skip the layers' value checks (NaN/Inf, g > 0, beta range): one agreement per step "
+                            "instead of one per layer; non-finite values are then contained instead of reported "
+                            "(docs/failure_modes.md)")
     return flags
 
 

@@ -44,14 +44,18 @@ class RanksFailed(AssertionError):
         super().__init__(f"{len(errors)} rank(s) raised:\n{text}")
 
 
-def _worker(rank, world_size, port, tasks, results):
+def _worker(rank, world_size, port, tasks, results, backend="gloo", collective_timeout_s=COLLECTIVE_TIMEOUT_S):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    options = {}
+    if backend == "nccl":  # one process per GPU; tests place tensors with tests.faults.cases.device()
+        torch.cuda.set_device(rank)
+        options["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=collective_timeout_s), **options)
     while True:
         task = tasks.get()
         if task is None:
@@ -65,8 +69,13 @@ def _worker(rank, world_size, port, tasks, results):
 
 
 class GlooPool:
-    def __init__(self, world_size: int):
+    """``world_size`` worker processes in one process group (gloo by default; ``backend="nccl"`` puts
+    rank r on GPU r). ``collective_timeout_s`` bounds every collective inside the workers."""
+
+    def __init__(self, world_size: int, *, backend: str = "gloo", collective_timeout_s: float = COLLECTIVE_TIMEOUT_S):
         self.world_size = world_size
+        self.backend = backend
+        self.collective_timeout_s = collective_timeout_s
         self._start()
 
     def _start(self) -> None:
@@ -75,8 +84,8 @@ class GlooPool:
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._results = ctx.Queue()
         self._procs = [
-            ctx.Process(target=_worker, args=(rank, self.world_size, port, self._tasks[rank], self._results),
-                        daemon=True)
+            ctx.Process(target=_worker, args=(rank, self.world_size, port, self._tasks[rank], self._results,
+                                              self.backend, self.collective_timeout_s), daemon=True)
             for rank in range(self.world_size)
         ]
         for proc in self._procs:
@@ -111,6 +120,11 @@ class GlooPool:
         if errors:
             raise RanksFailed(errors)
         return [value for _, value in outcome]
+
+    def restart(self) -> None:
+        """Kill the workers and start a fresh group (after a collective broke the current one)."""
+        self.close(kill=True)
+        self._start()
 
     def close(self, kill: bool = False) -> None:
         for proc, tasks in zip(self._procs, self._tasks):

@@ -20,9 +20,12 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from cp_linear.plan import MODE_CHOICES
+from cp_linear.validation import NONFINITE, any_in_ranges, attention_dims_error, nonfinite_rows, poison, sanitize
+from jax_api._checks import is_concrete, raise_failed_value_checks
 from jax_api._mesh import place, run_mesh
 from jax_api.attention.exchange import (
     BlockDiagExchangePlan,
+    check_exchange_plan,
     exchange_kv,
     plan_blockdiag_exchange,
     received_tokens_per_rank,
@@ -52,6 +55,9 @@ def _check_qkv(q, k, v, *, where: str) -> None:
             f"k/v must be [B, T, Hkv, D] = [{batch}, {tokens}, Hkv, {head_dim}] to match q ({where}); "
             f"received {k.shape}"
         )
+    empty = attention_dims_error(q.shape, k.shape)
+    if empty:
+        raise ValueError(f"{empty} ({where})")
     if q_heads % k.shape[2]:
         raise ValueError(f"q heads ({q_heads}) must be a multiple of k/v heads ({k.shape[2]})")
     dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
@@ -110,7 +116,44 @@ def masked_attention(q, keys, values, key_positions, doc_ids, *, query_start, sc
     Returns float32 [B, L, Hq, D]; padding queries and queries with no key give exact zeros.
     Queries run in blocks of ``query_block`` under ``jax.checkpoint``, so memory holds one block's
     scores (the full [L, N] score matrix of 8k tokens ran a 2-rank CPU training step out of 24 GiB).
+
+    Non-finite inputs are contained (``cp_linear.validation``): a masked-out key still enters the
+    matmuls (0 * NaN = NaN), so the softmax runs on sanitised q/k/v and a real query gets NaN, by
+    selection, exactly when its own q or a key/value it may read (its document, up to itself) is
+    non-finite; other documents, earlier tokens and padding stay exact.
     """
+    query_bad = nonfinite_rows(q, 1)  # [B, L, Hq]
+    key_bad = jnp.moveaxis(nonfinite_rows(keys, 1) | nonfinite_rows(values, 1), 0, 1)  # [B, N, Hkv]
+    reads_bad = _reads_nonfinite(key_bad, key_positions, doc_ids, query_start, q.shape[1])  # [B, L, Hkv]
+    group = q.shape[2] // keys.shape[2]
+    bad = query_bad | jnp.repeat(reads_bad, group, axis=2)
+    out = _masked_attention(sanitize(q), sanitize(keys), sanitize(values), key_positions, doc_ids,
+                            query_start=query_start, scale=scale, query_block=query_block)
+    positions = query_start + jnp.arange(q.shape[1], dtype=jnp.int32)
+    real = doc_ids[positions] > 0
+    return poison(out, (bad & real[None, :, None])[..., None])
+
+
+def _reads_nonfinite(key_bad, key_positions, doc_ids, query_start, length):
+    """bool [B, L, Hkv]: query i may read (same document, key position <= its own) a non-finite row.
+
+    The key window is sorted by position where filled (rows of -1 hold no token), so the keys a
+    query may read form one contiguous range of rows: found with two searches, counted with a
+    prefix sum (``any_in_ranges``), without an [L, N] mask."""
+    positions = query_start + jnp.arange(length, dtype=jnp.int32)
+    docs = doc_ids[positions]
+    new_run = jnp.concatenate([jnp.ones((1,), bool), doc_ids[1:] != doc_ids[:-1]])
+    run_start = jax.lax.cummax(jnp.where(new_run, jnp.arange(doc_ids.shape[0], dtype=jnp.int32), 0))
+    filled = jnp.where(key_positions >= 0, key_positions, jnp.iinfo(jnp.int32).min)
+    order = jnp.argsort(filled)  # empty rows first, then ascending positions
+    sorted_positions = filled[order]
+    start = jnp.searchsorted(sorted_positions, run_start[positions], side="left")
+    stop = jnp.searchsorted(sorted_positions, positions, side="right")
+    stop = jnp.where(docs > 0, stop, start)
+    return any_in_ranges(jnp.take(key_bad, order, axis=1), start, stop)
+
+
+def _masked_attention(q, keys, values, key_positions, doc_ids, *, query_start, scale: float, query_block: int):
     batch, length, q_heads, head_dim = q.shape
     blocks = -(-length // query_block)
     slots = blocks * query_block
@@ -178,8 +221,15 @@ def _mesh_platform(mesh) -> str:
     return mesh.devices.flat[0].platform
 
 
+def _qkv_flags(q, k, v):
+    return [~jnp.all(jnp.isfinite(x)) for x in (q, k, v)]
+
+
+_QKV_CHECKS = tuple((name, f"{NONFINITE} in {name}") for name in ("q", "k", "v"))
+
+
 def blockdiag_attention(q, k, v, doc_ids, *, mesh, axis_name: str = "cp", mode: str = "auto",
-                        scale: float | None = None):
+                        scale: float | None = None, check_inputs: bool = True):
     """Block-diagonal causal softmax attention of global arrays sharded along T over ``mesh[axis_name]``.
 
     q [B, T, Hq, D], k/v [B, T, Hkv, D] (GQA: Hq a multiple of Hkv), T divisible by the axis size;
@@ -189,14 +239,22 @@ def blockdiag_attention(q, k, v, doc_ids, *, mesh, axis_name: str = "cp", mode: 
     the left neighbour, else a2a), "allgather", "halo" (ValueError when impossible) or "a2a".
     ``scale`` defaults to D**-0.5. Returns [B, T, Hq, D] in q's dtype, sharded like the inputs
     (``P(None, axis_name)``); padding rows are exactly 0. Differentiable (``jax.grad``).
+
+    check_inputs: with concrete (not traced) q/k/v, NaN/Inf raises ValueError (one host read).
+    Under ``jax.jit`` values cannot be read; non-finite inputs are then contained, as always: a
+    query that may read one outputs NaN, every other output is exact. A plan passed in place of
+    ``doc_ids`` is checked against its own ids when they are concrete (an edited plan raises).
     """
     cp_size = _mesh_axis_size(mesh, axis_name)
     _check_qkv(q, k, v, where="global arrays")
     tokens = q.shape[1]
     if tokens % cp_size:
         raise ValueError(f"T = {tokens} must be divisible by the size {cp_size} of mesh axis {axis_name!r}")
+    if check_inputs and is_concrete(q, k, v):
+        raise_failed_value_checks(_QKV_CHECKS, _qkv_flags, q, k, v, what="blockdiag_attention")
     if isinstance(doc_ids, BlockDiagExchangePlan):
         plan = doc_ids
+        check_exchange_plan(plan)
     else:
         if getattr(doc_ids, "shape", None) is not None and tuple(doc_ids.shape)[-1:] != (tokens,):
             raise ValueError(f"doc_ids must have shape [T] = [{tokens}]; received shape {tuple(doc_ids.shape)}")

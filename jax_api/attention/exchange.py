@@ -48,7 +48,9 @@ from cp_linear.plan import (
     ExchangeShape,
     build_blockdiag_plan,
     exchange_shape,
+    exchange_shape_error,
     exchange_tokens_received,
+    ids_fingerprint,
     ragged_routing,
     validate_doc_ids,
 )
@@ -135,6 +137,48 @@ def plan_blockdiag_exchange(doc_ids, cp_size: int, *, mode: str = "auto", platfo
     routing = ragged_routing(host_plan, shape) if shape.a2a_impl == "ragged" else ()
     return BlockDiagExchangePlan(doc_ids=ids.astype(np.int32), routing=routing, cp_size=int(cp_size),
                                  local_len=host_plan.local_len, shape=shape)
+
+
+def check_exchange_plan(plan: BlockDiagExchangePlan) -> None:
+    """Raise ValueError unless ``plan`` still serves its own ``doc_ids`` (tamper-evident plans).
+
+    An edited plan (``dataclasses.replace`` of a halo length, piece sizes, mode or routing tables)
+    would drop needed keys silently. This rebuilds the host plan from the ids, checks the static sizes
+    with ``cp_linear.plan.exchange_shape_error`` (larger is fine: extra rows are masked by doc ids)
+    and the ragged tables against the rebuilt ones. Needs concrete ids (skipped for traced ones,
+    e.g. inside the caller's own ``jax.jit``); cached per plan object and ids fingerprint.
+    """
+    ids = plan.doc_ids
+    if isinstance(ids, jax.core.Tracer):
+        return
+    ids = np.asarray(ids)
+    fingerprint = ids_fingerprint(ids)
+    if getattr(plan, "_checked", None) == fingerprint:
+        return
+    problem = _plan_problem(plan, ids)
+    if problem:
+        raise ValueError(f"the BlockDiagExchangePlan does not fit its doc_ids: {problem}; it was edited after "
+                         "plan_blockdiag_exchange built it (build a new plan from the ids)")
+    object.__setattr__(plan, "_checked", fingerprint)
+
+
+def _plan_problem(plan: BlockDiagExchangePlan, ids: np.ndarray) -> str | None:
+    if ids.ndim != 1 or ids.shape[0] != plan.total_len:
+        return f"doc_ids have shape {ids.shape}; the plan is for T = cp_size * L = {plan.cp_size} * {plan.local_len}"
+    try:
+        host_plan = build_blockdiag_plan(validate_doc_ids(ids, plan.cp_size), plan.cp_size)
+    except ValueError as err:
+        return str(err)
+    problem = exchange_shape_error(host_plan, plan.shape)
+    if problem is None and plan.a2a_impl == "ragged":
+        expected = ragged_routing(host_plan, plan.shape)
+        tables = [np.asarray(table) for table in plan.routing]
+        if len(tables) != len(expected) or any(t.shape != e.shape or not np.array_equal(t, e)
+                                              for t, e in zip(tables, expected)):
+            problem = "the ragged routing tables differ from the ones the ids give"
+    elif problem is None and plan.routing:
+        problem = f"mode {plan.mode!r} ({plan.a2a_impl or 'no a2a'}) carries routing tables"
+    return problem
 
 
 def received_tokens_per_rank(plan: BlockDiagExchangePlan) -> list[int]:

@@ -41,6 +41,7 @@ from cp_linear.summary import (
     compose_backward,
     compose_forward,
 )
+from cp_linear.validation import gdp_dims_error
 
 _HIGHEST = jax.lax.Precision.HIGHEST  # float32 matmuls stay float32 on GPUs too (no TF32)
 
@@ -84,7 +85,8 @@ def host_value_or_none(x):
 
 
 def check_gdp_inputs(q, k, v, g, beta, num_householder: int, cu_seqlens=None) -> None:
-    """Raise ValueError unless shapes and dtypes follow docs/design.md §2 (docs/design.md; trace-time checks).
+    """Raise ValueError unless shapes and dtypes follow docs/design.md §2 and the sizes are supported
+    (non-empty, K ≤ 256, V ≤ 512: ``cp_linear.validation``); trace-time, static checks.
 
     q, k, v share one floating dtype; g and beta may use any floating dtype (often float32).
     """
@@ -96,6 +98,9 @@ def check_gdp_inputs(q, k, v, g, beta, num_householder: int, cu_seqlens=None) ->
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k and v must share one dtype; received q {q.dtype}, k {k.dtype}, v {v.dtype}")
     check_gdp_shapes(q.shape, k.shape, v.shape, g.shape, beta.shape, num_householder)
+    error = gdp_dims_error(q.shape, v.shape)  # empty sizes, K and V limits: the same rule as torch_api
+    if error:
+        raise ValueError(error)
     if cu_seqlens is not None:
         if getattr(cu_seqlens, "ndim", None) != 1 or cu_seqlens.shape[0] < 2:
             raise ValueError(f"cu_seqlens must be int [N + 1] with N >= 1; received shape "

@@ -46,6 +46,18 @@ from cp_linear.chunking import cu_seqlens_from_seq_idx, max_shard_sequences
 from cp_linear.gdp import GDPInputs
 from cp_linear.plan import sequence_rank_range, validate_global_seq_idx
 from cp_linear.summary import as_packed_array, compose_backward_range, compose_forward_range
+from cp_linear.validation import (
+    GDP_VALUE_CHECKS,
+    gdp_bad_tokens,
+    gdp_token_poison,
+    gdp_trailing_bad,
+    gdp_value_flags,
+    nonfinite_rows,
+    poison,
+    sanitize,
+    sequence_start_index,
+)
+from jax_api._checks import is_concrete, raise_failed_value_checks
 from jax_api._mesh import place, run_mesh
 from jax_api.gdp.chunk import check_gdp_inputs, host_value_or_none
 from jax_api.gdp.ops import Residuals, gate_or_zeros, resolve_backend
@@ -64,36 +76,45 @@ def _as_single_summary(state: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnames=_NONDIFF)
-def _context_parallel(q, k, v, g, beta, cu_seqlens, preceding_rank_start, following_rank_stop,
+def _context_parallel(q, k, v, g, beta, cu_seqlens, preceding_rank_start, following_rank_stop, trailing_bad,
                       axis_name, backend, scale, num_householder, use_qk_l2norm_in_kernel):
-    output, _ = _context_parallel_fwd(
-        q, k, v, g, beta, cu_seqlens, preceding_rank_start, following_rank_stop, axis_name=axis_name,
+    outputs, _ = _context_parallel_fwd(
+        q, k, v, g, beta, cu_seqlens, preceding_rank_start, following_rank_stop, trailing_bad, axis_name=axis_name,
         backend=backend, scale=scale, num_householder=num_householder,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    return output
+    return outputs
 
 
-def _context_parallel_fwd(q, k, v, g, beta, cu_seqlens, preceding_rank_start, following_rank_stop,
+def _context_parallel_fwd(q, k, v, g, beta, cu_seqlens, preceding_rank_start, following_rank_stop, trailing_bad,
                           axis_name, backend, scale, num_householder, use_qk_l2norm_in_kernel):
+    """Returns ((output, incoming_bad), residuals). ``trailing_bad`` bool [B or 1, H]: heads whose
+    trailing fragment holds a non-finite input travel as NaN; ``incoming_bad`` (same shape) says
+    which heads of the incoming state came in non-finite (they enter the backend as zeros)."""
     inputs = GDPInputs(q, k, v, g, beta, scale, num_householder, use_qk_l2norm_in_kernel, cu_seqlens)
     summary, local = backend.cp_forward_prepare(inputs)
-    gathered = jax.lax.all_gather(as_packed_array(summary), axis_name)  # [cp, (B,) H, K, V + K]
+    packed_summary = as_packed_array(summary)  # [(B,) H, K, V + K]
+    marks = trailing_bad.reshape(*trailing_bad.shape[packed_summary.ndim == 3:], 1, 1)
+    gathered = jax.lax.all_gather(poison(packed_summary, marks), axis_name)  # [cp, (B,) H, K, V + K]
     rank = jax.lax.axis_index(axis_name)
     with jax.default_matmul_precision("highest"):  # float32 folds on GPUs too (no TF32), as torch
-        incoming = compose_forward_range(gathered, preceding_rank_start, rank)
+        incoming = compose_forward_range(gathered, preceding_rank_start, rank)  # [(B,) H, K, V]
+    incoming_bad = nonfinite_rows(incoming, 2)
+    incoming = jnp.where(incoming_bad[..., None, None], 0.0, incoming)
     output, saved = backend.cp_forward_apply(local, _as_single_summary(incoming))
-    return output, Residuals.of(saved, following_rank_stop)
+    incoming_bad = incoming_bad.reshape(-1, incoming_bad.shape[-1])
+    return (output, incoming_bad), Residuals.of(saved, following_rank_stop)
 
 
 def _context_parallel_bwd(axis_name, backend, scale, num_householder, use_qk_l2norm_in_kernel,
-                          residuals: Residuals, output_grad):
+                          residuals: Residuals, cotangents):
+    output_grad, _ = cotangents  # incoming_bad is boolean: no cotangent
     summary, context = backend.cp_backward_prepare(output_grad, residuals.saved_context())
     gathered = jax.lax.all_gather(as_packed_array(summary), axis_name)
     rank = jax.lax.axis_index(axis_name)
     with jax.default_matmul_precision("highest"):
         outgoing_grad = compose_backward_range(gathered, rank + 1, residuals.extra)
     grads = backend.cp_backward_apply(context, _as_single_summary(outgoing_grad))
-    return (*grads[:5], None, None, None)  # cu_seqlens and rank bounds are integer metadata
+    return (*grads[:5], None, None, None, None)  # cu_seqlens, rank bounds and poison marks are integer metadata
 
 
 _context_parallel.defvjp(_context_parallel_fwd, _context_parallel_bwd)
@@ -158,7 +179,9 @@ def gdp_chunkwise_context_parallel_shard(q, k, v, g, beta, *, axis_name: str = "
     [B, L, H, V] in q's dtype; differentiable (custom_vjp: one all-gather of [gamma | M^T]
     summaries in the backward).
 
-    The ids cannot be checked here (they are traced); the global entry point checks concrete ids.
+    The ids cannot be checked here (they are traced), nor can values: shapes and sizes are checked;
+    a non-finite input is contained (the outputs that depend on it are NaN, all others exact, on
+    every rank). The global entry point checks concrete ids and values.
     ``backend``: any backend of the four-function protocol; None picks the CuTeDSL kernels on a
     Hopper GPU for bf16/fp16 inputs with K, V in {64, 128}, else ``JaxGDPBackend()``.
     """
@@ -170,15 +193,23 @@ def gdp_chunkwise_context_parallel_shard(q, k, v, g, beta, *, axis_name: str = "
     if global_seq_idx is None:
         cu_seqlens = None
         preceding_rank_start, following_rank_stop = jnp.int32(0), jnp.int32(cp_size)
+        start = jnp.zeros((local_len,), jnp.int32)
     else:
         _check_seq_idx_shape(global_seq_idx, batch, local_len * cp_size)
         bound = local_len if max_sequences is None else _check_max_sequences(max_sequences, local_len)
         rank = jax.lax.axis_index(axis_name)
         cu_seqlens, preceding_rank_start, following_rank_stop = packed_shard_metadata(
             global_seq_idx, rank, local_len, bound)
-    return _context_parallel(q, k, v, g, beta, cu_seqlens, preceding_rank_start, following_rank_stop,
-                             axis_name=axis_name, backend=backend, scale=scale, num_householder=num_householder,
-                             use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel))
+        start = sequence_start_index(cu_seqlens, local_len)
+    # containment (cp_linear.validation): sanitised inputs; a poisoned trailing fragment travels as NaN
+    state_bad, read_bad = gdp_bad_tokens(q, k, v, g, beta, num_householder)
+    trailing_bad = gdp_trailing_bad(state_bad, start)
+    q, k, v, g, beta = (sanitize(x) for x in (q, k, v, g, beta))
+    output, incoming_bad = _context_parallel(
+        q, k, v, g, beta, cu_seqlens, preceding_rank_start, following_rank_stop, trailing_bad,
+        axis_name=axis_name, backend=backend, scale=scale, num_householder=num_householder,
+        use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel))
+    return poison(output, gdp_token_poison(state_bad, read_bad, start, incoming_bad)[..., None])
 
 
 def _check_max_sequences(max_sequences, local_len: int) -> int:
@@ -190,7 +221,7 @@ def _check_max_sequences(max_sequences, local_len: int) -> int:
 def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, mesh, axis_name: str = "cp", global_seq_idx=None,
                                    max_sequences: int | None = None, scale: float | None = None,
                                    num_householder: int = 1, use_qk_l2norm_in_kernel: bool = False,
-                                   backend: Any = None):
+                                   backend: Any = None, check_inputs: bool = True):
     """Chunkwise-CP Gated DeltaProduct on *global* arrays split along T over ``mesh[axis_name]``.
 
     q [B, T, H, K], k [B, T*n_h, H, K], v [B, T*n_h, H, V], g [B, T, H], beta [B, T*n_h, H]
@@ -202,6 +233,11 @@ def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, mesh, axis_name: str = "
     ``jax.jit`` / ``jax.grad``, on meshes with Auto or Explicit axes; the packing is data, so a
     new ``global_seq_idx`` does not recompile. Other mesh axes see replicated inputs; to shard
     those too, call ``gdp_chunkwise_context_parallel_shard`` inside your own ``jax.shard_map``.
+
+    check_inputs: with concrete (not traced) inputs, NaN/Inf, g > 0 and beta outside [0, 2] raise
+    ValueError (one host read). Under ``jax.jit`` only the static checks run (shapes, K ≤ 256,
+    V ≤ 512, T ≥ 1, concrete ids); non-finite values are then contained, as always
+    (docs/failure_modes.md).
     """
     if axis_name not in getattr(mesh, "axis_names", ()):
         raise ValueError(f"mesh has no axis {axis_name!r}; its axes are {tuple(getattr(mesh, 'axis_names', ()))}")
@@ -213,6 +249,8 @@ def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, mesh, axis_name: str = "
     if tokens % cp_size:
         raise ValueError(f"T = {tokens} must be divisible by the size of mesh axis {axis_name!r} ({cp_size})")
     arrays = (q, k, v, g, beta)
+    if check_inputs and is_concrete(*arrays):
+        raise_failed_value_checks(GDP_VALUE_CHECKS, gdp_value_flags, *arrays, what="gdp_chunkwise_context_parallel")
     bound = None
     if global_seq_idx is not None:
         _check_seq_idx_shape(global_seq_idx, batch, tokens)

@@ -24,6 +24,19 @@ from cp_linear.gdp import GDPInputs, cu_seqlens_error
 from cp_linear.plan import validate_global_seq_idx
 from cp_linear.protocol import CPSavedContext
 from cp_linear.summary import as_packed_array
+from cp_linear.validation import (
+    GDP_VALUE_CHECKS,
+    NONFINITE,
+    gdp_bad_tokens,
+    gdp_sequence_bad,
+    gdp_token_poison,
+    gdp_value_flags,
+    nonfinite_rows,
+    poison,
+    sanitize,
+    sequence_start_index,
+)
+from jax_api._checks import is_concrete, raise_failed_value_checks
 from jax_api.gdp.chunk import JaxGDPBackend, check_gdp_inputs, host_value_or_none
 
 _PROTOCOL = ("cp_forward_prepare", "cp_forward_apply", "cp_backward_prepare", "cp_backward_apply")
@@ -151,9 +164,19 @@ def _packed_cu_seqlens(cu_seqlens, seq_idx, tokens: int, initial_state) -> jax.A
     return cu_seqlens_from_seq_idx(jnp.asarray(seq_idx)[0], count)
 
 
+_INITIAL_STATE_CHECK = (("initial_state", NONFINITE + " in initial_state"),)
+
+
+def _value_flags(q, k, v, g, beta, initial_state=None):
+    flags = gdp_value_flags(q, k, v, g, beta)
+    if initial_state is not None:
+        flags.append(~jnp.all(jnp.isfinite(initial_state)))
+    return flags
+
+
 def gated_delta_product(q, k, v, g, beta, *, scale: float | None = None, num_householder: int = 1,
                         cu_seqlens=None, seq_idx=None, initial_state=None, use_qk_l2norm_in_kernel: bool = False,
-                        backend: Any = None):
+                        backend: Any = None, check_inputs: bool = True):
     """Gated DeltaProduct on one device (docs/design.md §2), differentiable.
 
     q [B, T, H, K], k [B, T*n_h, H, K], v [B, T*n_h, H, V], g [B, T, H] (log decay; None = no
@@ -164,7 +187,12 @@ def gated_delta_product(q, k, v, g, beta, *, scale: float | None = None, num_hou
     Returns (o [B, T, H, V] in q's dtype, final_state float32 [N, H, K, V]). ``backend``: any
     backend of the four-function protocol with sequence states; None picks the CuTeDSL kernels on a
     Hopper GPU for bf16/fp16 inputs with K, V in {64, 128}, else ``JaxGDPBackend()``
-    (``resolve_backend``).
+    (``resolve_backend``). K ≤ 256, V ≤ 512.
+
+    check_inputs: with concrete (not traced) inputs, NaN/Inf (inputs, initial_state), g > 0 and
+    beta outside [0, 2] raise ValueError (one host read). Traced inputs cannot be read; there, as
+    with False, non-finite values are contained: the outputs and final states that depend on them
+    are NaN and the rest exact (always on: bitwise no-op for finite inputs; docs/failure_modes.md).
     """
     g = gate_or_zeros(g, q)
     check_gdp_inputs(q, k, v, g, beta, num_householder)
@@ -177,13 +205,33 @@ def gated_delta_product(q, k, v, g, beta, *, scale: float | None = None, num_hou
         raise ValueError(f"cu_seqlens / seq_idx describe one packed row: B must be 1; received B = {batch}")
     cu = _packed_cu_seqlens(cu_seqlens, seq_idx, tokens, initial_state) if packed else None
     count = cu.shape[0] - 1 if packed else batch
-    if initial_state is None:
-        initial_state = jnp.zeros((count, heads, key_dim, value_dim), jnp.float32)
-    if tuple(initial_state.shape) != (count, heads, key_dim, value_dim):
+    if initial_state is not None and tuple(initial_state.shape) != (count, heads, key_dim, value_dim):
         raise ValueError(f"initial_state must be [N, H, K, V] = {(count, heads, key_dim, value_dim)}; "
                          f"received {tuple(initial_state.shape)}")
-    return _one_device(q, k, v, g, beta, cu, initial_state, backend=backend, scale=scale,
-                       num_householder=num_householder, use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel))
+    if check_inputs and is_concrete(q, k, v, g, beta, initial_state):
+        checks = GDP_VALUE_CHECKS + (_INITIAL_STATE_CHECK if initial_state is not None else ())
+        raise_failed_value_checks(checks, _value_flags, q, k, v, g, beta,
+                                  *(() if initial_state is None else (initial_state,)), what="gated_delta_product")
+    # containment (cp_linear.validation): sanitised inputs, NaN by selection where an output depends on one
+    q, k, v, g, beta = (jnp.asarray(x) for x in (q, k, v, g, beta))
+    state_bad, read_bad = gdp_bad_tokens(q, k, v, g, beta, num_householder)
+    start = sequence_start_index(cu, tokens) if packed else jnp.zeros((tokens,), jnp.int32)
+    poisoned = gdp_token_poison(state_bad, read_bad, start)
+    final_bad = gdp_sequence_bad(state_bad, cu)
+    if initial_state is None:
+        initial_state = jnp.zeros((count, heads, key_dim, value_dim), jnp.float32)
+    else:
+        initial_state = jnp.asarray(initial_state)
+        initial_bad = nonfinite_rows(initial_state, 2)  # [N, H]
+        final_bad = final_bad | initial_bad
+        sequence = jnp.searchsorted(cu[1:], jnp.arange(tokens), side="right") if packed else None
+        poisoned = poisoned | (initial_bad[sequence][None] if packed else initial_bad[:, None, :])
+        initial_state = sanitize(initial_state)
+    q, k, v, g, beta = (sanitize(x) for x in (q, k, v, g, beta))
+    output, final_state = _one_device(q, k, v, g, beta, cu, initial_state, backend=backend, scale=scale,
+                                      num_householder=num_householder,
+                                      use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel))
+    return poison(output, poisoned[..., None]), poison(final_state, final_bad[..., None, None])
 
 
 __all__ = ["Residuals", "empty_stack", "gate_or_zeros", "gated_delta_product", "resolve_backend"]

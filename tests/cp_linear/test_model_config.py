@@ -65,3 +65,13 @@ def test_help_of_every_layer_shows_its_keyword_arguments(frontend, layer, fields
     assert all(parameters[name].kind is inspect.Parameter.KEYWORD_ONLY for name in fields)
     text = pydoc.render_doc(cls, renderer=pydoc.plaintext)
     assert all(f"{name}" in text.split("\n |  \n")[0] for name in fields), text[:600]
+
+
+@pytest.mark.parametrize("frontend", ["torch_api.layers", "jax_api.layers"])
+@pytest.mark.parametrize("layer", ["GatedDeltaProduct", "BlockDiagAttention"])
+def test_help_of_every_layer_lists_each_keyword_argument_of_its_init(frontend, layer):
+    module = pytest.importorskip(frontend)
+    cls = getattr(module, layer)
+    code = cls.__init__.__code__  # the function itself: its __signature__ is the documented one
+    own = code.co_varnames[code.co_argcount:code.co_argcount + code.co_kwonlyargcount]
+    assert set(own) <= set(inspect.signature(cls).parameters), (own, sorted(inspect.signature(cls).parameters))

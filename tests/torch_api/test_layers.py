@@ -214,7 +214,7 @@ def test_gdp_layer_matches_float64_reference_with_packed_documents(variant):
     generator = torch.Generator().manual_seed(2)
     x = torch.randn(1, 37, 20, generator=generator)
     cotangent = torch.randn(1, 37, 20, generator=generator)
-    seq_idx = torch.from_numpy(PackedLayout.from_doc_ids(doc_ids).seq_idx).view(1, -1)
+    seq_idx = torch.from_numpy(PackedLayout.from_doc_ids(doc_ids).seq_idx.copy()).view(1, -1)
     forward = lambda m, x: m(x, seq_idx=seq_idx)  # noqa: E731
     out, grads = outputs_and_grads(module, forward, x, cotangent)
     ref, ref_grads = outputs_and_grads(module, lambda m, x: reference_gdp(m, x, doc_ids), x, cotangent)
@@ -268,7 +268,7 @@ def test_masked_conv_matches_per_document_conv():
     weight = torch.randn(10, 1, 4, dtype=torch.float64, generator=generator)
     bias = torch.randn(10, dtype=torch.float64, generator=generator)
     layout = PackedLayout.from_doc_ids(doc_ids_from_runs((1, 2), (2, 1), (3, 20), (0, 3), (4, 5)))
-    out = masked_causal_conv(conv_window(x, 3), weight, bias, torch.from_numpy(layout.position))
+    out = masked_causal_conv(conv_window(x, 3), weight, bias, torch.from_numpy(layout.position.copy()))
     assert_close("conv", naive_document_conv(x, weight, bias, layout.cu_seqlens()), out,
                  tolerance(weight.shape[-1], dtype="float64", compared_with="rounded"))
 
@@ -465,3 +465,35 @@ def mismatched_inputs(rank, world, scenario):
 def test_bad_input_on_one_rank_raises_on_every_rank(gloo_pools, scenario, expected):
     messages = gloo_pools(2).run(mismatched_inputs, scenario)
     assert all(expected in message for message in messages), messages
+
+
+def count_decoder_headers(rank, world, checks):
+    """Agreement headers of one decoder forward + backward (4 layers: 2 GDP, 2 attention)."""
+    import torch_api._dist as dist_module
+
+    calls = []
+    original = dist_module.all_gather_single
+
+    def counting(output, tensor, group=None):
+        if tensor.dtype == torch.int64 and tensor.numel() == dist_module.HEADER_LEN:
+            calls.append(1)
+        return original(output, tensor, group=group)
+
+    dist_module.all_gather_single = counting
+    try:
+        torch.manual_seed(0)
+        config = DecoderConfig(vocab_size=16, hidden_size=16, num_layers=4, num_heads=2, head_dim=8, num_kv_heads=1)
+        model = HybridDecoder(config, attention_options={"check_inputs": checks}, gdp_options={"cp_check_inputs": checks})
+        ids = torch.randint(0, 16, (1, LOCAL_LEN))
+        doc_ids = doc_ids_from_runs((1, 5), (2, world * LOCAL_LEN - 5))
+        model(ids, doc_ids=torch.tensor(doc_ids), cp_group=dist.group.WORLD).sum().backward()
+    finally:
+        dist_module.all_gather_single = original
+    return len(calls)
+
+
+@pytest.mark.multirank
+def test_decoder_agrees_once_per_forward_and_per_op_only_for_value_checks(gloo_pools):
+    # checks on: model + 2 GDP x (forward + backward) + 2 attention forwards = 7; off: the model header only
+    assert gloo_pools(2).run(count_decoder_headers, True) == [7, 7]
+    assert gloo_pools(2).run(count_decoder_headers, False) == [1, 1]

@@ -14,19 +14,21 @@ turns the routing into torch.distributed collectives (torch_api/attention/exchan
 
 Calling protocol (why it cannot hang): a ``BlockDiagRouting`` (plan, mode, host layout; device index
 tensors built once per device) is built locally by ``prepare_blockdiag`` and never communicates.
-The first ``blockdiag_attention`` call that uses it with a given shape signature runs one small
-all-gather (``torch_api._dist.agree_or_raise``) *before* any data collective: every rank learns
-whether any rank found a problem (bad doc ids, impossible forced halo, unavailable kernel, shapes,
-a rank that disagrees) and all raise the same ValueError. Later calls with the same signature (the
-other layers of the step) skip it: no per-layer host sync. Passing a torch ``doc_ids`` tensor instead
-of a routing looks the routing up in a small cache keyed by the tensor's identity and version.
+Every ``blockdiag_attention`` call then runs one small fixed-size all-gather
+(``torch_api._dist.agree_or_raise``) *before* any data collective, whatever its flags: every rank
+learns whether any rank found a problem (bad doc ids, impossible forced halo, unavailable kernel,
+shapes, an edited routing, NaN/Inf with ``check_inputs``) or disagrees (doc ids fingerprint, mode,
+shapes, dtype, flags, scale), and all raise the same ValueError. Passing a torch ``doc_ids`` tensor
+instead of a routing looks the routing up in a small cache keyed by the tensor's identity and
+version, so an in-place edit builds a new routing (and a new fingerprint, which the header compares).
+The layers (``torch_api.layers``) fold their own checks into this header; under a ``HybridDecoder``,
+whose one agreement per step covers every layer, they skip it when ``check_inputs=False``.
 """
 
 from __future__ import annotations
 
 import math
 import weakref
-import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -41,11 +43,13 @@ from cp_linear.plan import (
     ExchangeRouting,
     build_blockdiag_plan,
     exchange_routing,
+    ids_fingerprint,
     validate_doc_ids,
 )
-from torch_api._dist import agree_or_raise, resolve_group
-from torch_api.attention.exchange import all_gather_kv, left_halo_kv, needed_kv_all_to_all, stack_kv, unstack_kv
-from torch_api.attention.kernel import KERNELS, DocCausalLayout, doc_causal_attention, resolve_kernel
+from cp_linear.validation import NONFINITE, attention_dims_error, digest
+from torch_api._dist import agree_or_raise, nonfinite_flags, resolve_group
+from torch_api.attention.exchange import all_gather_kv, left_halo_kv, needed_kv_all_to_all
+from torch_api.attention.kernel import KERNELS, DocCausalLayout, resolve_kernel
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _CACHE_SIZE = 8
@@ -65,13 +69,33 @@ class BlockDiagRouting:
     rank: int
     cp_size: int
     requested_mode: str
-    doc_fingerprint: tuple[int, int, int]
+    doc_fingerprint: tuple[int, int]
     plan: BlockDiagPlan | None = None
     exchange: ExchangeRouting | None = None
     layout: DocCausalLayout | None = None
     error: str | None = None
     _send_index: dict = field(default_factory=dict, repr=False)
-    _agreed: set = field(default_factory=set, repr=False)
+    _seal: int = field(default=-1, repr=False)
+
+    def _derived(self) -> tuple:
+        exchange = self.exchange
+        routed = None if exchange is None else (
+            exchange.mode, exchange.rank, exchange.window_start, exchange.key_start, exchange.key_stop,
+            exchange.halo_len, exchange.in_splits, exchange.out_splits,
+            None if exchange.send_index is None else exchange.send_index.tobytes())
+        return (self.rank, self.cp_size, self.requested_mode, self.doc_fingerprint, self.plan, routed, self.error,
+                None if self.layout is None else self.layout.fingerprint())
+
+    def seal(self) -> None:
+        """Record a digest of every derived field (``prepare_blockdiag`` does this once)."""
+        self._seal = digest(self._derived())
+
+    def tamper_error(self) -> str | None:
+        """Non-None when a field changed after ``prepare_blockdiag`` built the routing."""
+        if self._seal != digest(self._derived()):
+            return ("the BlockDiagRouting was edited after prepare_blockdiag built it (its fields no longer match "
+                    "the digest recorded then); build a new one with prepare_blockdiag(doc_ids, cp_group, mode)")
+        return None
 
     @property
     def mode(self) -> str | None:
@@ -88,11 +112,10 @@ class BlockDiagRouting:
         return [mode_id, self.cp_size, *self.doc_fingerprint]
 
 
-def _fingerprint(ids: np.ndarray | None) -> tuple[int, int, int]:
+def _fingerprint(ids: np.ndarray | None) -> tuple[int, int]:
     if ids is None:
-        return (-1, -1, -1)
-    raw = np.ascontiguousarray(ids, dtype=np.int64).tobytes()
-    return (int(ids.shape[0]), zlib.crc32(raw), zlib.adler32(raw))
+        return (-1, -1)
+    return (int(ids.shape[0]), ids_fingerprint(ids))
 
 
 def prepare_blockdiag(doc_ids, cp_group, mode: str = "auto") -> BlockDiagRouting:
@@ -103,6 +126,12 @@ def prepare_blockdiag(doc_ids, cp_group, mode: str = "auto") -> BlockDiagRouting
     """
     group = resolve_group(cp_group)
     rank, cp_size = dist.get_rank(group), dist.get_world_size(group)
+    routing = _build_routing(doc_ids, group, rank, cp_size, mode)
+    routing.seal()
+    return routing
+
+
+def _build_routing(doc_ids, group, rank: int, cp_size: int, mode: str) -> BlockDiagRouting:
     ids = plan = None
     try:
         if mode not in MODE_CHOICES:
@@ -145,8 +174,13 @@ def _cached_routing(doc_ids, cp_group, mode: str) -> BlockDiagRouting:
 
 def _check_call(routing: BlockDiagRouting, q, k, v, cp_group, mode, scale) -> str | None:
     """This call's local problem, or None. Runs on host metadata only."""
+    if not isinstance(routing, BlockDiagRouting):
+        return f"doc_ids must be ids or a BlockDiagRouting; received {type(routing).__name__}"
     if routing.error:
         return routing.error
+    tampered = routing.tamper_error()
+    if tampered:
+        return tampered
     try:
         if resolve_group(cp_group) is not routing.group:
             return "cp_group differs from the group the routing was prepared for"
@@ -165,6 +199,9 @@ def _check_call(routing: BlockDiagRouting, q, k, v, cp_group, mode, scale) -> st
     if q.shape[0] != k.shape[0] or q.shape[1] != local_len or k.shape[1] != local_len or q.shape[3] != k.shape[3]:
         return (f"expected q [B, L={local_len}, Hq, D] and k/v [B, L={local_len}, Hkv, D] with equal B and D; "
                 f"received q {tuple(q.shape)}, k/v {tuple(k.shape)}")
+    empty = attention_dims_error(q.shape, k.shape)
+    if empty:
+        return empty
     if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
         return f"q heads ({q.shape[2]}) must be a multiple of k/v heads ({k.shape[2]})"
     if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -195,8 +232,12 @@ def exchange_window(routing: BlockDiagRouting, kv: torch.Tensor) -> torch.Tensor
                                 list(exchange.out_splits), routing.group)
 
 
+QKV_CHECKS = tuple((name, f"{NONFINITE} in {name}") for name in ("q", "k", "v"))
+
+
 def blockdiag_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids, *, cp_group,
-                        mode: str = "auto", scale: float | None = None, kernel: str = "auto") -> torch.Tensor:
+                        mode: str = "auto", scale: float | None = None, kernel: str = "auto",
+                        check_inputs: bool = True) -> torch.Tensor:
     """Block-diagonal causal attention of this rank's shard under CP (differentiable).
 
     q [B, L, Hq, D], k/v [B, L, Hkv, D]: the local shards (Hq a multiple of Hkv); ``doc_ids`` int [T]
@@ -204,30 +245,51 @@ def blockdiag_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_i
     ``prepare_blockdiag``. ``mode`` in {"auto", "allgather", "halo", "a2a"}; ``kernel`` in
     {"auto", "sdpa", "flex"} (torch_api/attention/kernel.py). Returns [B, L, Hq, D]; padding rows
     are exactly 0. Bad input on any rank raises the same ValueError on every rank before any
-    data collective.
+    data collective: one fixed-size agreement per call (one collective, one host sync).
+
+    check_inputs: NaN/Inf in q, k or v is an error (checked in the same agreement). With False the
+    values are not read; a non-finite input is contained instead: outputs that attend to it are NaN,
+    every other output (other documents, earlier tokens, padding) is exact.
     """
+    return attend(q, k, v, doc_ids, cp_group=cp_group, mode=mode, scale=scale, kernel=kernel,
+                  check_inputs=check_inputs)
+
+
+def attend(q, k, v, doc_ids, *, cp_group, mode: str = "auto", scale: float | None = None, kernel: str = "auto",
+           check_inputs: bool = True, extra_error: str | None = None, extra_signature=(),
+           what: str = "blockdiag_attention inputs", agreed: bool = False) -> torch.Tensor:
+    """``blockdiag_attention`` with the layers' hooks: ``extra_error`` / ``extra_signature`` join this
+    call's agreement header (one header for layer and op); ``agreed=True`` (only for a call a wider
+    agreement already covered, and only without value checks) skips the header."""
     routing = doc_ids if isinstance(doc_ids, BlockDiagRouting) else _cached_routing(doc_ids, cp_group, mode)
-    error = _check_call(routing, q, k, v, cp_group, mode, scale)
+    group = routing.group if isinstance(routing, BlockDiagRouting) else resolve_group(cp_group)
+    error = extra_error or _check_call(routing, q, k, v, cp_group, mode, scale)
     kernel_name, needs_grad = None, -1
     if error is None:
         # a rank without autograd would skip the backward collectives: agree on it too
         needs_grad = int(torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
         kernel_name, error = resolve_kernel(kernel, q.device, q.shape[3], bool(needs_grad))
-    kernel_id = KERNELS.index(kernel_name) if kernel_name in KERNELS else -1
-    signature = tuple(routing.signature() + [kernel_id, needs_grad] + _call_signature(q, k))
-    if error is not None or signature not in routing._agreed:
-        agree_or_raise(routing.group, error, signature, what="blockdiag_attention inputs")
-        routing._agreed.add(signature)
-    return run_blockdiag_op(q, k, v, routing, scale=scale, kernel=kernel_name)
+    if not agreed or check_inputs or error is not None:
+        kernel_id = KERNELS.index(kernel_name) if kernel_name in KERNELS else -1
+        routing_signature = routing.signature() if isinstance(routing, BlockDiagRouting) else [-1]
+        scale_id = -1 if scale is None else digest([float(scale)]) if isinstance(scale, (int, float)) else -2
+        signature = [*routing_signature, kernel_id, needs_grad, int(bool(check_inputs)), scale_id,
+                     *_call_signature(q, k), *extra_signature]
+        flags = nonfinite_flags(q, k, v) if check_inputs and error is None else None
+        agree_or_raise(group, error, signature, what=what, value_flags=flags, value_checks=QKV_CHECKS)
+    return run_blockdiag_op(q, k, v, routing, scale=scale, kernel=kernel_name, contain=not check_inputs)
 
 
-def run_blockdiag_op(q, k, v, routing: BlockDiagRouting, *, scale: float | None, kernel: str) -> torch.Tensor:
+def run_blockdiag_op(q, k, v, routing: BlockDiagRouting, *, scale: float | None, kernel: str,
+                     contain: bool) -> torch.Tensor:
     """The op after validation and agreement: ``cp_linear::blockdiag_attention`` (exchange inside,
-    autograd registered; ``torch_api.attention.library``). ``kernel`` resolved ("sdpa" or "flex")."""
+    autograd registered; ``torch_api.attention.library``). ``kernel`` resolved ("sdpa" or "flex");
+    ``contain``: unchecked values, non-finite ones contained (``doc_causal_attention(contain=True)``)."""
     from torch_api.attention.library import routing_name
 
     return torch.ops.cp_linear.blockdiag_attention(q, k, v, routing_name(routing),
-                                                   0.0 if scale is None else float(scale), kernel)
+                                                   0.0 if scale is None else float(scale), kernel, contain)
 
 
-__all__ = ["BlockDiagRouting", "blockdiag_attention", "exchange_window", "prepare_blockdiag", "run_blockdiag_op"]
+__all__ = ["BlockDiagRouting", "QKV_CHECKS", "attend", "blockdiag_attention", "exchange_window", "prepare_blockdiag",
+           "run_blockdiag_op"]

@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from cp_linear.validation import any_in_ranges, digest, nonfinite_rows, poison, sanitize
+
 KERNELS = ("sdpa", "flex")
 KERNEL_CHOICES = ("auto", *KERNELS)
 KERNEL_ENV = "CP_LINEAR_BLOCKDIAG_KERNEL"
@@ -79,7 +81,27 @@ class DocCausalLayout:
         if real.size and (layout.doc_start[real[0]] < key_start or query_start + real[-1] >= key_stop):
             raise ValueError(f"key window [{key_start}, {key_stop}) does not cover the documents of "
                              f"queries [{query_start}, {query_start + query_len})")
+        for array in (layout.query_doc, layout.key_doc, layout.doc_start):
+            array.flags.writeable = False
         return layout
+
+    def fingerprint(self) -> int:
+        """Digest of the layout (cached; its arrays are read-only)."""
+        if "fingerprint" not in self._device_cache:
+            self._device_cache["fingerprint"] = digest((self.query_start, self.key_start, self.query_doc.tobytes(),
+                                                        self.key_doc.tobytes(), self.doc_start.tobytes()))
+        return self._device_cache["fingerprint"]
+
+    def key_ranges(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """int64 [Lq] each: the key-window range ``[start, stop)`` every query reads (empty for padding)."""
+        key = ("key_ranges", device)
+        if key not in self._device_cache:
+            real = self.query_doc > 0
+            stop = np.where(real, self.query_start + np.arange(self.query_len) + 1 - self.key_start, 0)
+            start = np.where(real, self.doc_start - self.key_start, 0)
+            self._device_cache[key] = (torch.from_numpy(start.astype(np.int64)).to(device),
+                                       torch.from_numpy(stop.astype(np.int64)).to(device))
+        return self._device_cache[key]
 
     @property
     def query_len(self) -> int:
@@ -320,8 +342,8 @@ def flex_block_mask(layout: DocCausalLayout, device: torch.device, block_size: i
     if key not in layout._device_cache:
         from torch.nn.attention.flex_attention import BlockMask
 
-        q_doc = torch.from_numpy(layout.query_doc).to(device)
-        k_doc = torch.from_numpy(layout.key_doc).to(device)
+        q_doc = torch.from_numpy(layout.query_doc.copy()).to(device)
+        k_doc = torch.from_numpy(layout.key_doc.copy()).to(device)
         q_pos = torch.arange(layout.query_len, device=device) + layout.query_start
         k_pos = torch.arange(layout.key_len, device=device) + layout.key_start
 
@@ -346,13 +368,34 @@ def _flex_attention(q, k, v, layout, scale):
 
 def doc_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: DocCausalLayout, *,
                          scale: float | None = None, kernel: str = "sdpa",
-                         chunk_size: int | None = None) -> torch.Tensor:
+                         chunk_size: int | None = None, contain: bool = False) -> torch.Tensor:
     """Attention of local queries over the key window under the doc-causal mask.
 
     q [B, Lq, Hq, D], k/v [B, Nk, Hkv, D] (any strides; Hq a multiple of Hkv) with ``Lq`` and ``Nk``
     matching ``layout``; ``kernel`` already resolved ("sdpa" or "flex"). Returns [B, Lq, Hq, D];
     padding rows are exactly 0 and receive zero gradient.
+
+    contain: for inputs whose values were not checked. A masked-out key still enters the kernels'
+    matmuls (0 * NaN = NaN), so the kernel runs on sanitised q/k/v (NaN/Inf -> 0) and a real query
+    gets NaN, by selection, exactly when its own q or a key/value it may read (its document, up to
+    itself) is non-finite; every other output is exact (``cp_linear.validation``).
     """
+    if not contain:
+        return _doc_causal_attention(q, k, v, layout, scale=scale, kernel=kernel, chunk_size=chunk_size)
+    with torch.no_grad():
+        query_bad = nonfinite_rows(q, 1)  # [B, Lq, Hq]
+        key_bad = nonfinite_rows(k, 1) | nonfinite_rows(v, 1)  # [B, Nk, Hkv]
+        start, stop = layout.key_ranges(q.device)
+        reads_bad = any_in_ranges(key_bad, start, stop)  # [B, Lq, Hkv]
+        group = q.shape[2] // k.shape[2]
+        bad = query_bad | (reads_bad.repeat_interleave(group, dim=2) if group > 1 else reads_bad)
+        bad = bad & (stop > start)[None, :, None]  # padding rows stay exactly 0
+    out = _doc_causal_attention(sanitize(q), sanitize(k), sanitize(v), layout, scale=scale, kernel=kernel,
+                                chunk_size=chunk_size)
+    return poison(out, bad[..., None])
+
+
+def _doc_causal_attention(q, k, v, layout, *, scale, kernel, chunk_size):
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if not layout.has_real_query:
         return _ZerosKeepingGraph.apply(q, k, v)

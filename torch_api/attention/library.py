@@ -33,7 +33,7 @@ def routing_name(routing) -> str:
     return name
 
 
-def _attend(q, k, v, routing, scale, kernel):
+def _attend(q, k, v, routing, scale, kernel, contain):
     from torch_api.attention.blockdiag import exchange_window
     from torch_api.attention.exchange import stack_kv, unstack_kv
     from torch_api.attention.kernel import doc_causal_attention
@@ -42,7 +42,7 @@ def _attend(q, k, v, routing, scale, kernel):
     exchange = routing.exchange
     keys = window[exchange.key_start - exchange.window_start:exchange.key_stop - exchange.window_start]
     k_window, v_window = unstack_kv(keys)
-    return doc_causal_attention(q, k_window, v_window, routing.layout, scale=scale, kernel=kernel)
+    return doc_causal_attention(q, k_window, v_window, routing.layout, scale=scale, kernel=kernel, contain=contain)
 
 
 def _scale(scale: float, q: torch.Tensor) -> float:
@@ -51,44 +51,45 @@ def _scale(scale: float, q: torch.Tensor) -> float:
 
 @torch.library.custom_op("cp_linear::blockdiag_attention", mutates_args=())
 def blockdiag_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, routing: str, scale: float,
-                           kernel: str) -> torch.Tensor:
-    """scale <= 0 means D**-0.5."""
+                           kernel: str, contain: bool) -> torch.Tensor:
+    """scale <= 0 means D**-0.5; contain: non-finite inputs contained (outputs reading them NaN)."""
     with torch.no_grad():
-        out = _attend(q, k, v, _ROUTINGS[routing], _scale(scale, q), kernel)
+        out = _attend(q, k, v, _ROUTINGS[routing], _scale(scale, q), kernel, contain)
     return out.contiguous() if out.storage_offset() == 0 else out.clone(memory_format=torch.contiguous_format)
 
 
 @blockdiag_attention_op.register_fake
-def _(q, k, v, routing, scale, kernel):
+def _(q, k, v, routing, scale, kernel, contain):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("cp_linear::blockdiag_attention_backward", mutates_args=())
 def blockdiag_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, routing: str,
-                                 scale: float, kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                 scale: float, kernel: str, contain: bool
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     with _autograd_inside():
         leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
-        out = _attend(*leaves, _ROUTINGS[routing], _scale(scale, q), kernel)
+        out = _attend(*leaves, _ROUTINGS[routing], _scale(scale, q), kernel, contain)
         grads = torch.autograd.grad(out, leaves, do, allow_unused=True)
     return tuple(torch.zeros_like(x, memory_format=torch.contiguous_format) if grad is None
                  else grad.clone(memory_format=torch.contiguous_format) for grad, x in zip(grads, (q, k, v)))
 
 
 @blockdiag_attention_backward.register_fake
-def _(do, q, k, v, routing, scale, kernel):
+def _(do, q, k, v, routing, scale, kernel, contain):
     return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, routing, scale, kernel = inputs
+    q, k, v, routing, scale, kernel, contain = inputs
     ctx.save_for_backward(q, k, v)
-    ctx.options = (routing, scale, kernel)
+    ctx.options = (routing, scale, kernel, contain)
 
 
 def _backward(ctx, do):
     q, k, v = ctx.saved_tensors
     dq, dk, dv = blockdiag_attention_backward(do.contiguous(), q, k, v, *ctx.options)
-    return dq, dk, dv, None, None, None
+    return dq, dk, dv, None, None, None, None
 
 
 blockdiag_attention_op.register_autograd(_backward, setup_context=_setup)

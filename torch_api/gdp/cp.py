@@ -16,8 +16,10 @@ One step, per direction::
                summary_r --------------------> [s_0, s_1, ..., s_{cp-1}] -> [s_start .. s_{r-1}]
 
 Bad input is caught before the first collective: each rank validates locally (and runs its
-``prepare``), then one small all-gather (``agree_or_raise``) makes every rank raise the same
-ValueError if any rank failed or the ranks disagree on shapes, dtypes or flags.
+``prepare``), then one small fixed-size all-gather (``agree_or_raise``) makes every rank raise the
+same ValueError if any rank failed or the ranks disagree on shapes, dtypes, flags or the packed ids
+(their fingerprint travels in the header). With ``check_inputs=False`` non-finite values are
+contained rather than reported (``torch_api.gdp.isolation``).
 """
 
 from __future__ import annotations
@@ -37,12 +39,22 @@ from cp_linear.summary import (
     CPForwardUnpackedSummary,
     validate_packed_summary,
 )
+from cp_linear.validation import GDP_VALUE_CHECKS, NONFINITE, poison
 from torch_api._dist import agree_or_raise, all_gather_single, group_rank_and_size, resolve_group
-from torch_api.gdp.library import has_op_layout
+from torch_api.gdp.isolation import (
+    bad_tokens,
+    incoming_bad_and_clean,
+    poison_summary,
+    sanitized,
+    sequence_start_index,
+    token_poison,
+    trailing_bad,
+)
 from torch_api.gdp.types import GDPInputGradients, GDPInputs, float32_region
-from torch_api.gdp.validation import dtype_code, float_bits, gdp_input_error, nonfinite_error
+from torch_api.gdp.validation import dtype_code, float_bits, gdp_input_error, gdp_value_flags, nonfinite_flags
 
 
+_OUTPUT_GRAD_CHECKS = (("output_grad", NONFINITE + " in output_grad"),)
 _PACKED_FORMS = (CPForwardPackedSummary, CPBackwardPackedSummary)
 _UNPACKED_FORMS = (CPForwardUnpackedSummary, CPBackwardUnpackedSummary)
 
@@ -136,32 +148,42 @@ def _rank_slice(ranks, world: int, name: str) -> slice:
     return slice(start, stop)
 
 
-def _agree(group, error: str | None, signature: list[int], *, check_inputs: bool, what: str,
-           cause: BaseException | None) -> None:
-    """One agreement collective when checking; without it a local error raises on this rank only."""
-    if check_inputs:
-        try:
-            agree_or_raise(group, error, signature, what=what)
-        except ValueError as err:
-            raise err from cause
-    elif error:
-        raise ValueError(f"{what} rejected: {error}") from cause
+def _agree(group, error: str | None, signature: list[int], *, what: str, cause: BaseException | None,
+           value_flags: torch.Tensor | None = None, value_checks=(), agreed: bool = False) -> None:
+    """The fixed-size agreement header; it travels on every call, whatever ``check_inputs`` says, so
+    ranks whose flags differ still meet in the same collective (and disagree there). ``agreed``: a
+    wider agreement covered this call (the layers under a model), so only a local error raises."""
+    if agreed:
+        if error:
+            raise ValueError(f"{what} rejected: {error}") from cause
+        return
+    try:
+        agree_or_raise(group, error, signature, what=what, value_flags=value_flags, value_checks=value_checks)
+    except ValueError as err:
+        raise err from cause
 
 
 # --------------------------------------------------------------------------- the two directions
 
 
-def _input_signature(inputs: GDPInputs) -> list[int]:
+def _input_signature(inputs: GDPInputs, check_inputs: bool) -> list[int]:
     return [*inputs.q.shape, inputs.v.shape[-1], inputs.num_householder, dtype_code(inputs.q.dtype),
             dtype_code(inputs.g.dtype), dtype_code(inputs.beta.dtype), int(bool(inputs.use_qk_l2norm_in_kernel)),
-            float_bits(inputs.scale), int(inputs.cu_seqlens is not None)]
+            float_bits(inputs.scale), int(inputs.cu_seqlens is not None), int(bool(check_inputs))]
 
 
 def _forward(backend, inputs: GDPInputs, group, preceding_slice: slice, *, check_inputs: bool,
-             error: str | None, signature: list[int]) -> CPForwardResult:
-    cause = summary = local = None
+             error: str | None, signature: list[int], trailing_bad: torch.Tensor | None = None,
+             agreed: bool = False):
+    """prepare -> agreement -> all-gather -> slice -> apply. Returns (CPForwardResult, incoming_bad).
+
+    ``trailing_bad`` (isolation, ``torch_api.gdp.isolation``): bool [B or 1, H] heads whose trailing
+    fragment is poisoned; their summary travels as NaN, and ``incoming_bad`` says which heads of
+    this rank's incoming state were poisoned (None without isolation).
+    """
+    cause = summary = local = flags = None
     if error is None and check_inputs:
-        error = nonfinite_error({"q": inputs.q, "k": inputs.k, "v": inputs.v, "g": inputs.g, "beta": inputs.beta})
+        flags = gdp_value_flags(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)
     if error is None:
         try:
             summary, local = backend.cp_forward_prepare(inputs)
@@ -174,9 +196,15 @@ def _forward(backend, inputs: GDPInputs, group, preceding_slice: slice, *, check
                                value_dim=inputs.v.shape[-1])
     if error is None:
         signature = signature + _summary_signature(summary)
-    _agree(group, error, signature, check_inputs=check_inputs, what="GDP context-parallel forward", cause=cause)
+        if trailing_bad is not None:
+            summary = poison_summary(summary, trailing_bad)
+    _agree(group, error, signature, what="GDP context-parallel forward", cause=cause, value_flags=flags,
+           value_checks=GDP_VALUE_CHECKS, agreed=agreed)
     preceding = _slice_summary(_all_gather_summary(summary, group), preceding_slice)
-    return backend.cp_forward_apply(local, preceding)
+    incoming_bad = None
+    if trailing_bad is not None:
+        incoming_bad, preceding = incoming_bad_and_clean(preceding)
+    return backend.cp_forward_apply(local, preceding), incoming_bad
 
 
 def chunkwise_cp_forward(backend, inputs: GDPInputs, cp_group, preceding_slice, *,
@@ -185,32 +213,36 @@ def chunkwise_cp_forward(backend, inputs: GDPInputs, cp_group, preceding_slice, 
 
     inputs: this rank's shard (``GDPInputs``, local ``cu_seqlens`` for a packed batch);
     preceding_slice: ``slice(preceding_rank_start, rank)`` (``slice(0, rank)`` for rows).
-    With ``check_inputs`` (the same on every rank) inputs are checked for NaN/Inf and one small
-    agreement collective runs before the all-gather. Returns ``CPForwardResult(output, saved_context)``.
+    One small agreement collective runs before the all-gather on every call; ``check_inputs`` (agreed
+    across ranks) adds the value checks (NaN/Inf, g > 0, beta outside [0, 2]) to it. This protocol-level
+    function does not contain non-finite values (``gdp_chunkwise_context_parallel`` does).
+    Returns ``CPForwardResult(output, saved_context)``.
     """
     group = resolve_group(cp_group)
     preceding_slice = _rank_slice(preceding_slice, dist.get_world_size(group), "preceding_slice")
     error = gdp_input_error(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta,
                             num_householder=inputs.num_householder, scale=inputs.scale, cu_seqlens=inputs.cu_seqlens)
-    signature = _input_signature(inputs) if error is None else []
-    return _forward(backend, inputs, group, preceding_slice, check_inputs=check_inputs, error=error,
-                    signature=signature)
+    signature = _input_signature(inputs, check_inputs) if error is None else []
+    result, _ = _forward(backend, inputs, group, preceding_slice, check_inputs=check_inputs, error=error,
+                         signature=signature)
+    return result
 
 
 def chunkwise_cp_backward(backend, output_grad: torch.Tensor, saved_context: CPSavedContext, cp_group,
-                          following_slice, *, check_inputs: bool = True) -> GDPInputGradients:
+                          following_slice, *, check_inputs: bool = True, agreed: bool = False) -> GDPInputGradients:
     """Backward of one rank: ``cp_backward_prepare`` -> all-gather -> slice -> ``cp_backward_apply``.
 
     output_grad [B, T, H, V]; following_slice: ``slice(rank + 1, following_rank_stop)``
-    (``slice(rank + 1, cp_size)`` for rows). Returns the five input gradients.
+    (``slice(rank + 1, cp_size)`` for rows). One agreement collective runs before the all-gather
+    (``check_inputs`` adds the NaN/Inf check of ``output_grad``). Returns the five input gradients.
     """
     group = resolve_group(cp_group)
     following_slice = _rank_slice(following_slice, dist.get_world_size(group), "following_slice")
-    error = cause = summary = local = None
+    error = cause = summary = local = flags = None
     if not isinstance(output_grad, torch.Tensor):
         error = f"output_grad must be a torch.Tensor; received {type(output_grad).__name__}"
     elif check_inputs:
-        error = nonfinite_error({"output_grad": output_grad})
+        flags = nonfinite_flags(output_grad)
     if error is None:
         try:
             summary, local = backend.cp_backward_prepare(output_grad, saved_context)
@@ -219,8 +251,10 @@ def chunkwise_cp_backward(backend, output_grad: torch.Tensor, saved_context: CPS
     if error is None:
         error = _summary_error(summary, f"{type(backend).__name__} backward summary",
                                value_dim=output_grad.shape[-1])
-    signature = [] if error else [*output_grad.shape, dtype_code(output_grad.dtype), *_summary_signature(summary)]
-    _agree(group, error, signature, check_inputs=check_inputs, what="GDP context-parallel backward", cause=cause)
+    signature = [] if error else [*output_grad.shape, dtype_code(output_grad.dtype), int(bool(check_inputs)),
+                                  *_summary_signature(summary)]
+    _agree(group, error, signature, what="GDP context-parallel backward", cause=cause, value_flags=flags,
+           value_checks=_OUTPUT_GRAD_CHECKS, agreed=agreed)
     following = _slice_summary(_all_gather_summary(summary, group), following_slice)
     return backend.cp_backward_apply(local, following)
 
@@ -241,34 +275,41 @@ class _CPCall:
     check_inputs: bool
     error: str | None
     signature: tuple[int, ...]
+    agreed: bool = False  # a wider agreement covered this call: no header of its own
 
 
 class _ContextParallelGDP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, call: _CPCall, q, k, v, g, beta):
+    def forward(ctx, call: _CPCall, trailing_bad, q, k, v, g, beta):
         inputs = GDPInputs(q, k, v, g, beta, call.scale, call.num_householder, call.use_qk_l2norm_in_kernel,
                            call.cu_seqlens)
         with float32_region(q.device):
-            output, saved = _forward(call.backend, inputs, call.group, call.preceding,
-                                     check_inputs=call.check_inputs, error=call.error, signature=list(call.signature))
+            (output, saved), incoming_bad = _forward(
+                call.backend, inputs, call.group, call.preceding, check_inputs=call.check_inputs, error=call.error,
+                signature=list(call.signature), trailing_bad=trailing_bad, agreed=call.agreed)
         ctx.call = call
         ctx.saved_metadata = saved.metadata
         ctx.save_for_backward(*saved.tensors)
-        return output
+        if incoming_bad is None:
+            incoming_bad = torch.zeros(0, dtype=torch.bool, device=output.device)
+        ctx.mark_non_differentiable(incoming_bad)
+        return output, incoming_bad
 
     @staticmethod
-    def backward(ctx, output_grad):
+    def backward(ctx, output_grad, _incoming_bad_grad):
         call = ctx.call
         saved = CPSavedContext(tuple(ctx.saved_tensors), ctx.saved_metadata)
         with float32_region(output_grad.device):
             grads = chunkwise_cp_backward(call.backend, output_grad, saved, call.group, call.following,
-                                          check_inputs=call.check_inputs)
-        return None, grads.dq, grads.dk, grads.dv, grads.dg, grads.dbeta
+                                          check_inputs=call.check_inputs, agreed=call.agreed)
+        return None, None, grads.dq, grads.dk, grads.dv, grads.dg, grads.dbeta
 
 
 def _metadata_error(metadata, rank: int, world: int, q: torch.Tensor) -> str | None:
     if not isinstance(metadata, PackedSequenceCPMetadata):
         return f"metadata must be a PackedSequenceCPMetadata; received {type(metadata).__name__}"
+    if metadata.error:
+        return metadata.error
     if (metadata.cp_size, metadata.cp_rank) != (world, rank):
         return (f"metadata was built for cp_rank {metadata.cp_rank} of cp_size {metadata.cp_size}; "
                 f"this is rank {rank} of {world}")
@@ -286,15 +327,27 @@ def _metadata_error(metadata, rank: int, world: int, q: torch.Tensor) -> str | N
 
 
 def run_cp_op(q, k, v, g, beta, *, cu_seqlens, rank_range, group_name: str, backend, scale: float, num_householder: int,
-              use_qk_l2norm_in_kernel: bool) -> torch.Tensor:
+              use_qk_l2norm_in_kernel: bool, contain: bool) -> torch.Tensor:
     """The CP op after validation and agreement: ``cp_linear::gdp_cp_forward`` (collectives inside,
-    autograd registered). rank_range int [2] = (preceding_rank_start, following_rank_stop), on any
-    device (the layers pass a cached device tensor)."""
+    autograd registered; ``torch.compile`` traces it, no host read, no header). The layers run it for a
+    call that a model agreement covered, with their checks off. rank_range int [2] =
+    (preceding_rank_start, following_rank_stop), on any device (the layers pass a cached device
+    tensor). contain: non-finite inputs are contained as with ``check_inputs=False``
+    (``torch_api.gdp.isolation``: sanitised inputs, poisoned summaries and outputs)."""
     from torch_api.gdp.library import backend_name
 
-    output, *_ = torch.ops.cp_linear.gdp_cp_forward(q, k, v, g, beta, cu_seqlens, rank_range, scale,
-                                                    num_householder, use_qk_l2norm_in_kernel,
-                                                    backend_name(backend), group_name)
+    if contain:
+        state_bad, read_bad = bad_tokens(q, k, v, g, beta, num_householder)
+        start = sequence_start_index(q.shape[1], cu_seqlens, q.device)
+        trailing = trailing_bad(state_bad, start)
+        q, k, v, g, beta = sanitized(q, k, v, g, beta)
+    else:
+        trailing = torch.zeros(0, dtype=torch.bool, device=q.device)
+    output, *_, incoming_bad = torch.ops.cp_linear.gdp_cp_forward(
+        q, k, v, g, beta, cu_seqlens, rank_range, trailing, scale, num_householder, use_qk_l2norm_in_kernel,
+        backend_name(backend), group_name)
+    if contain:
+        output = poison(output, token_poison(state_bad, read_bad, start, incoming_bad)[..., None])
     return output
 
 
@@ -312,17 +365,29 @@ def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, cp_group, global_seq_idx
     batch row is one sequence spanning all ranks in order.
     cp_group: ProcessGroup or 1-D DeviceMesh (gloo or NCCL).
 
-    check_inputs (must be the same on every rank): NaN/Inf in the inputs (and in the output
-    gradient) is an error, and one small agreement collective per direction makes every rank
-    raise the same ValueError for any local failure (bad shapes, metadata for another rank or
-    cp_size, K > 256, a backend error, a non-float32 summary) or cross-rank disagreement. With
-    False, the same local checks run (no NaN/Inf check) and raise on the failing rank only; there
-    is no extra collective; the op then runs as the ``cp_linear::gdp_cp_forward`` custom op (for the
-    reference and CuTeDSL backends), which ``torch.compile(fullgraph=True)`` traces and CUDA graphs
-    capture: no host read, no agreement. The layers call it that way after agreeing once per batch
-    (``ShardLayout.agree``). backend: an instance, or None / "auto" (the CuTeDSL kernels on a Hopper
-    GPU for a configuration they take, else ``TorchGDPBackend``), "reference", "cutedsl".
+    check_inputs: the value checks (NaN/Inf, g > 0, beta outside [0, 2] in the inputs; NaN/Inf in
+    the output gradient). Whatever it says, one small agreement collective per direction makes every
+    rank raise the same ValueError for any local failure (bad shapes, metadata for another rank or
+    cp_size or edited after it was built, K > 256, a backend error, a non-float32 summary) or any
+    cross-rank disagreement (shapes, dtypes, flags, check_inputs itself, the packed ids' fingerprint).
+    With False, non-finite inputs are contained instead of reported: outputs that depend on them are
+    NaN, every other output is exact (``torch_api.gdp.isolation``). docs/failure_modes.md lists every
+    check and its cost. backend: an instance, or None / "auto" (the CuTeDSL kernels on a Hopper GPU for
+    a configuration they take, else ``TorchGDPBackend``), "reference", "cutedsl"
+    (``torch_api.gdp.ops.resolve_backend``). The layers run a call that a model agreement covered,
+    with checks off, as the ``cp_linear::gdp_cp_forward`` custom op instead (``run_cp_op``).
     """
+    return context_parallel_gdp(q, k, v, g, beta, cp_group=cp_group, global_seq_idx=global_seq_idx, metadata=metadata,
+                                scale=scale, num_householder=num_householder,
+                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, backend=backend,
+                                check_inputs=check_inputs)
+
+
+def context_parallel_gdp(q, k, v, g, beta, *, cp_group, global_seq_idx=None, metadata=None, scale=None,
+                         num_householder=1, use_qk_l2norm_in_kernel=False, backend=None, check_inputs: bool = True,
+                         agreed: bool = False):
+    """``gdp_chunkwise_context_parallel`` for the layers: ``agreed=True`` (a model agreement covered the
+    call's shapes, flags and ids, and ``check_inputs`` is False) sends no header in either direction."""
     from torch_api.gdp.ops import gate_or_zeros, resolve_backend
 
     group = resolve_group(cp_group)
@@ -345,23 +410,32 @@ def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, cp_group, global_seq_idx
         error = _metadata_error(metadata, rank, world, q)
     cu_seqlens = None
     if metadata is not None and error is None:
-        cu_seqlens = torch.as_tensor(metadata.local_cu_seqlens, dtype=torch.int32).to(q.device, non_blocking=True)
+        cu_seqlens = torch.tensor(metadata.local_cu_seqlens, dtype=torch.int32).to(q.device, non_blocking=True)
         preceding, following = slice(metadata.preceding_rank_start, rank), slice(rank + 1, metadata.following_rank_stop)
     else:
         preceding, following = slice(0, rank), slice(rank + 1, world)
     signature = []
     if error is None:
+        fingerprint = metadata.fingerprint if metadata is not None else 0
         signature = [*q.shape, v.shape[-1], num_householder, dtype_code(q.dtype), dtype_code(g.dtype),
                      dtype_code(beta.dtype), int(bool(use_qk_l2norm_in_kernel)), float_bits(scale),
-                     int(metadata is not None), world]
-    if error is None and not check_inputs and has_op_layout(backend):
-        rank_range = torch.tensor([preceding.start, following.stop], dtype=torch.int32)
-        return run_cp_op(q, k, v, g if gate_given else g.detach(), beta, cu_seqlens=cu_seqlens, rank_range=rank_range,
-                         group_name=group.group_name, backend=backend, scale=float(scale), num_householder=num_householder,
-                         use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel))
+                     int(metadata is not None), world, int(bool(check_inputs)), fingerprint]
     call = _CPCall(backend, group, preceding, following, float(scale) if error is None else 0.0, num_householder,
-                   bool(use_qk_l2norm_in_kernel), cu_seqlens, bool(check_inputs), error, tuple(signature))
+                   bool(use_qk_l2norm_in_kernel), cu_seqlens, bool(check_inputs), error, tuple(signature),
+                   bool(agreed) and not check_inputs)
     if error is not None and not all(isinstance(x, torch.Tensor) for x in (q, k, v, g, beta)):
-        # autograd.Function needs tensors; agree (or raise locally) here instead
-        _agree(group, error, [], check_inputs=check_inputs, what="GDP context-parallel forward", cause=None)
-    return _ContextParallelGDP.apply(call, q, k, v, g if gate_given else g.detach(), beta)
+        # autograd.Function needs tensors; agree (and raise) here instead
+        _agree(group, error, [], what="GDP context-parallel forward", cause=None)
+    contain = error is None and not check_inputs
+    trailing = None
+    if contain:
+        state_bad, read_bad = bad_tokens(q, k, v, g, beta, num_householder)
+        start = sequence_start_index(q.shape[1], cu_seqlens, q.device)
+        trailing = trailing_bad(state_bad, start)
+        q, k, v, g, beta = sanitized(q, k, v, g, beta)
+    g = g if gate_given else g.detach()
+    output, incoming_bad = _ContextParallelGDP.apply(call, trailing, q, k, v, g, beta)
+    if contain:
+        mask = token_poison(state_bad, read_bad, start, incoming_bad)
+        output = poison(output, mask[..., None])
+    return output

@@ -8,8 +8,8 @@ Ops (namespace ``cp_linear``; every output a fresh contiguous tensor):
                                      incoming f32, transition f32, segment_states f32)
   gdp_backward                   (do, d_final_state, inputs, incoming, transition, segment_states)
                                  -> (dq, dk, dv, dg, dbeta, d_initial_state f32 ([0] without one))
-  gdp_cp_forward   one CP rank   (q, k, v, g, beta, cu_seqlens?, rank_range)
-                                 -> (o, incoming, transition, segment_states)
+  gdp_cp_forward   one CP rank   (q, k, v, g, beta, cu_seqlens?, rank_range, trailing_bad)
+                                 -> (o, incoming, transition, segment_states, incoming_bad)
   gdp_cp_backward                (do, inputs, rank_range, incoming, transition, segment_states)
                                  -> (dq, dk, dv, dg, dbeta)
 
@@ -186,7 +186,8 @@ def _(q, k, v, g, beta, cu_seqlens, initial_state, scale, num_householder, use_q
                      initial_state, True)
     return (q.new_empty((batch, tokens, heads, v.shape[-1])), q.new_empty((sequences, heads, key_dim, v.shape[-1]),
                                                                           **f32),
-            q.new_empty(incoming, **f32), q.new_empty(transition, **f32), _fake_segment_states(_backend(backend), inputs))
+            q.new_empty(incoming, **f32), q.new_empty(transition, **f32),
+            _fake_segment_states(_backend(backend), inputs))
 
 
 @torch.library.custom_op("cp_linear::gdp_backward", mutates_args=())
@@ -284,29 +285,42 @@ def _empty_stack(summary) -> torch.Tensor:
 
 @torch.library.custom_op("cp_linear::gdp_cp_forward", mutates_args=())
 def gdp_cp_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                   cu_seqlens: torch.Tensor | None, rank_range: torch.Tensor, scale: float, num_householder: int,
-                   use_qk_l2norm_in_kernel: bool, backend: str, group_name: str
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                   cu_seqlens: torch.Tensor | None, rank_range: torch.Tensor, trailing_bad: torch.Tensor, scale: float,
+                   num_householder: int, use_qk_l2norm_in_kernel: bool, backend: str, group_name: str
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """trailing_bad: bool [B or 1, H] for containment (``torch_api.gdp.isolation``: those heads'
+    summaries travel as NaN; the last output, incoming_bad [B or 1, H], says which heads of the
+    incoming state were poisoned), or an empty [0] without (incoming_bad is then [0] too)."""
+    from torch_api.gdp.isolation import incoming_bad_and_clean, poison_summary
+
     impl, group = _backend(backend), _group(group_name)
     rank = dist.get_rank(group)
     inputs = _inputs(q, k, v, g, beta, cu_seqlens, scale, num_householder, use_qk_l2norm_in_kernel)
     range_ = rank_range.to(q.device)
+    contain = trailing_bad.numel() > 0
     with float32_region(q.device):
         summary, local = impl.cp_forward_prepare(inputs)
+        if contain:
+            summary = poison_summary(summary, trailing_bad)
         gathered = _gather(_packed(summary), group)
         preceding = _masked_stack(gathered, 0, rank, range_[0], rank)
+        incoming_bad = trailing_bad.new_zeros(0)
+        if contain:
+            incoming_bad, preceding = incoming_bad_and_clean(preceding)
         output, saved = impl.cp_forward_apply(local, preceding)
-    return _unaliased((_fresh(output), *_saved_extras(saved)), (q, k, v, g, beta, cu_seqlens, rank_range))
+    return _unaliased((_fresh(output), *_saved_extras(saved), _fresh(incoming_bad)),
+                      (q, k, v, g, beta, cu_seqlens, rank_range, trailing_bad))
 
 
 @gdp_cp_forward.register_fake
-def _(q, k, v, g, beta, cu_seqlens, rank_range, scale, num_householder, use_qk_l2norm_in_kernel, backend,
-      group_name):
+def _(q, k, v, g, beta, cu_seqlens, rank_range, trailing_bad, scale, num_householder, use_qk_l2norm_in_kernel,
+      backend, group_name):
     incoming, transition = _state_shapes(q, v, cu_seqlens is not None)
     f32 = dict(dtype=torch.float32, device=q.device)
     inputs = _inputs(q, k, v, g, beta, cu_seqlens, scale, num_householder, use_qk_l2norm_in_kernel)
+    bad_shape = (0,) if trailing_bad.numel() == 0 else (1 if cu_seqlens is not None else q.shape[0], q.shape[2])
     return (q.new_empty((*q.shape[:3], v.shape[-1])), q.new_empty(incoming, **f32), q.new_empty(transition, **f32),
-            _fake_segment_states(_backend(backend), inputs))
+            _fake_segment_states(_backend(backend), inputs), trailing_bad.new_empty(bad_shape))
 
 
 @torch.library.custom_op("cp_linear::gdp_cp_backward", mutates_args=())
@@ -336,19 +350,19 @@ def _(do, q, k, v, g, beta, cu_seqlens, rank_range, incoming, transition, segmen
 
 
 def _setup_cp(ctx, inputs, output):
-    q, k, v, g, beta, cu_seqlens, rank_range, scale, num_householder, l2norm, backend, group_name = inputs
-    _, incoming, transition, segment_states = output
+    q, k, v, g, beta, cu_seqlens, rank_range, _, scale, num_householder, l2norm, backend, group_name = inputs
+    _, incoming, transition, segment_states, _ = output
     ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, rank_range, incoming, transition, segment_states)
     ctx.options = (scale, num_householder, l2norm, backend, group_name)
 
 
-def _cp_autograd(ctx, do, _d_incoming, _d_transition, _d_segment_states):
+def _cp_autograd(ctx, do, _d_incoming, _d_transition, _d_segment_states, _d_incoming_bad):
     q, k, v, g, beta, cu_seqlens, rank_range, incoming, transition, segment_states = ctx.saved_tensors
     if do is None:
         do = torch.zeros((*q.shape[:3], v.shape[-1]), dtype=q.dtype, device=q.device)
     grads = gdp_cp_backward(do.contiguous(), q, k, v, g, beta, cu_seqlens, rank_range, incoming, transition,
                             segment_states, *ctx.options)
-    return (*grads, None, None, None, None, None, None, None)
+    return (*grads, None, None, None, None, None, None, None, None)
 
 
 gdp_cp_forward.register_autograd(_cp_autograd, setup_context=_setup_cp)

@@ -19,8 +19,10 @@ import torch
 from cp_linear.gdp import GDPInputs, cu_seqlens_error
 from cp_linear.protocol import CPSavedContext
 from cp_linear.summary import as_packed_array
+from cp_linear.validation import GDP_VALUE_CHECKS, NONFINITE, nonfinite_rows, poison
+from torch_api.gdp.isolation import bad_tokens, sanitized, sequence_bad, sequence_start_index, token_poison
 from torch_api.gdp.types import float32_region
-from torch_api.gdp.validation import gdp_input_error
+from torch_api.gdp.validation import gdp_input_error, gdp_value_flags, nonfinite_flags, raise_failed_checks
 
 
 def _empty_stack(summary) -> torch.Tensor:
@@ -64,14 +66,19 @@ class _GatedDeltaProduct(torch.autograd.Function):
 
 
 def gated_delta_product(q, k, v, g, beta, *, scale=None, num_householder=1, cu_seqlens=None,
-                        initial_state=None, use_qk_l2norm_in_kernel=False, backend=None):
+                        initial_state=None, use_qk_l2norm_in_kernel=False, backend=None, check_inputs=True):
     """Gated DeltaProduct on one device (docs/design.md §2), differentiable.
 
     q [B, T, H, K], k [B, T*n_h, H, K], v [B, T*n_h, H, V], g [B, T, H] (log decay; None = no
     gate), beta [B, T*n_h, H]; fp32 / bf16 / fp16. cu_seqlens int [N + 1] for a packed batch
     (B = 1), nondecreasing (an empty sequence keeps its initial state), read once on the host for
     validation; initial_state [N, H, K, V] (zeros when None).
-    Returns (o [B, T, H, V], final_state float32 [N, H, K, V]). K ≤ 256.
+    Returns (o [B, T, H, V], final_state float32 [N, H, K, V]). K ≤ 256, V ≤ 512.
+
+    check_inputs: reject NaN/Inf (inputs and initial_state), g > 0 and beta outside [0, 2] with a
+    ValueError (one host read per call). With False nothing is read and non-finite inputs are
+    contained: the outputs and final states that depend on them are NaN, the rest exact
+    (``torch_api.gdp.isolation``, docs/failure_modes.md).
     """
     backend = resolve_backend(backend, q, k, v, num_householder)
     for method in ("cp_forward_prepare", "cp_forward_apply", "cp_backward_prepare", "cp_backward_apply"):
@@ -98,18 +105,51 @@ def gated_delta_product(q, k, v, g, beta, *, scale=None, num_householder=1, cu_s
                      f"received {initial_state.dtype} on {initial_state.device}")
     if error:
         raise ValueError(error)
+    if check_inputs:
+        flags = gdp_value_flags(q, k, v, g, beta)
+        checks = GDP_VALUE_CHECKS
+        if initial_state is not None:
+            flags = torch.cat([flags, nonfinite_flags(initial_state)])
+            checks = checks + (("initial_state", NONFINITE + " in initial_state"),)
+        raise_failed_checks(checks, flags, "gated_delta_product")
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(q.device)
     return run_gated_delta_product(q, k, v, g if gate_given else g.detach(), beta, backend=backend, scale=float(scale),
                                    num_householder=num_householder, cu_seqlens=cu_seqlens,
-                                   initial_state=initial_state, use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel))
+                                   initial_state=initial_state, use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
+                                   contain=not check_inputs)
 
 
 def run_gated_delta_product(q, k, v, g, beta, *, backend, scale: float, num_householder: int, cu_seqlens=None,
-                            initial_state=None, use_qk_l2norm_in_kernel: bool = False):
+                            initial_state=None, use_qk_l2norm_in_kernel: bool = False, contain: bool = False):
     """The op after validation (the layers call it with inputs they built): the ``cp_linear::gdp_forward``
-    custom op for backends with its saved-context layout (traceable by ``torch.compile``), the eager
-    ``autograd.Function`` for any other backend. g must be a tensor. -> (o, final_state)."""
+    custom op for backends whose saved context it carries (traceable by ``torch.compile``), the eager
+    ``autograd.Function`` for any other backend. g must be a tensor. contain: non-finite inputs are
+    contained as with ``check_inputs=False`` (``torch_api.gdp.isolation``). -> (o, final_state)."""
+    if not contain:
+        return _run(backend, q, k, v, g, beta, initial_state, scale=scale, num_householder=num_householder,
+                    cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    state_bad, read_bad = bad_tokens(q, k, v, g, beta, num_householder)
+    start = sequence_start_index(q.shape[1], cu_seqlens, q.device)
+    mask = token_poison(state_bad, read_bad, start)
+    final_bad = sequence_bad(state_bad, cu_seqlens)
+    if initial_state is not None:
+        initial_bad = nonfinite_rows(initial_state, 2)  # [N, H]
+        final_bad = final_bad | initial_bad
+        if cu_seqlens is None:
+            mask = mask | initial_bad[:, None, :]
+        else:
+            sequence = torch.searchsorted(cu_seqlens[1:].to(torch.int64), torch.arange(q.shape[1], device=q.device),
+                                          right=True)
+            mask = mask | initial_bad[sequence][None]
+        (initial_state,) = sanitized(initial_state)
+    output, final_state = _run(backend, *sanitized(q, k, v, g, beta), initial_state, scale=scale,
+                               num_householder=num_householder, cu_seqlens=cu_seqlens,
+                               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return poison(output, mask[..., None]), poison(final_state, final_bad[..., None, None])
+
+
+def _run(backend, q, k, v, g, beta, initial_state, *, scale, num_householder, cu_seqlens, use_qk_l2norm_in_kernel):
     from torch_api.gdp.library import backend_name, has_op_layout
 
     if has_op_layout(backend):

@@ -11,7 +11,10 @@ import struct
 
 import torch
 
-from cp_linear.gdp import MAX_KEY_DIM, check_gdp_shapes
+from cp_linear.gdp import MAX_KEY_DIM, check_gdp_shapes  # noqa: F401 (MAX_KEY_DIM re-exported)
+from cp_linear.validation import describe_failed, gdp_dims_error
+from cp_linear.validation import gdp_value_flags as core_gdp_value_flags
+from torch_api._dist import nonfinite_flags, read_value_flags, value_flags_tensor  # noqa: F401 (re-export)
 
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
@@ -27,7 +30,8 @@ def float_bits(value: float) -> int:
 
 
 def gdp_input_error(q, k, v, g, beta, *, num_householder, scale, cu_seqlens=None) -> str | None:
-    """Shapes, dtypes, devices and limits of one GDP call (docs/design.md §2); no values are read."""
+    """Shapes, dtypes, devices and limits of one GDP call (docs/design.md §2); no values are read.
+    Limits and empty sizes come from ``cp_linear.validation`` (shared with jax_api)."""
     named = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
     for name, x in named.items():
         if not isinstance(x, torch.Tensor):
@@ -36,11 +40,10 @@ def gdp_input_error(q, k, v, g, beta, *, num_householder, scale, cu_seqlens=None
         check_gdp_shapes(q.shape, k.shape, v.shape, g.shape, beta.shape, num_householder)
     except ValueError as err:
         return str(err)
-    batch, tokens, _, key_dim = q.shape
-    if tokens == 0 or batch == 0 or v.shape[-1] == 0 or key_dim == 0:
-        return f"empty inputs are not supported (q {tuple(q.shape)}, v {tuple(v.shape)})"
-    if key_dim > MAX_KEY_DIM:
-        return f"K = {key_dim} exceeds the supported maximum K = {MAX_KEY_DIM}"
+    batch = q.shape[0]
+    error = gdp_dims_error(q.shape, v.shape)
+    if error:
+        return error
     for name, x in named.items():
         if x.dtype not in INPUT_DTYPES:
             return f"{name} must be float32, bfloat16 or float16; received {x.dtype}"
@@ -63,16 +66,16 @@ def gdp_input_error(q, k, v, g, beta, *, num_householder, scale, cu_seqlens=None
     return None
 
 
-def nonfinite_error(named: dict[str, torch.Tensor | None]) -> str | None:
-    """NaN/Inf check: one fused isfinite().all() per tensor, one host read for all of them."""
-    present = {name: x for name, x in named.items() if x is not None}
-    if not present:
-        return None
-    flags = torch.stack([torch.isfinite(x).all() for x in present.values()]).tolist()
-    bad = [name for name, ok in zip(present, flags) if not ok]
-    if bad:
-        return f"non-finite values (NaN or Inf) in {', '.join(bad)}"
-    return None
+def gdp_value_flags(q, k, v, g, beta) -> torch.Tensor:
+    """bool [7] on the inputs' device, in ``cp_linear.validation.GDP_VALUE_CHECKS`` order (no host read)."""
+    return value_flags_tensor(core_gdp_value_flags(q, k, v, g, beta))
+
+
+def raise_failed_checks(checks, flags: torch.Tensor, what: str) -> None:
+    """One host read of ``flags``; ValueError naming every failed check (one-device ops)."""
+    message = describe_failed(checks, read_value_flags(flags))
+    if message:
+        raise ValueError(f"{what}: {message}")
 
 
 def check_gdp_inputs(inputs) -> None:

@@ -249,9 +249,9 @@ def forward_states(transition, update, initial, *, keep=None, resets=None) -> to
 
     S_{c+1} = keep_c (transition_c S_c + update_c) + resets_c, S_0 = initial [B, H, K, V].
     """
-    if keep is not None:
-        keep = keep.view(-1, 1, 1, 1, 1)
-        transition, update = transition * keep, update * keep
+    if keep is not None:  # by selection: a non-finite state must not cross into the next sequence as NaN * 0
+        kept = keep.view(-1, 1, 1, 1, 1) > 0
+        transition, update = torch.where(kept, transition, 0.0), torch.where(kept, update, 0.0)
     if resets is not None:
         update = update + resets
     num_chunks = transition.shape[0]
@@ -271,8 +271,8 @@ def fold_summary(transition, update, *, keep=None, resets=None) -> torch.Tensor:
     new sequence started.
     """
     if keep is not None:
-        keep = keep.view(-1, 1, 1, 1, 1)
-        transition, update = transition * keep, update * keep
+        kept = keep.view(-1, 1, 1, 1, 1) > 0
+        transition, update = torch.where(kept, transition, 0.0), torch.where(kept, update, 0.0)
     if resets is not None:
         update = update + resets
     matrices, offsets = _per_chunk(transition), _per_chunk(update)
@@ -301,10 +301,11 @@ def backward_state_grads(transition, read_grads, final_grad, *, keep=None, injec
     separate = keep is not None or inject is not None
     mus = read_grads.new_empty(num_chunks, *local.shape[1:]) if separate else lams[1:]
     injected = _per_chunk(inject) if inject is not None else None
+    zero = read_grads.new_zeros(())
     for c in range(num_chunks - 1, -1, -1):
         if separate:
             if keep is not None:
-                torch.mul(lams[c + 1], keep[c], out=mus[c])
+                torch.where(keep[c] > 0, lams[c + 1], zero, out=mus[c])
             else:
                 mus[c].copy_(lams[c + 1])
             if injected is not None:

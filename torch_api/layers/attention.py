@@ -18,9 +18,10 @@ import torch
 import torch.nn as nn
 
 from torch_api.layers.blocks import apply_rope, rope_angles
-from cp_linear.model_config import AttentionConfig, document_layer_signature, resolve_config
+from cp_linear.model_config import AttentionConfig, config_fingerprint, document_layer_signature, resolve_config
+from cp_linear.validation import digest
 from torch_api.layers.convert import StateTableMixin
-from torch_api.layers.layout import resolve_layout
+from torch_api.layers.layout import compiling, resolve_layout
 
 
 class BlockDiagAttention(StateTableMixin, nn.Module):
@@ -31,26 +32,48 @@ class BlockDiagAttention(StateTableMixin, nn.Module):
     output 0), ``seq_idx`` [1, T] or ``cu_seqlens`` [N + 1] (no padding) describe the global packed
     sequence (replicated under CP); none of them: each batch row is one causal document.
     ``mode`` picks the CP exchange ("auto", "allgather", "halo", "a2a"); ``kernel`` the local
-    attention kernel ("auto", "sdpa", "flex"), both as in ``torch_api.blockdiag_attention``.
+    attention kernel ("auto", "sdpa", "flex"), both as in ``torch_api.blockdiag_attention``;
+    ``check_inputs`` NaN/Inf in q/k/v is a ValueError (False: contained, docs/failure_modes.md).
+    Under CP the layer's own agreement rides in the attention op's header (one per call); a call a
+    ``HybridDecoder`` agreement covered, with ``check_inputs=False``, sends none and runs the
+    ``cp_linear::blockdiag_attention`` custom op, which ``torch.compile(fullgraph=True)`` traces.
     """
 
-    def __init__(self, config: AttentionConfig | None = None, *, mode: str = "auto", kernel: str = "auto", **kwargs):
+    AGREEMENT = "BlockDiagAttention inputs"
+
+    def __init__(self, config: AttentionConfig | None = None, *, mode: str = "auto", kernel: str = "auto",
+                 check_inputs: bool = True, **kwargs):
         super().__init__()
         self.config = config = resolve_config(AttentionConfig, config, kwargs)
         self.mode = mode
         self.kernel = kernel
+        self.check_inputs = check_inputs
         c, d = config, config.dim_per_head
         self.q_proj = nn.Linear(c.hidden_size, c.num_heads * d, bias=c.qkv_bias)
         self.k_proj = nn.Linear(c.hidden_size, c.kv_heads * d, bias=c.qkv_bias)
         self.v_proj = nn.Linear(c.hidden_size, c.kv_heads * d, bias=c.qkv_bias)
         self.o_proj = nn.Linear(c.num_heads * d, c.hidden_size, bias=False)
 
+    def cp_signature(self) -> tuple[int, ...]:
+        """Configuration, options and grad requirement: what the ranks must share."""
+        needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
+        return (*config_fingerprint(self.config), digest([self.mode, self.kernel]), int(bool(self.check_inputs)),
+                int(needs_grad))
+
     def forward(self, hidden_states: torch.Tensor, *, doc_ids=None, cu_seqlens=None, seq_idx=None, cp_group=None,
                 layout=None) -> torch.Tensor:
         c, d = self.config, self.config.dim_per_head
         layout = resolve_layout(hidden_states, layout=layout, cp_group=cp_group, doc_ids=doc_ids,
                                 seq_idx=seq_idx, cu_seqlens=cu_seqlens)
-        layout.agree(layout.hidden_error(hidden_states, c.hidden_size), hidden_states, "BlockDiagAttention inputs")
+        error = layout.hidden_error(hidden_states, c.hidden_size)
+        # under torch.compile no header runs (the batch agreed eagerly, ``HybridDecoder.agree``)
+        compiled = compiling()
+        signature = layout.signature(hidden_states, self.cp_signature()) if layout.is_cp and not compiled else ()
+        covered = layout.is_cp and (compiled or layout.covers(signature, self.AGREEMENT))
+        if error or layout.packed.error or not layout.is_cp or covered:
+            # a failing rank sends its header now; the others meet it in the attention op's header
+            # below, which carries the same site name and this layer's signature
+            layout.agree(error, signature, self.AGREEMENT)
 
         x = hidden_states
         batch, length, _ = x.shape
@@ -60,28 +83,38 @@ class BlockDiagAttention(StateTableMixin, nn.Module):
         cos, sin = rope_angles(layout.positions(x.device), d, c.rope_theta)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if layout.is_cp:
-            from torch_api.attention.blockdiag import run_blockdiag_op
+            from torch_api.attention.blockdiag import attend, run_blockdiag_op
             from torch_api.attention.kernel import resolve_kernel
 
-            # agreed once per batch by layout.agree; the routing and the kernel come from replicated
-            # ids and the same hardware, so their errors are the same on every rank
-            routing = layout.attention_routing(self.mode)
-            kernel, error = resolve_kernel(self.kernel, q.device, d, True)
-            if routing.error or error:
-                raise ValueError(f"BlockDiagAttention: {routing.error or error}")
-            o = run_blockdiag_op(q, k, v, routing, scale=None, kernel=kernel)
+            if covered and not self.check_inputs:
+                # no header: the routing and the kernel come from replicated ids and the same
+                # hardware, so their errors are the same on every rank
+                routing = layout.attention_routing(self.mode)
+                kernel, error = resolve_kernel(self.kernel, q.device, d, True)
+                if routing.error or error:
+                    raise ValueError(f"{self.AGREEMENT}: {routing.error or error}")
+                o = run_blockdiag_op(q, k, v, routing, scale=None, kernel=kernel, contain=True)
+            else:
+                o = attend(q, k, v, layout.attention_routing(self.mode), cp_group=layout.group, mode=self.mode,
+                           kernel=self.kernel, check_inputs=self.check_inputs, extra_signature=signature,
+                           what=self.AGREEMENT, agreed=covered)
         else:
             from torch_api.attention.kernel import doc_causal_attention, resolve_kernel
+            from torch_api.attention.blockdiag import QKV_CHECKS
+            from torch_api.gdp.validation import nonfinite_flags, raise_failed_checks
 
             needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
             kernel, error = resolve_kernel(self.kernel, q.device, d, needs_grad)
             if error:
                 raise ValueError(f"BlockDiagAttention: {error}")
-            o = doc_causal_attention(q, k, v, layout.attention_layout(), kernel=kernel)
+            if self.check_inputs:
+                raise_failed_checks(QKV_CHECKS, nonfinite_flags(q, k, v), "BlockDiagAttention")
+            o = doc_causal_attention(q, k, v, layout.attention_layout(), kernel=kernel,
+                                     contain=not self.check_inputs)
         return self.o_proj(o.reshape(batch, length, c.num_heads * d))
 
 
 # help() and inspect.signature list every keyword argument (a metaclass hides __init__ from them)
-document_layer_signature(BlockDiagAttention, AttentionConfig, mode="auto", kernel="auto")
+document_layer_signature(BlockDiagAttention, AttentionConfig, mode="auto", kernel="auto", check_inputs=True)
 
 __all__ = ["BlockDiagAttention"]

@@ -26,10 +26,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from torch_api.layers.blocks import GatedRMSNorm, RMSNorm, ShortConvolution
-from cp_linear.model_config import GDPConfig, document_layer_signature, resolve_config
+from cp_linear.model_config import GDPConfig, config_fingerprint, document_layer_signature, resolve_config
+from cp_linear.validation import digest
 from torch_api.layers.convert import StateTableMixin
 from torch_api.layers.conv import conv_window
-from torch_api.layers.layout import resolve_layout
+from torch_api.layers.layout import compiling, resolve_layout
 
 
 def _init_decay(heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,13 +52,17 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
     ``layout`` = ``build_shard_layout(...)`` built once per step for all layers.
     ``backend``: an instance or a name; None picks the CuTeDSL kernels on a Hopper GPU for a
     configuration they take, else ``TorchGDPBackend`` (``torch_api.gdp.ops.resolve_backend``).
-    Under CP the layer agrees with the other ranks once per batch (``ShardLayout.agree``) and runs
-    the GDP custom op without further checks; ``cp_check_inputs=True`` (debugging) runs
-    ``gdp_chunkwise_context_parallel(check_inputs=True)`` instead: NaN/Inf checks and one agreement
-    per call and direction.
+    ``cp_check_inputs`` is handed to the GDP op (``check_inputs``, on one device too): value checks
+    with a ValueError, or containment of non-finite values when False (docs/failure_modes.md).
+    Under CP the layer agrees with the other ranks (fixed-size header) on its input, its layout and
+    ``cp_signature`` before its first exchange (the conv halo), unless a ``HybridDecoder`` covered it;
+    a covered call with ``cp_check_inputs=False`` runs the GDP custom op with no header at all
+    (``torch_api.gdp.cp.run_cp_op``), which ``torch.compile(fullgraph=True)`` traces.
     """
 
-    def __init__(self, config: GDPConfig | None = None, *, backend=None, cp_check_inputs: bool = False, **kwargs):
+    AGREEMENT = "GatedDeltaProduct inputs"
+
+    def __init__(self, config: GDPConfig | None = None, *, backend=None, cp_check_inputs: bool = True, **kwargs):
         super().__init__()
         self.config = config = resolve_config(GDPConfig, config, kwargs)
         self.backend = backend
@@ -98,7 +103,13 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
         q_win, k_win, v_win = window.split(c.conv_channels, dim=-1)
         return self.q_conv1d(q_win, positions), self.k_conv1d(k_win, positions), self.v_conv1d(v_win, positions)
 
-    def _gated_delta_product(self, q, k, v, g, beta, layout):
+    def cp_signature(self) -> tuple[int, ...]:
+        """Configuration, flags, backend and grad requirement: what the ranks must share."""
+        needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
+        backend = "default" if self.backend is None else type(self.backend).__name__
+        return (*config_fingerprint(self.config), int(bool(self.cp_check_inputs)), digest([backend]), int(needs_grad))
+
+    def _gated_delta_product(self, q, k, v, g, beta, layout, agreed: bool = False):
         """The GDP op (CP or one device); it keeps its own math float32 under autocast, and q/k/v/beta
         enter in the autocast dtype so that a kernel backend sees one input dtype."""
         device_type = q.device.type
@@ -106,26 +117,34 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
             dtype = torch.get_autocast_dtype(device_type)
             q, k, v, beta = (t.to(dtype) for t in (q, k, v, beta))
         from torch_api.gdp.library import has_op_layout
-        from torch_api.gdp.ops import gate_or_zeros, resolve_backend, run_gated_delta_product
+        from torch_api.gdp.ops import gate_or_zeros, gated_delta_product, resolve_backend, run_gated_delta_product
 
         n = self.config.num_householder
         backend = resolve_backend(self.backend, q, k, v, n)
-        if layout.is_cp and (self.cp_check_inputs or not has_op_layout(backend)):
-            from torch_api.gdp.cp import gdp_chunkwise_context_parallel
+        checks = self.cp_check_inputs
+        if layout.is_cp and (checks or not agreed or not has_op_layout(backend)):
+            from torch_api.gdp.cp import context_parallel_gdp
 
-            return gdp_chunkwise_context_parallel(
+            return context_parallel_gdp(
                 q, k, v, g, beta, cp_group=layout.group, metadata=layout.gdp_metadata, num_householder=n,
-                use_qk_l2norm_in_kernel=True, backend=backend, check_inputs=self.cp_check_inputs)
+                use_qk_l2norm_in_kernel=True, backend=backend, check_inputs=checks, agreed=agreed)
+        if checks:
+            o, _ = gated_delta_product(q, k, v, g, beta, num_householder=n, cu_seqlens=layout.cu_seqlens(q.device),
+                                       use_qk_l2norm_in_kernel=True, backend=backend, check_inputs=True)
+            return o
+        # no value checks, and under CP covered by the model's agreement: no host read, no header
         g = g if g is not None else gate_or_zeros(g, q)
         scale = q.shape[-1] ** -0.5
-        if layout.is_cp:  # agreed once per batch by layout.agree; no host read, no collective but the op's
+        if layout.is_cp:
             from torch_api.gdp.cp import run_cp_op
 
             cu_seqlens, rank_range = layout.gdp_arrays(q.device)
-            return run_cp_op(q, k, v, g, beta, cu_seqlens=cu_seqlens, rank_range=rank_range, group_name=layout.group_name,
-                             backend=backend, scale=scale, num_householder=n, use_qk_l2norm_in_kernel=True)
+            return run_cp_op(q, k, v, g, beta, cu_seqlens=cu_seqlens, rank_range=rank_range,
+                             group_name=layout.group_name, backend=backend, scale=scale, num_householder=n,
+                             use_qk_l2norm_in_kernel=True, contain=True)
         o, _ = run_gated_delta_product(q, k, v, g, beta, backend=backend, scale=scale, num_householder=n,
-                                       cu_seqlens=layout.cu_seqlens(q.device), use_qk_l2norm_in_kernel=True)
+                                       cu_seqlens=layout.cu_seqlens(q.device), use_qk_l2norm_in_kernel=True,
+                                       contain=True)
         return o
 
     def forward(self, hidden_states: torch.Tensor, *, cu_seqlens=None, seq_idx=None, cp_group=None,
@@ -136,7 +155,9 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
         error = layout.hidden_error(hidden_states, c.hidden_size)
         if error is None and layout.is_cp and c.use_short_conv and c.conv_size - 1 > layout.local_len:
             error = f"conv_size - 1 = {c.conv_size - 1} exceeds the local length L = {layout.local_len} (halo)"
-        layout.agree(error, hidden_states, "GatedDeltaProduct inputs")
+        # under torch.compile no header runs (the batch agreed eagerly, ``HybridDecoder.agree``)
+        signature = layout.signature(hidden_states, self.cp_signature()) if layout.is_cp and not compiling() else ()
+        agreed = layout.agree(error, signature, self.AGREEMENT)
 
         x = hidden_states
         batch, length, _ = x.shape
@@ -156,7 +177,7 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
         else:
             g = None  # no gate, as flash-linear-attention passes it
 
-        o = self._gated_delta_product(q, k, v, g, beta, layout)
+        o = self._gated_delta_product(q, k, v, g, beta, layout, agreed)
         if c.use_output_gate:
             gate = self.g_proj(x).view(batch, length, c.value_heads, c.head_v_dim)
             o = self.o_norm(o, gate)

@@ -2,23 +2,30 @@
 
 A ``ShardLayout`` holds the host ``PackedLayout`` (replicated ids), the rank's GDP metadata, and
 lazily built device tensors (conv/RoPE positions, cu_seqlens) and attention routings, so that N
-layers of a step pay the host work and the cross-rank agreement once instead of N times::
+layers of a step pay the host work once instead of N times. A model (``HybridDecoder``) agrees on
+all its layers once per call (``agree_model``); a layer used on its own agrees per call::
 
     layout = build_shard_layout(doc_ids=global_doc_ids, total_len=T, cp_group=group)   # per step
     h = gdp_layer(h, layout=layout); h = attention_layer(h, layout=layout)
+
+A step compiled with ``torch.compile`` (or captured in a CUDA graph) cannot run the header inside
+the traced code: the batch agrees eagerly first, and the layers, run with their checks off, only
+read what ``materialize`` built::
+
+    layout.materialize(device); model.agree(input_ids, layout=layout)             # eager, per batch
+    logits = compiled_model(input_ids, layout=layout)                            # no header inside
 
 Without ``cp_group`` the same object describes the whole sequence on one device (cp_size 1).
 """
 
 from __future__ import annotations
 
-import zlib
-
 import torch
 import torch.distributed as dist
 
-from torch_api._dist import agree_or_raise, resolve_group
 from cp_linear.packing import PackedLayout, layout_from_ids
+from cp_linear.validation import digest
+from torch_api._dist import agree_or_raise, resolve_group
 
 _DTYPE_IDS = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
 
@@ -46,7 +53,7 @@ class ShardLayout:
         self.local_len = packed.total_len // self.cp_size
         self.gdp_metadata = packed.gdp_metadata(self.cp_rank, self.cp_size) if self.is_cp else None
         self._device_cache: dict = {}
-        self._agreed: set = set()
+        self._covered: set = set()
 
     @property
     def is_cp(self) -> bool:
@@ -82,25 +89,18 @@ class ShardLayout:
             meta = self.gdp_metadata
             if meta is None:
                 return None, torch.tensor([0, self.cp_size], dtype=torch.int32, device=device)
-            cu = torch.as_tensor(meta.local_cu_seqlens, dtype=torch.int32).to(device)
+            cu = torch.tensor(meta.local_cu_seqlens, dtype=torch.int32).to(device)
             span = torch.tensor([meta.preceding_rank_start, meta.following_rank_stop], dtype=torch.int32)
             return cu, span.to(device)
 
         return self._cached(("gdp", device), build)
 
-    def materialize(self, device, *, hidden_shape=None, dtype=None) -> "ShardLayout":
-        """Build every device tensor the layers read (positions, GDP arrays) on ``device`` now and,
-        under CP with ``hidden_shape`` ([B, L, D] of the layer inputs) and ``dtype``, run the
-        cross-rank agreement for that signature: call it once per batch before a compiled or
-        CUDA-graph-captured step, whose traced code then only reads them (no collective but the
-        layers' own, no host read). Returns self."""
+    def materialize(self, device) -> "ShardLayout":
+        """Build every device tensor the layers read (positions, GDP arrays) on ``device`` now: call it
+        once per batch before a compiled or CUDA-graph-captured step, whose traced code then only
+        reads them (no host read). The step's agreement runs eagerly too (``HybridDecoder.agree``).
+        Returns self."""
         device = torch.device(device)
-        if self.is_cp and hidden_shape is not None:
-            shape = list(hidden_shape)
-            error = None
-            if len(shape) != 3 or shape[1] != self.local_len:
-                error = f"hidden_shape must be [B, L={self.local_len}, D]; received {shape}"
-            self._agree_signature(error, shape, dtype, device, "layer inputs")
         self.positions(device)
         if self.is_cp:
             self.gdp_arrays(device)
@@ -138,34 +138,65 @@ class ShardLayout:
             return f"hidden_states must be float32, bfloat16, float16 or float64; received {hidden_states.dtype}"
         return None
 
-    def agree(self, error: str | None, hidden_states, what: str) -> None:
-        """Raise ``error`` on every rank together (CP), or here (one device).
+    def signature(self, hidden_states, layer_signature=()) -> tuple[int, ...]:
+        """What every rank must share for a layer call: input shape and dtype, autocast, grad mode,
+        this layout (ids fingerprint, T, cp_size), the device type and the layer's own signature."""
+        if not isinstance(hidden_states, torch.Tensor):
+            return self.signature_of((-1, -1, -1), None, "", layer_signature)
+        return self.signature_of(tuple(hidden_states.shape), hidden_states.dtype, hidden_states.device,
+                                 layer_signature)
 
-        Under CP the first call per input signature runs one small all-gather; later layers of the
-        step with the same signature skip it. An error for an already agreed signature comes from
-        the module itself (identical on every rank of a replicated model) and raises locally.
+    def signature_of(self, shape, dtype, device, layer_signature=()) -> tuple[int, ...]:
+        """``signature`` of a layer input with this shape, dtype and device (before it exists)."""
+        device = str(device).split(":")[0]
+        autocast = torch.is_autocast_enabled(device) if device in ("cpu", "cuda") else False
+        autocast_dtype = _DTYPE_IDS.get(torch.get_autocast_dtype(device), 0) if autocast else 0
+        return (*shape, _DTYPE_IDS.get(dtype, 0), int(autocast), autocast_dtype, int(torch.is_grad_enabled()),
+                *self.packed.fingerprint(), self.cp_size, digest([device]), *layer_signature)
+
+    def covers(self, signature, what: str) -> bool:
+        """True when a model agreement (``agree_model``) already covered this layer call."""
+        return (tuple(signature), what) in self._covered
+
+    def agree(self, error: str | None, signature, what: str) -> bool:
+        """Raise ``error`` on every rank together (CP), or here (one device). Returns True when a model
+        agreement already covered the call (no collective ran).
+
+        Under CP one fixed-size header travels per call, unless ``agree_model`` covered this exact
+        (signature, what): a per-layer cache that one rank could hit and another miss would leave
+        them in different collectives, so only a decision every rank made together may skip it.
         """
-        if not self.is_cp or _compiling():
-            # under torch.compile the agreement ran eagerly (``materialize``); shapes are static here
+        error = error or self.packed.error
+        if not self.is_cp or compiling():
+            # a compiled step sends no header: its batch was agreed eagerly (``HybridDecoder.agree``)
             if error:
                 raise ValueError(f"{what}: {error}")
-            return
-        shape = list(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else [-1, -1, -1]
-        self._agree_signature(error, shape, getattr(hidden_states, "dtype", None),
-                              getattr(hidden_states, "device", ""), what)
-
-    def _agree_signature(self, error, shape, dtype, device, what: str) -> None:
-        signature = (*shape, _DTYPE_IDS.get(dtype, 0), *self.packed.fingerprint(), self.cp_size,
-                     zlib.crc32(str(device).split(":")[0].encode()) & 0xFFFF)
-        if signature in self._agreed:
-            if error:
+            return self.is_cp
+        if self.covers(signature, what):
+            if error:  # a covered call only fails through state the model agreement compared
                 raise ValueError(f"{what}: {error}")
-            return
+            return True
         agree_or_raise(self.group, error, signature, what=what)
-        self._agreed.add(signature)
+        return False
+
+    def agree_model(self, error: str | None, signature, layers: list[tuple[tuple[int, ...], str]], *,
+                    value_flags=None, value_checks=()) -> None:
+        """One header for a whole model call (``signature``: its inputs, every layer's configuration
+        in order, parameter flags); on success every ``(layer signature, what)`` in ``layers`` is
+        covered, so those layers add no header of their own (their ops still check values)."""
+        error = error or self.packed.error
+        if not self.is_cp:
+            if error:
+                raise ValueError(f"model inputs: {error}")
+            return
+        agree_or_raise(self.group, error, signature, what="model inputs", value_flags=value_flags,
+                       value_checks=value_checks)
+        self._covered.update((tuple(sig), what) for sig, what in layers)
 
 
-def _compiling() -> bool:
+def compiling() -> bool:
+    """True while torch.compile traces: the layers then send no agreement header (a collective with a
+    host read cannot be traced) and read only what ``ShardLayout.materialize`` built."""
     compiler = getattr(torch, "compiler", None)
     return bool(compiler is not None and compiler.is_compiling())
 

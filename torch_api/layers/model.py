@@ -18,10 +18,11 @@ import torch.nn as nn
 from torch_api._dist import resolve_group
 from torch_api.layers.attention import BlockDiagAttention
 from torch_api.layers.blocks import GatedMLP, RMSNorm
-from cp_linear.model_config import DecoderConfig
+from cp_linear.model_config import DecoderConfig, config_fingerprint
+from cp_linear.validation import digest
 from torch_api.layers.convert import StateTableMixin
 from torch_api.layers.gdp import GatedDeltaProduct
-from torch_api.layers.layout import ShardLayout, build_shard_layout
+from torch_api.layers.layout import ShardLayout, build_shard_layout, compiling
 
 
 class HybridBlock(nn.Module):
@@ -73,10 +74,38 @@ class HybridDecoder(StateTableMixin, nn.Module):
             layout = build_shard_layout(total_len=input_ids.shape[1] * world, doc_ids=doc_ids, cp_group=cp_group)
         elif doc_ids is not None or cp_group is not None:
             raise ValueError("pass either layout or doc_ids / cp_group, not both")
+        if layout.is_cp and not compiling():  # a compiled step agreed eagerly (``agree``)
+            self.agree(input_ids, layout=layout)
         h = self.embeddings(input_ids)
         for block in self.layers:
             h = block(h, layout)
         return self.lm_head(self.norm(h))
+
+    def agree(self, input_ids: torch.Tensor, *, layout: ShardLayout) -> None:
+        """One header for the whole model before its first exchange: the input (token ids in range),
+        the layout and every layer's kind, configuration, options and grad requirement, in order (so a
+        rank with another layer count, order, conv_size, num_householder, ... raises with the others);
+        it covers every mixer's own header. Every mixer input has the embeddings' shape and dtype (the
+        residual stream keeps the embedding dtype and the norms keep it too). ``forward`` runs it on
+        every eager call; a step compiled with ``torch.compile`` cannot (a header reads the host), so
+        call it eagerly once per batch before the compiled call, under the same grad and autocast
+        modes, with the layers' checks off (``cp_check_inputs`` / ``check_inputs`` False)."""
+        hidden = (*input_ids.shape, self.config.hidden_size)
+        dtype, device = self.embeddings.weight.dtype, input_ids.device
+        layers = [(layout.signature_of(hidden, dtype, device, block.attn.cp_signature()), block.attn.AGREEMENT)
+                  for block in self.layers]
+        params = [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in self.named_parameters()]
+        signature = (*layout.signature_of(hidden, dtype, device, config_fingerprint(self.config)), len(self.layers),
+                     digest([sig for sig, _ in layers]), digest(params))
+        error = None
+        if input_ids.dtype not in (torch.int32, torch.int64):
+            error = f"input_ids must be int32 or int64; received {input_ids.dtype}"
+        elif input_ids.shape[1] != layout.local_len or (layout.packed.packed and input_ids.shape[0] != 1):
+            error = (f"input_ids must be [B, L = {layout.local_len}] (B = 1 when packed); "
+                     f"received {tuple(input_ids.shape)}")
+        out_of_range = None if error else ((input_ids < 0) | (input_ids >= self.config.vocab_size)).any().view(1)
+        layout.agree_model(error, signature, layers, value_flags=out_of_range,
+                           value_checks=(("input_ids", f"token ids outside [0, {self.config.vocab_size})"),))
 
 
 __all__ = ["HybridBlock", "HybridDecoder"]

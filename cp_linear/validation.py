@@ -1,0 +1,204 @@
+"""Input rules shared by both frontends, and the array helpers that keep documents numerically apart.
+
+Everything here is framework-neutral: limits and messages are plain Python, and the array helpers
+run on numpy, torch or jax arrays alike through ``array_api_compat`` (like ``cp_linear.summary``).
+docs/failure_modes.md says which op checks what, when, and at what cost.
+
+Glossary
+  static check   shapes, dtypes, limits and flags: host values only, free, also under ``jax.jit``
+  value check    a property of the numbers (NaN/Inf, g > 0, beta outside [0, 2]): one reduction per
+                 input on the device and one host read per call (the frontends fold that read into
+                 the cross-rank agreement under CP); skipped with ``check_inputs=False``
+  isolation      without value checks a non-finite input is *contained* instead: inputs are
+                 sanitised (non-finite -> 0) before any matmul, and the outputs that really depend on
+                 a non-finite input are set to NaN by selection afterwards, so NaN/Inf never reaches
+                 another document, another sequence, padding, or an earlier token::
+
+        doc ids   1 1 1 1 2 2 2 0 0 3 3 3          NaN in v at token 5 (document 2)
+        output    . . . . . N N 0 0 . . .          N = NaN, 0 = padding (exactly zero), . = exact
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, Sequence
+
+import array_api_compat
+
+from cp_linear.gdp import MAX_KEY_DIM, MAX_VALUE_DIM  # the largest key / value head dims both frontends accept
+
+Array = Any  # numpy.ndarray | torch.Tensor | jax.Array
+
+BETA_MAX = 2.0  # beta in [0, 2]: sigmoid, or 2 sigmoid with allow_neg_eigval
+
+NONFINITE = "non-finite values (NaN or Inf)"
+
+
+# --------------------------------------------------------------------------- static checks
+
+
+def gdp_dims_error(q_shape: Sequence[int], v_shape: Sequence[int]) -> str | None:
+    """Empty or unsupported sizes of a GDP call (after the shape check); None when fine."""
+    batch, tokens, heads, key_dim = (int(d) for d in q_shape)
+    value_dim = int(v_shape[-1])
+    if 0 in (batch, tokens, heads, key_dim, value_dim):
+        return (f"empty inputs are not supported: B, T, H, K and V must all be ≥ 1; received "
+                f"q {tuple(q_shape)}, v {tuple(v_shape)}")
+    if key_dim > MAX_KEY_DIM:
+        return f"K = {key_dim} exceeds the supported maximum K = {MAX_KEY_DIM}"
+    if value_dim > MAX_VALUE_DIM:
+        return f"V = {value_dim} exceeds the supported maximum V = {MAX_VALUE_DIM}"
+    return None
+
+
+def attention_dims_error(q_shape: Sequence[int], k_shape: Sequence[int]) -> str | None:
+    """Empty attention inputs; None when fine."""
+    if 0 in tuple(q_shape) or 0 in tuple(k_shape):
+        return f"empty inputs are not supported; received q {tuple(q_shape)}, k/v {tuple(k_shape)}"
+    return None
+
+
+# --------------------------------------------------------------------------- value checks
+
+# Each value check is one boolean per call; its message names the input. The frontends compute the
+# booleans on the device, in this order, and read them in one host transfer.
+GDP_VALUE_CHECKS = (
+    ("q", NONFINITE + " in q"),
+    ("k", NONFINITE + " in k"),
+    ("v", NONFINITE + " in v"),
+    ("g", NONFINITE + " in g"),
+    ("beta", NONFINITE + " in beta"),
+    ("g_positive", "g > 0 (g is a log decay and must be ≤ 0; a growing state overflows)"),
+    ("beta_range", f"beta outside [0, {BETA_MAX:g}]"),
+)
+
+
+def nonfinite_message(names: Sequence[str]) -> str:
+    return f"{NONFINITE} in {', '.join(names)}"
+
+
+def describe_failed(checks: Sequence[tuple[str, str]], failed: Sequence[bool]) -> str | None:
+    """One message listing the checks whose flag is set, or None when none is."""
+    nonfinite = [name for (name, message), bad in zip(checks, failed) if bad and message.startswith(NONFINITE)]
+    others = [message for (_, message), bad in zip(checks, failed) if bad and not message.startswith(NONFINITE)]
+    parts = ([nonfinite_message(nonfinite)] if nonfinite else []) + others
+    return "; ".join(parts) if parts else None
+
+
+def gdp_value_flags(q, k, v, g, beta) -> list:
+    """The ``GDP_VALUE_CHECKS`` as 0-d boolean arrays (True = failed), computed where the inputs live.
+
+    No host read here: the caller stacks them and reads them once (or ships them in an agreement).
+    """
+    xp = array_api_compat.array_namespace(q)
+    flags = [~xp.all(xp.isfinite(x)) for x in (q, k, v, g, beta)]
+    flags.append(xp.any(g > 0))
+    flags.append(xp.any((beta < 0) | (beta > BETA_MAX)))
+    return flags
+
+
+# --------------------------------------------------------------------------- agreement signatures
+
+
+def digest(values: Sequence[Any]) -> int:
+    """A non-negative 62-bit int that changes when ``values`` (ints, floats, strings, tuples) change.
+
+    For cross-rank agreement headers: long descriptions travel as one number.
+    """
+    raw = repr(tuple(values)).encode()
+    return ((zlib.crc32(raw) << 30) ^ zlib.adler32(raw)) & ((1 << 62) - 1)
+
+
+# --------------------------------------------------------------------------- isolation helpers
+
+
+def sanitize(x: Array) -> Array:
+    """``x`` with every NaN/Inf replaced by 0, by selection (so no NaN * 0 anywhere downstream)."""
+    xp = array_api_compat.array_namespace(x)
+    return xp.where(xp.isfinite(x), x, xp.zeros_like(x))
+
+
+def nonfinite_rows(x: Array, feature_axes: int) -> Array:
+    """bool ``x.shape[:-feature_axes]``: True where a row holds any NaN/Inf (0 feature axes: per entry)."""
+    xp = array_api_compat.array_namespace(x)
+    bad = ~xp.isfinite(x)
+    if feature_axes == 0:
+        return bad
+    return xp.any(bad, axis=tuple(range(-feature_axes, 0)))
+
+
+def any_in_ranges(flags: Array, start: Array, stop: Array) -> Array:
+    """``out[:, m, ...] = any(flags[:, start[m]:stop[m], ...])`` along axis 1, for int index arrays
+    ``start``, ``stop`` [M] (``start <= stop``): two prefix sums and two gathers, no [M, N] mask."""
+    xp = array_api_compat.array_namespace(flags)
+    counts = xp.cumulative_sum(xp.astype(flags, xp.int32), axis=1, include_initial=True)
+    return (xp.take(counts, stop, axis=1) - xp.take(counts, start, axis=1)) > 0
+
+
+def poison(x: Array, mask: Array) -> Array:
+    """``x`` with NaN where ``mask`` (broadcast against x) is True, by selection."""
+    xp = array_api_compat.array_namespace(x)
+    return xp.where(mask, xp.full_like(x, float("nan")), x)
+
+
+def _placed_like(x) -> dict:
+    """``device=`` for new arrays beside a torch tensor; jax and numpy place them themselves (a jax
+    tracer has no device to ask)."""
+    return {"device": x.device} if array_api_compat.is_torch_array(x) else {}
+
+
+# --------------------------------------------------------------------------- GDP containment
+# Per token t and head h, an output is poisoned when q[t] is non-finite, or when any k, v, beta step
+# or g of a token s <= t of the same sequence is (``torch_api.gdp.isolation`` draws it). Bool arrays
+# [B, T, H]; ``start`` int [T] is the index of the first token of each token's sequence.
+
+
+def gdp_bad_tokens(q, k, v, g, beta, num_householder: int) -> tuple[Array, Array]:
+    """(state_bad, read_bad), bool [B, T, H] each: a non-finite input that enters the state at token t
+    (k, v, beta of its steps, or g[t]), and a non-finite q[t] (read once, by output t only)."""
+    xp = array_api_compat.array_namespace(q)
+    batch, tokens, heads = g.shape
+    steps = nonfinite_rows(k, 1) | nonfinite_rows(v, 1) | nonfinite_rows(beta, 0)  # [B, T*n_h, H]
+    state_bad = xp.any(xp.reshape(steps, (batch, tokens, num_householder, heads)), axis=2) | ~xp.isfinite(g)
+    return state_bad, nonfinite_rows(q, 1)
+
+
+def sequence_start_index(cu_seqlens: Array, tokens: int) -> Array:
+    """int [T]: index of the first token of each token's sequence, from boundaries int [N + 1]."""
+    xp = array_api_compat.array_namespace(cu_seqlens)
+    position = xp.arange(tokens, dtype=cu_seqlens.dtype, **_placed_like(cu_seqlens))
+    return xp.take(cu_seqlens, xp.searchsorted(cu_seqlens[1:], position, side="right"))
+
+
+def gdp_token_poison(state_bad: Array, read_bad: Array, start: Array, incoming_bad: Array | None = None) -> Array:
+    """bool [B, T, H]: outputs that depend on a non-finite input. ``incoming_bad`` bool [B or 1, H]: the
+    state entering the shard is poisoned, which reaches the tokens of its first sequence (start 0)."""
+    xp = array_api_compat.array_namespace(state_bad)
+    stop = xp.arange(1, state_bad.shape[1] + 1, dtype=start.dtype, **_placed_like(start))
+    poisoned = any_in_ranges(state_bad, start, stop) | read_bad
+    if incoming_bad is not None:
+        poisoned = poisoned | (incoming_bad[:, None, :] & (start == 0)[None, :, None])
+    return poisoned
+
+
+def gdp_trailing_bad(state_bad: Array, start: Array) -> Array:
+    """bool [B, H]: the trailing sequence fragment (tokens from the last start) holds a bad state input."""
+    xp = array_api_compat.array_namespace(state_bad)
+    in_last = (start == start[-1])[None, :, None]  # a mask, so no host read of start
+    return xp.any(state_bad & in_last, axis=1)
+
+
+def gdp_sequence_bad(state_bad: Array, cu_seqlens: Array | None) -> Array:
+    """bool [N, H]: sequence n holds a non-finite state input (rows, cu_seqlens None: N = B)."""
+    xp = array_api_compat.array_namespace(state_bad)
+    if cu_seqlens is None:
+        return xp.any(state_bad, axis=1)
+    return any_in_ranges(state_bad, cu_seqlens[:-1], cu_seqlens[1:])[0]
+
+
+__all__ = [
+    "BETA_MAX", "GDP_VALUE_CHECKS", "MAX_KEY_DIM", "MAX_VALUE_DIM", "NONFINITE", "any_in_ranges",
+    "attention_dims_error", "describe_failed", "digest", "gdp_bad_tokens", "gdp_dims_error", "gdp_sequence_bad",
+    "gdp_token_poison", "gdp_trailing_bad", "gdp_value_flags", "nonfinite_message", "nonfinite_rows", "poison",
+    "sanitize", "sequence_start_index",
+]

@@ -1,0 +1,107 @@
+"""Containment of non-finite GDP inputs when their values are not checked (``check_inputs=False``).
+
+The chunked algorithm mixes steps through matmuls, where a masked-out NaN still poisons the sum
+(0 * NaN = NaN): one NaN would reach every earlier token of its chunk and, through the chunk
+recurrence, other sequences. So the op never lets a non-finite value into the math: inputs are
+sanitised (NaN/Inf -> 0, by selection) and the outputs that truly depend on a non-finite input are
+set to NaN afterwards::
+
+    token       0 1 2 3 | 4 5 6 7        (two sequences, k[5] is NaN)
+    poisoned    . . . . | . N N N        tokens 5..7 read the state after step 5; 0..4 never do
+
+Per token t and head h: poisoned when q[t] is non-finite, or when any k, v, beta step or g of a
+token s <= t of the same sequence is (the rule lives in ``cp_linear.validation``). Under CP a
+sequence's poison crosses ranks inside its summary: a rank whose trailing fragment is poisoned
+sends NaN in that head's summary, and the receiver turns a non-finite incoming state into poison
+of its first sequence (and a zero state).
+Gradients flow only from finite outputs (a poisoned output passes no gradient).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cp_linear.validation import (
+    gdp_bad_tokens,
+    gdp_sequence_bad,
+    gdp_token_poison,
+    gdp_trailing_bad,
+    nonfinite_rows,
+    poison,
+    sanitize,
+)
+from cp_linear.validation import sequence_start_index as core_sequence_start_index
+
+
+def bad_tokens(q, k, v, g, beta, num_householder: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(state_bad, read_bad) bool [B, T, H] (``cp_linear.validation.gdp_bad_tokens``), without autograd."""
+    with torch.no_grad():
+        return gdp_bad_tokens(q, k, v, g, beta, num_householder)
+
+
+def sanitized(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each tensor with NaN/Inf replaced by 0 (differentiable; those entries get zero gradient)."""
+    return tuple(sanitize(x) for x in tensors)
+
+
+def sequence_start_index(tokens: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
+    """int64 [T]: index of the first token of each token's sequence (0 for every token of a row)."""
+    if cu_seqlens is None:
+        return torch.zeros(tokens, dtype=torch.int64, device=device)
+    return core_sequence_start_index(cu_seqlens.to(device=device, dtype=torch.int64), tokens)
+
+
+def token_poison(state_bad, read_bad, start, incoming_bad=None) -> torch.Tensor:
+    with torch.no_grad():
+        return gdp_token_poison(state_bad, read_bad, start, incoming_bad)
+
+
+def trailing_bad(state_bad, start) -> torch.Tensor:
+    with torch.no_grad():
+        return gdp_trailing_bad(state_bad, start)
+
+
+def sequence_bad(state_bad, cu_seqlens) -> torch.Tensor:
+    with torch.no_grad():
+        cu = None if cu_seqlens is None else cu_seqlens.to(device=state_bad.device, dtype=torch.int64)
+        return gdp_sequence_bad(state_bad, cu)
+
+
+def poison_summary(summary, bad: torch.Tensor):
+    """NaN in the heads (and rows) of a summary whose fragment is poisoned; bad bool [B, H] for a
+    [B, H, K, V + K] summary, [1, H] for a packed [H, K, V + K] one. Any summary form."""
+    from dataclasses import fields, is_dataclass, replace
+
+    def mark(tensor):
+        mask = bad.reshape(*bad.shape[1 if tensor.dim() == 3 else 0:], 1, 1)
+        return poison(tensor, mask.to(tensor.device))
+
+    if isinstance(summary, torch.Tensor):
+        return mark(summary)
+    if is_dataclass(summary):
+        return replace(summary, **{f.name: mark(getattr(summary, f.name)) for f in fields(summary)})
+    return summary
+
+
+def incoming_bad_and_clean(stacked) -> tuple[torch.Tensor, object]:
+    """Of sliced neighbour summaries [n, (B,) H, K, V + K] (any form): which (rows,) heads hold a
+    non-finite value, bool [B or 1, H], and the summaries with those values zeroed."""
+    from dataclasses import fields, is_dataclass, replace
+
+    tensors = [stacked] if isinstance(stacked, torch.Tensor) else [getattr(stacked, f.name) for f in fields(stacked)]
+    with torch.no_grad():
+        bad = None
+        for tensor in tensors:
+            rows = nonfinite_rows(tensor, 2).any(0) if tensor.shape[0] else torch.zeros(
+                tensor.shape[1:-2], dtype=torch.bool, device=tensor.device)
+            bad = rows if bad is None else bad | rows
+        bad = bad.reshape(-1, bad.shape[-1])
+    if isinstance(stacked, torch.Tensor):
+        return bad, sanitize(stacked)
+    if is_dataclass(stacked):
+        return bad, replace(stacked, **{f.name: sanitize(getattr(stacked, f.name)) for f in fields(stacked)})
+    return bad, stacked
+
+
+__all__ = ["bad_tokens", "incoming_bad_and_clean", "poison_summary", "sanitized", "sequence_bad",
+           "sequence_start_index", "token_poison", "trailing_bad"]
