@@ -187,6 +187,6 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
 
 
 # help() and inspect.signature list every keyword argument (a metaclass hides __init__ from them)
-document_layer_signature(GatedDeltaProduct, GDPConfig, backend=None, cp_check_inputs=False)
+document_layer_signature(GatedDeltaProduct, GDPConfig, backend=None, cp_check_inputs=True)
 
 __all__ = ["GatedDeltaProduct"]
