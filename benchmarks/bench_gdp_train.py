@@ -39,7 +39,8 @@ def _time(fn, repeat: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def _kernel_ms(fn, repeat: int) -> float:
+def _kernel_ms(fn, repeat: int) -> tuple[float, list[tuple[str, float]]]:
+    """GPU kernel time per call (ms) and the ten largest kernels (name, ms per call)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -50,12 +51,11 @@ def _kernel_ms(fn, repeat: int) -> float:
         torch.cuda.synchronize()
     events = [(e.key, (getattr(e, "self_device_time_total", 0) or 0) / repeat / 1e3) for e in prof.key_averages()]
     events = sorted((item for item in events if item[1] > 0), key=lambda item: -item[1])
-    _kernel_ms.largest = events[:10]  # read by main() for the per-kernel line
-    return sum(ms for _, ms in events)
+    return sum(ms for _, ms in events), events[:10]
 
 
-def _print_kernels(name: str) -> None:
-    parts = "  ".join(f"{key[:48]} {ms:.3f}" for key, ms in _kernel_ms.largest)
+def _print_kernels(name: str, largest: list[tuple[str, float]]) -> None:
+    parts = "  ".join(f"{key[:48]} {ms:.3f}" for key, ms in largest)
     print(f"{'':>8} {name:>15} kernels (ms/step): {parts}", flush=True)
 
 
@@ -123,24 +123,28 @@ def main() -> None:
                                                backend=backend)
                 torch.autograd.backward([o, final], [do, dfinal])
             try:
-                row = [tokens, name, _time(step, args.repeat), _kernel_ms(step, args.repeat), _peak_mb(step)]
+                wall_ms = _time(step, args.repeat)
+                kernel_ms, largest = _kernel_ms(step, args.repeat)
+                row = [tokens, name, wall_ms, kernel_ms, _peak_mb(step)]
             except Exception as err:  # report and keep measuring the others
                 print(f"{tokens:>8} {name:>15} failed: {type(err).__name__}: {err}", flush=True)
                 continue
             rows.append(row)
             print(f"{row[0]:>8} {row[1]:>15} {row[2]:>9.3f} {row[3]:>10.3f} {row[4]:>9.0f}", flush=True)
             if args.kernels:
-                _print_kernels(name)
+                _print_kernels(name, largest)
         if fla_step is not None:
             def fla():
                 leaves = [x.detach().requires_grad_() for x in (q, k, v, g, beta)]
                 fla_step(leaves, do, dfinal)
             try:
-                row = [tokens, "FLA", _time(fla, args.repeat), _kernel_ms(fla, args.repeat), _peak_mb(fla)]
+                wall_ms = _time(fla, args.repeat)
+                kernel_ms, largest = _kernel_ms(fla, args.repeat)
+                row = [tokens, "FLA", wall_ms, kernel_ms, _peak_mb(fla)]
                 rows.append(row)
                 print(f"{row[0]:>8} {row[1]:>15} {row[2]:>9.3f} {row[3]:>10.3f} {row[4]:>9.0f}", flush=True)
                 if args.kernels:
-                    _print_kernels("FLA")
+                    _print_kernels("FLA", largest)
             except Exception as err:
                 print(f"{tokens:>8} {'FLA':>15} failed: {type(err).__name__}: {err}", flush=True)
         del q, k, v, g, beta, do, dfinal

@@ -306,11 +306,13 @@ def scan_row_block(key_dim: int, value_dim: int, num_householder: int) -> int:
     return 0
 
 
-def scan_mma(dtype: str, key_dim: int, value_dim: int) -> str:
-    """The scan's MMA kind (``ChunkScanConfig.mma``) for ``mma="auto"``: the warpgroup-MMA scan where
-    it is compiled (bf16, K = V = 128), as measured on an H200 at H = 16, n_h = 2 (kernel time 8k:
-    0.543 vs 0.600 ms; 32k: 1.663 vs 1.881; 128k: 6.228 vs 7.044; 32 x 1k: 1.221 vs 1.265), warp
-    ``mma.sync`` elsewhere."""
+def scan_mma(requested: str, dtype: str, key_dim: int, value_dim: int) -> str:
+    """The scan's MMA kind (``ChunkScanConfig.mma``): ``requested`` unless it is "auto", which picks
+    the warpgroup-MMA scan where it is compiled (bf16, K = V = 128), as measured on an H200 at
+    H = 16, n_h = 2 (kernel time 8k: 0.543 vs 0.600 ms; 32k: 1.663 vs 1.881; 128k: 6.228 vs 7.044;
+    32 x 1k: 1.221 vs 1.265), and warp ``mma.sync`` elsewhere."""
+    if requested != "auto":
+        return requested
     return "wgmma" if dtype == "bfloat16" and key_dim == value_dim == 128 else "sync"
 
 

@@ -155,8 +155,9 @@ class CuTeDSLGatedDeltaProductCPBackend:
     per scan CTA, 0: ``launch.scan_row_block``'s measured choice), ``mma`` ("auto", "sync" or "wgmma"),
     ``fallback`` (False: raise on inputs the kernels do not take). ``backward``: "kernels" (default:
     the backward kernels from the segments' saved incoming states, checked on an H200 as the torch
-    backend's) or "jax" (``JaxGDPBackend``'s recomputation from the saved inputs). ``sm_count``: SMs to size segments for (None: the
-    device's). ``cuda_graph``: let XLA capture the custom calls in its command buffers.
+    backend's) or "jax" (``JaxGDPBackend``'s recomputation from the saved inputs). ``sm_count``: SMs
+    to size segments for (None: the device's). ``cuda_graph``: let XLA capture the custom calls in
+    its command buffers.
     Frozen and hashable: an argument of ``jax.jit`` / ``custom_vjp`` like ``JaxGDPBackend``.
     """
 
@@ -247,9 +248,6 @@ class CuTeDSLGatedDeltaProductCPBackend:
                                             state_rows=value_dim + key_dim, o_shape=(1, 1, value_dim))
         return shard
 
-    def _scan_mma(self, shard: _Shard) -> str:
-        return self.mma if self.mma != "auto" else kl.scan_mma(shard.dtype, shard.key_dim, shard.value_dim)
-
     def _scan(self, shard: _Shard, mode: str, *, state_in, state_rows: int, o_shape: tuple):
         """chunk_scan -> (state_out [S_max, H, state_rows, K] float32, o of ``o_shape``)."""
         layout, heads = shard.layout, shard.heads
@@ -257,7 +255,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         out = self._launch(
             kl.ChunkScanLaunch,
             kcfg.ChunkScanConfig(shard.dtype, shard.key_dim, shard.value_dim, mode, tile, shard.row_block,
-                                  self._scan_mma(shard)),
+                                  kl.scan_mma(self.mma, shard.dtype, shard.key_dim, shard.value_dim)),
             dict(k=shard.k, v=shard.v, q=shard.q, ta=shard.ta, tb=shard.tb, p=shard.p, scalars=shard.scalars,
                  **shard.tables("chunk_first_step", "chunk_steps", "seg_first_chunk", "seg_chunks", "seg_flags",
                                 "num_segments"), state_in=state_in),

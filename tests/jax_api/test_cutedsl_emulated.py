@@ -34,7 +34,7 @@ from jax_api.gdp.chunk import JaxGDPBackend  # noqa: E402
 from jax_api.gdp.cp import gdp_chunkwise_context_parallel  # noqa: E402
 from jax_api.gdp.ops import gated_delta_product, resolve_backend  # noqa: E402
 from tests.cp_linear.gdp_cases import rel_err, seq_idx_from_lengths  # noqa: E402
-from tests.cutedsl_inputs import emulation_inputs  # noqa: E402
+from tests.cutedsl_inputs import emulation_inputs as _inputs  # noqa: E402
 from tests.jax_api.kernel_emulation import LAUNCH_COUNTS, register_emulated_kernels  # noqa: E402
 from tests.jax_api.test_gdp_chunk import float64_reference_grads  # noqa: E402
 from torch_api.gdp.types import GDPInputs  # noqa: E402
@@ -54,8 +54,6 @@ def emulated(monkeypatch):
     monkeypatch.setattr(tcd, "unsupported_reason", lambda inputs: None)
     monkeypatch.setattr(tcd, "_sm_count", lambda device: 132)
 
-
-_inputs = emulation_inputs
 
 
 def _jax(t: torch.Tensor) -> jax.Array:

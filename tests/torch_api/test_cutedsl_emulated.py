@@ -17,7 +17,7 @@ from cp_linear.kernels import launch as kl
 from cp_linear.kernels.emulation import run_emulated
 from cp_linear.reference import naive_gated_delta_product
 from tests.cp_linear.gdp_cases import rel_err
-from tests.cutedsl_inputs import emulation_inputs
+from tests.cutedsl_inputs import emulation_inputs as _inputs
 from torch_api.gdp.types import GDPInputs
 
 
@@ -27,8 +27,6 @@ def emulated(monkeypatch):
     monkeypatch.setattr(cutedsl, "unsupported_reason", lambda inputs: None)
     monkeypatch.setattr(cutedsl, "_sm_count", lambda device: 132)
 
-
-_inputs = emulation_inputs
 
 
 def _reference(q, k, v, g, beta, n_h, cu, initial=None):

@@ -209,9 +209,10 @@ class CuTeDSLGatedDeltaProductCPBackend:
     (``TorchGDPBackend``'s recomputation from the saved inputs). The kernel backward saves one
     float32 state per segment (9.4 MB at 32k tokens, H = 16, K = V = 128) and recomputes the chunk
     states inside each segment; storing them instead would cost 0.5 GB at that shape, so there is
-    no store-or-recompute knob (the earlier ``recompute_chunk_num`` is gone). Sequence states (``initial_state``, ``output_final_state`` of
-    ``cp_linear.gdp.GDPInputs``) run on the kernels in both directions, so the one-device op
-    ``torch_api.gated_delta_product`` takes this backend through the four functions.
+    no store-or-recompute knob (the earlier ``recompute_chunk_num`` is gone). Sequence states
+    (``initial_state``, ``output_final_state`` of ``cp_linear.gdp.GDPInputs``) run on the kernels in
+    both directions, so the one-device op ``torch_api.gated_delta_product`` takes this backend
+    through the four functions.
     """
 
     supports_sequence_states = True
@@ -324,15 +325,12 @@ class CuTeDSLGatedDeltaProductCPBackend:
         heads, key_dim, value_dim = int(inputs.q.shape[2]), int(inputs.q.shape[3]), int(inputs.v.shape[-1])
         return (self._sizes(inputs).max_segments, heads, value_dim, key_dim)
 
-    def _scan_mma(self, shard: _Shard) -> str:
-        return self.mma if self.mma != "auto" else kl.scan_mma(shard.dtype, shard.key_dim, shard.value_dim)
-
     def _scan(self, shard: _Shard, mode: str, *, state_in, state_out, o) -> None:
         layout = shard.layout
         tile = shard.query_tile if mode == "output" else 0
         kl.ChunkScanLaunch(
             kcfg.ChunkScanConfig(shard.dtype, shard.key_dim, shard.value_dim, mode, tile, shard.row_block,
-                                  self._scan_mma(shard)),
+                                  kl.scan_mma(self.mma, shard.dtype, shard.key_dim, shard.value_dim)),
             k=shard.k, v=shard.v, q=shard.q, ta=shard.ta, tb=shard.tb, p=shard.p, scalars=shard.scalars,
             chunk_first_step=layout.chunk_first_step, chunk_steps=layout.chunk_steps,
             seg_first_chunk=layout.seg_first_chunk, seg_chunks=layout.seg_chunks, seg_flags=layout.seg_flags,
