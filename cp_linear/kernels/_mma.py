@@ -183,3 +183,71 @@ def wgmma(tiled_mma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor, accumulat
         cute.gemm(tiled_mma, acc, a[None, None, k], b[None, None, k], acc)
     warpgroup.commit_group()
     warpgroup.wait_group(0)
+
+
+# ------------------------------------------------------------------ float32 products on bf16 tensor cores
+
+
+def _fragment(view: cute.Tensor, dtype) -> cute.Tensor:
+    """A register operand shaped like the partition ``view``, compact in its logical (column-major)
+    order: ``mma.sync`` packs adjacent elements into one register, so the order must be the MMA's
+    own, not ``make_fragment_like``'s copy of the shared-memory stride order (wrong for a
+    transposed view)."""
+    return cute.make_rmem_tensor(cute.make_layout(view.shape), dtype)
+
+
+@cute.jit
+def _split_bf16(values, big: cute.Tensor, small: cute.Tensor):
+    """float32 ``values`` -> big = bf16(values), small = bf16(values - big): big + small carries 16
+    significant bits (relative error <= 2^-17)."""
+    rounded = values.to(cutlass.BFloat16)
+    big.store(rounded)
+    small.store((values - rounded.to(cutlass.Float32)).to(cutlass.BFloat16))
+
+
+@cute.jit
+def gemm_f32_split(tiled_mma, tidx, acc: cute.Tensor, a_tile: cute.Tensor, b_tile: cute.Tensor):
+    """acc += A B^T to about float32 accuracy on a bf16 ``tiled_mma``: A [M, Kx] and B [N, Kx] float32
+    in shared memory, any layout (plain or transposed views). Both are split into bf16 big + small and
+    the product is big big + big small + small big (the 3xTF32 recipe with bf16 halves: relative
+    error ~2^-16)."""
+    thr = tiled_mma.get_slice(tidx)
+    part_a = thr.partition_A(a_tile)
+    part_b = thr.partition_B(b_tile)
+    a_big = _fragment(part_a[None, None, 0], cutlass.BFloat16)
+    a_small = _fragment(part_a[None, None, 0], cutlass.BFloat16)
+    b_big = _fragment(part_b[None, None, 0], cutlass.BFloat16)
+    b_small = _fragment(part_b[None, None, 0], cutlass.BFloat16)
+    for k in cutlass.range_constexpr(cute.size(part_a, mode=[2])):
+        _split_bf16(part_a[None, None, k].load(), a_big, a_small)
+        _split_bf16(part_b[None, None, k].load(), b_big, b_small)
+        cute.gemm(tiled_mma, acc, a_small, b_big, acc)
+        cute.gemm(tiled_mma, acc, a_big, b_small, acc)
+        cute.gemm(tiled_mma, acc, a_big, b_big, acc)
+
+
+@cute.jit
+def gemm_f32_by_16bit(tiled_mma, tidx, acc: cute.Tensor, a_tile: cute.Tensor, b: SmemOperand,
+                      b_is_bf16: cutlass.Constexpr):
+    """acc += A B^T with A [M, Kx] float32 in shared memory (split into bf16 big + small) and B a
+    16-bit ``SmemOperand`` (ldmatrix): bf16 B is exact (two products); fp16 B is split too (exactly:
+    11 significant bits fit in two bf16 halves; three products)."""
+    thr = tiled_mma.get_slice(tidx)
+    part_a = thr.partition_A(a_tile)
+    a_big = _fragment(part_a[None, None, 0], cutlass.BFloat16)
+    a_small = _fragment(part_a[None, None, 0], cutlass.BFloat16)
+    b_big = _fragment(b.fragment[None, None, 0], cutlass.BFloat16)
+    b_small = _fragment(b.fragment[None, None, 0], cutlass.BFloat16)
+    b.load(0)
+    for k in cutlass.range_constexpr(b.k_slices()):
+        if cutlass.const_expr(k + 1 < b.k_slices()):
+            b.load(k + 1)
+        _split_bf16(part_a[None, None, k].load(), a_big, a_small)
+        if cutlass.const_expr(b_is_bf16):
+            cute.gemm(tiled_mma, acc, a_small, b.fragment[None, None, k], acc)
+            cute.gemm(tiled_mma, acc, a_big, b.fragment[None, None, k], acc)
+        else:
+            _split_bf16(b.fragment[None, None, k].load().to(cutlass.Float32), b_big, b_small)
+            cute.gemm(tiled_mma, acc, a_small, b_big, acc)
+            cute.gemm(tiled_mma, acc, a_big, b_small, acc)
+            cute.gemm(tiled_mma, acc, a_big, b_big, acc)

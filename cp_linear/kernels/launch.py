@@ -233,9 +233,9 @@ class ChunkPrepBackwardLaunch(_Launch):
     chunk_first_step: Any = _spec(None, dtype="int32")
     chunk_steps: Any = _spec(None, dtype="int32")
     num_chunks: Any = _spec(1, dtype="int32")
-    d_ta: Any = _spec(None, None, 64, 64, dtype="float32")
-    d_tb: Any = _spec(None, None, 64, 64, dtype="float32")
-    d_p: Any = _spec(None, None, "query_tile", 64, dtype="float32")
+    d_ta: Any = _spec(None, None, 64, 64, dtype="float32", align=16)  # staged in shared memory by 16-byte copies
+    d_tb: Any = _spec(None, None, 64, 64, dtype="float32", align=16)
+    d_p: Any = _spec(None, None, "query_tile", 64, dtype="float32", align=16)
     d_scalars: Any = _spec(None, None, 4, 64, dtype="float32")
     dq_scan: Any = _spec(None, None, "key_dim", dtype="float32")
     dk_scan: Any = _spec(None, None, "key_dim", dtype="float32")
