@@ -236,8 +236,9 @@ def gemm_f32_by_16bit(tiled_mma, tidx, acc: cute.Tensor, a_tile: cute.Tensor, b:
     part_a = thr.partition_A(a_tile)
     a_big = _fragment(part_a[None, None, 0], cutlass.BFloat16)
     a_small = _fragment(part_a[None, None, 0], cutlass.BFloat16)
-    b_big = _fragment(b.fragment[None, None, 0], cutlass.BFloat16)
-    b_small = _fragment(b.fragment[None, None, 0], cutlass.BFloat16)
+    # in the ldmatrix fragment's own register order (it is not the compact one of its shape)
+    b_big = cute.make_fragment_like(b.fragment[None, None, 0], cutlass.BFloat16)
+    b_small = cute.make_fragment_like(b.fragment[None, None, 0], cutlass.BFloat16)
     b.load(0)
     for k in cutlass.range_constexpr(b.k_slices()):
         if cutlass.const_expr(k + 1 < b.k_slices()):

@@ -86,6 +86,7 @@ class ChunkPrepBackwardKernel:
         s_row_s, s_row_w, s_col_s, s_col_w = (smem_vector(allocator, C) for _ in range(4))
         s_col_p, s_col_u, s_row_u = (smem_vector(allocator, C) for _ in range(3))
         s_sum = smem_vector(allocator, 2)
+        s_scalars = allocator.allocate_tensor(Float32, cute.make_layout((4, C), stride=(C, 1)), 16)  # db, dc, dd
 
         if chunk < num_chunks[0]:
             first = chunk_first_step[chunk]
@@ -99,6 +100,9 @@ class ChunkPrepBackwardKernel:
             _mma.copy_rows_g2s(g2s_f32, tidx, d_ta[chunk, head, None, None], s_m1, C)
             _mma.copy_rows_g2s(g2s_f32, tidx, d_tb[chunk, head, None, None], s_work, C)
             cute.arch.cp_async_commit_group()
+            for n in cutlass.range_constexpr(4 * C // THREADS):
+                flat = tidx + n * THREADS
+                s_scalars[flat // C, flat % C] = d_scalars[chunk, head, flat // C, flat % C]
             chunk_common.gate_cumsum(tidx, s_gate)
             chunk_common.row_norms(tidx, s_k, s_q, s_f, s_fq, steps, tokens, use_l2, K)
             cute.arch.sync_threads()
@@ -223,7 +227,7 @@ class ChunkPrepBackwardKernel:
             gate_last = s_gate[last_step]
             if tidx < C:
                 j = tidx
-                grad_b = d_scalars[chunk, head, 0, j]
+                grad_b = s_scalars[0, j]
                 b_j = s_f[j] * cute.math.exp(gate_last - s_gate[j])
                 s_df[j] = s_df[j] + s_beta[j] * s_row_s[j] + s_col_s[j] + s_col_p[j] + \
                     grad_b * cute.math.exp(gate_last - s_gate[j])
@@ -233,18 +237,18 @@ class ChunkPrepBackwardKernel:
                     t = j // NH
                     if t < tokens:
                         c_t = scale * s_fq[t] * cute.math.exp(s_gate[j])
-                        grad_g = grad_g + s_row_u[t] + d_scalars[chunk, head, 1, t] * c_t
+                        grad_g = grad_g + s_row_u[t] + s_scalars[1, t] * c_t
                 s_dg[j] = grad_g
                 bb = cute.arch.warp_reduction_sum(grad_b * b_j)
                 if tidx % 32 == 0:
                     s_sum[tidx // 32] = bb
             elif tidx < C + NQ:
                 t = tidx - C
-                s_dfq[t] = s_dfq[t] + d_scalars[chunk, head, 1, t] * scale * cute.math.exp(s_gate[t * NH + NH - 1])
+                s_dfq[t] = s_dfq[t] + s_scalars[1, t] * scale * cute.math.exp(s_gate[t * NH + NH - 1])
             cute.arch.sync_threads()
             if tidx == 0:
                 s_dg[last_step] = s_dg[last_step] + s_sum[0] + s_sum[1] + \
-                    d_scalars[chunk, head, 2, 0] * cute.math.exp(gate_last)
+                    s_scalars[2, 0] * cute.math.exp(gate_last)
             cute.arch.sync_threads()
             reverse_cumsum(tidx, s_dg)
             cute.arch.sync_threads()
@@ -256,8 +260,8 @@ class ChunkPrepBackwardKernel:
                         dg[first_token + j // NH, head] = s_dg[j]
 
             # 7. dk = dk_scan + (dGram + dGram^T) k + dQK^T q - df f^3 k;  dq = dq_scan + dQK k - dfq fq^3 q
-            self.key_products(tidx, split_mma, s_m1, s_a, s_k, s_q, s_f, s_df, dk_scan, dk, first, steps, head, use_l2)
-            self.query_products(tidx, split_mma, s_a, s_k, s_q, s_fq, s_dfq, dq_scan, dq, first_token, tokens, head,
+            self.key_products(tidx, tiled_mma, split_mma, s_m1, s_a, s_k, s_q, s_f, s_df, dk_scan, dk, first, steps, head, use_l2)
+            self.query_products(tidx, tiled_mma, split_mma, s_a, s_k, s_q, s_fq, s_dfq, dq_scan, dq, first_token, tokens, head,
                                 use_l2)
 
     @cute.jit
@@ -280,51 +284,60 @@ class ChunkPrepBackwardKernel:
             i, j = coords[e]
             out[i, j] = acc[e]
 
-    def transposed_operand(self, split_mma, tidx, s_tile):
-        """The [K, 64] transpose of a [64, K] 16-bit tile as the B operand (ldmatrix.trans)."""
-        return _mma.SmemOperand(split_mma, tidx, _mma.transposed_view(s_tile, C, self.key_dim), self.dtype,
+    def transposed_operand(self, tiled_mma, tidx, s_tile):
+        """The [K, 64] transpose of a [64, K] input-dtype tile as the B operand (ldmatrix.trans), partitioned
+        by the input-dtype MMA so that its fragment has the input type (same layout as the bf16 MMA's)."""
+        return _mma.SmemOperand(tiled_mma, tidx, _mma.transposed_view(s_tile, C, self.key_dim), self.dtype,
                                 operand="B", transpose=True)
 
     @cute.jit
-    def key_products(self, tidx, split_mma, s_gsym, s_dqk, s_k, s_q, s_f, s_df, dk_scan, dk, first, steps, head,
+    def key_products(self, tidx, tiled_mma, split_mma, s_gsym, s_dqk, s_k, s_q, s_f, s_df, dk_scan, dk, first, steps, head,
                      use_l2):
         """dk = dk_scan + (dGram + dGram^T) k + dQK^T q - df f^3 k: 64 x K on the bf16 tensor cores (split operands)."""
         K = self.key_dim
         thr = split_mma.get_slice(tidx)
         acc = cute.make_rmem_tensor(thr.partition_shape_C((C, K)), Float32)
-        acc.fill(0.0)
-        _mma.gemm_f32_by_16bit(split_mma, tidx, acc, s_gsym, self.transposed_operand(split_mma, tidx, s_k),
+        coords = thr.partition_C(cute.make_identity_tensor((C, K)))
+        load_rows(acc, coords, dk_scan, first, steps, head)
+        _mma.gemm_f32_by_16bit(split_mma, tidx, acc, s_gsym, self.transposed_operand(tiled_mma, tidx, s_k),
                                self.inputs_bf16)
         _mma.gemm_f32_by_16bit(split_mma, tidx, acc, float_transposed(s_dqk),
-                               self.transposed_operand(split_mma, tidx, s_q), self.inputs_bf16)
-        coords = thr.partition_C(cute.make_identity_tensor((C, K)))
-        for e in cutlass.range_constexpr(cute.size(acc)):
-            j, c = coords[e]
-            if j < steps:
-                cube = Float32(0.0)
-                if use_l2 != 0:
-                    cube = s_df[j] * s_f[j] * s_f[j] * s_f[j]
-                dk[first + j, head, c] = dk_scan[first + j, head, c] + acc[e] - cube * s_k[j, c].to(Float32)
+                               self.transposed_operand(tiled_mma, tidx, s_q), self.inputs_bf16)
+        store_rows(acc, coords, dk, first, steps, head, s_k, s_f, s_df, use_l2)
 
     @cute.jit
-    def query_products(self, tidx, split_mma, s_dqk, s_k, s_q, s_fq, s_dfq, dq_scan, dq, first_token, tokens, head,
+    def query_products(self, tidx, tiled_mma, split_mma, s_dqk, s_k, s_q, s_fq, s_dfq, dq_scan, dq, first_token, tokens, head,
                        use_l2):
         """dq = dq_scan + dQK k - dfq fq^3 q: 64 (rows past the chunk's tokens are zero) x K."""
         K = self.key_dim
         thr = split_mma.get_slice(tidx)
         acc = cute.make_rmem_tensor(thr.partition_shape_C((C, K)), Float32)
-        acc.fill(0.0)
-        _mma.gemm_f32_by_16bit(split_mma, tidx, acc, s_dqk, self.transposed_operand(split_mma, tidx, s_k),
-                               self.inputs_bf16)
         coords = thr.partition_C(cute.make_identity_tensor((C, K)))
-        for e in cutlass.range_constexpr(cute.size(acc)):
-            t, c = coords[e]
-            if t < tokens:
-                cube = Float32(0.0)
-                if use_l2 != 0:
-                    cube = s_dfq[t] * s_fq[t] * s_fq[t] * s_fq[t]
-                dq[first_token + t, head, c] = dq_scan[first_token + t, head, c] + acc[e] - \
-                    cube * s_q[t, c].to(Float32)
+        load_rows(acc, coords, dq_scan, first_token, tokens, head)
+        _mma.gemm_f32_by_16bit(split_mma, tidx, acc, s_dqk, self.transposed_operand(tiled_mma, tidx, s_k),
+                               self.inputs_bf16)
+        store_rows(acc, coords, dq, first_token, tokens, head, s_q, s_fq, s_dfq, use_l2)
+
+
+@cute.jit
+def load_rows(acc: cute.Tensor, coords: cute.Tensor, scan: cute.Tensor, row0, rows, head):
+    """acc <- scan[row0 + r, head, c] (the products then accumulate on top), from clamped rows with no branch
+    around a load: a load under a branch is waited for alone (64 round trips per thread instead of one)."""
+    for e in cutlass.range_constexpr(cute.size(acc)):
+        r, c = coords[e]
+        acc[e] = scan[row0 + cutlass.min(r, rows - 1), head, c]
+
+
+@cute.jit
+def store_rows(acc: cute.Tensor, coords: cute.Tensor, out: cute.Tensor, row0, rows, head, s_x: cute.Tensor,
+               s_norm: cute.Tensor, s_dnorm: cute.Tensor, use_l2: Int32):
+    """out[row0 + r, head, c] = acc - dnorm_r norm_r^3 x[r, c] (the l2norm backward) for rows r < ``rows``."""
+    for e in cutlass.range_constexpr(cute.size(acc)):
+        r, c = coords[e]
+        cube = zero_unless(use_l2 != 0, s_dnorm[r] * s_norm[r] * s_norm[r] * s_norm[r])
+        value = acc[e] - cube * s_x[r, c].to(Float32)
+        if r < rows:
+            out[row0 + r, head, c] = value
 
 
 def float_transposed(tile: cute.Tensor) -> cute.Tensor:

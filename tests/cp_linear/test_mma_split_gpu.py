@@ -23,7 +23,7 @@ def _compile(b_split: bool):
 
     @cute.kernel
     def kernel(a: cute.Tensor, b: cute.Tensor, keys: cute.Tensor, out_plain: cute.Tensor, out_transposed: cute.Tensor,
-               out_keys: cute.Tensor, mma: cute.TiledMma):
+               out_keys: cute.Tensor, mma: cute.TiledMma, keys_mma: cute.TiledMma):
         tidx, _, _ = cute.arch.thread_idx()
         allocator = cutlass.utils.SmemAllocator()
         square = lambda: allocator.allocate_tensor(Float32, cute.make_layout((C, C), stride=(PITCH, 1)), 16)  # noqa: E731
@@ -52,8 +52,9 @@ def _compile(b_split: bool):
                 _mma.gemm_f32_split(mma, tidx, acc, transposed(s_a), transposed(s_b))
             else:
                 out = out_keys
-                keys_t = _mma.SmemOperand(mma, tidx, _mma.transposed_view(s_keys, C, K), keys.element_type, operand="B",
-                                          transpose=True)
+                # partitioned by an MMA of the keys' own type, so that the fragment holds that type
+                keys_t = _mma.SmemOperand(keys_mma, tidx, _mma.transposed_view(s_keys, C, K), keys.element_type,
+                                          operand="B", transpose=True)
                 _mma.gemm_f32_by_16bit(mma, tidx, acc, s_a, keys_t, not b_split)
             coords = thr.partition_C(cute.make_identity_tensor((C, n)))
             for e in cutlass.range_constexpr(cute.size(acc)):
@@ -64,7 +65,8 @@ def _compile(b_split: bool):
     def host(a: cute.Tensor, b: cute.Tensor, keys: cute.Tensor, out_plain: cute.Tensor, out_transposed: cute.Tensor,
              out_keys: cute.Tensor, stream):
         mma = _mma.make_tiled_mma(cutlass.BFloat16, 4)
-        kernel(a, b, keys, out_plain, out_transposed, out_keys, mma).launch(grid=(1, 1, 1), block=(THREADS, 1, 1),
+        keys_mma = _mma.make_tiled_mma(keys.element_type, 4)
+        kernel(a, b, keys, out_plain, out_transposed, out_keys, mma, keys_mma).launch(grid=(1, 1, 1), block=(THREADS, 1, 1),
                                                                              stream=stream)
 
     key_type = cutlass.BFloat16 if not b_split else cutlass.Float16

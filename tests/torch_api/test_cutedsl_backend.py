@@ -288,18 +288,19 @@ GRAD_TOLERANCE = {"dq": 5e-3, "dk": 5e-3, "dv": 5e-3, "dg": 1e-2, "dbeta": 5e-3,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("nh, segment_chunks", [(1, None), (2, 3), (3, 2)])
-def test_kernel_backward_matches_float64_gradients(nh, segment_chunks):
+@pytest.mark.parametrize("nh, segment_chunks, dtype", [(1, None, "bfloat16"), (2, 3, "bfloat16"), (3, 2, "bfloat16"),
+                                                       (2, 3, "float16")])
+def test_kernel_backward_matches_float64_gradients(nh, segment_chunks, dtype):
     from cp_linear.kernels import backward_algorithm as ba
     from torch_api.gdp.cutedsl import CuTeDSLGatedDeltaProductCPBackend
 
     lengths, heads, dim = (400, 37, 600), 2, 128
     rng = np.random.default_rng(31 + nh)
-    q, k, v, g, beta = _device_inputs(rng, torch.bfloat16, lengths=lengths, heads=heads, key_dim=dim,
+    q, k, v, g, beta = _device_inputs(rng, getattr(torch, dtype), lengths=lengths, heads=heads, key_dim=dim,
                                       value_dim=dim, num_householder=nh)
     cu = _cu(lengths)
     gen = torch.Generator(device="cuda").manual_seed(nh)
-    do = torch.randn(1, sum(lengths), heads, dim, device="cuda", generator=gen).bfloat16()
+    do = torch.randn(1, sum(lengths), heads, dim, device="cuda", generator=gen).to(getattr(torch, dtype))
     dfinal = torch.randn(len(lengths), heads, dim, dim, device="cuda", generator=gen)
     initial = torch.randn(len(lengths), heads, dim, dim, device="cuda", generator=gen) * 0.1
     backend = CuTeDSLGatedDeltaProductCPBackend(segment_chunks=segment_chunks, backward="kernels")
