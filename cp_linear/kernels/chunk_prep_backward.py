@@ -270,9 +270,9 @@ class ChunkPrepBackwardKernel:
         thr = tiled_mma.get_slice(tidx)
         acc = cute.make_rmem_tensor(thr.partition_shape_C((C, C)), Float32)
         acc.fill(0.0)
-        _mma.gemm_smem_ab(tiled_mma, acc,
-                          _mma.SmemOperand(tiled_mma, tidx, s_left, self.dtype, operand="A", transpose=False),
-                          _mma.SmemOperand(tiled_mma, tidx, s_k, self.dtype, operand="B", transpose=False))
+        _mma.gemm_smem_ab_rolled(tiled_mma, acc,
+                                 _mma.SmemOperand(tiled_mma, tidx, s_left, self.dtype, operand="A", transpose=False),
+                                 _mma.SmemOperand(tiled_mma, tidx, s_k, self.dtype, operand="B", transpose=False))
         return acc
 
     @cute.jit
