@@ -142,12 +142,17 @@ class ChunkScanLaunch(_Launch):
 
 @dataclass
 class SegmentFoldLaunch(_Launch):
+    """Mode "fold": the sequential fold (all fields). Mode "apply_affine": ``summaries`` holds the
+    fold's per-segment prefix maps (its ``incoming`` at R = V + K), ``init`` the start rows of the
+    sequences below ``init_count``; writes ``incoming`` [S_max, H, V, K] and reads no other scalar
+    (``final`` is not written: pass any array of the right type)."""
+
     KERNEL: ClassVar[str] = "cp_linear.kernels.segment_fold:SegmentFoldKernel"
     OUTPUTS: ClassVar[tuple[str, ...]] = ("incoming", "final")
     config: cfg.SegmentFoldConfig
     summaries: Any = _spec(None, None, None, "key_dim", dtype="float32", align=16)
     seq_first_segment: Any = _spec(None, dtype="int32")
-    init: Any = _spec(None, None, None, "key_dim", dtype="float32")
+    init: Any = _spec(None, None, None, "key_dim", dtype="float32", align=16)  # apply_affine copies it by 16 B
     incoming: Any = _spec(None, None, None, "key_dim", dtype="float32")
     final: Any = _spec(None, None, None, "key_dim", dtype="float32")
     init_count: Any = _scalar("int32")
