@@ -420,6 +420,10 @@ class KernelForwardContext:
     shard: Any
     summary: Any  # [1 or B, H, K, V + K] float32
     initial: Any  # float32 [N, H, K, V] (inputs.initial_state), or None
+    # [S_max, H, V + K, K] float32: each segment's prefix map [E_pre^T ; M_pre^T] from its sequence's
+    # start (prepare's fold from [0 ; I]); apply turns it into the incoming states (segment_fold
+    # mode "apply_affine") instead of folding a second time
+    incoming_affine: Any = None
 
 
 @dataclass

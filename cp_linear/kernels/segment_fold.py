@@ -45,9 +45,11 @@ from cutlass.cute.nvgpu import cpasync
 from cp_linear.kernels._common import zero_unless
 from cp_linear.kernels.configs import SegmentFoldConfig
 
-ROWS = 16  # state rows per fold CTA
+ROWS = 32  # state rows per fold CTA
 THREADS = 256
-AFFINE_GROUPS = 4  # apply_affine: 16-row groups per thread (64 rows per CTA share one staged M^T)
+ROW_BLOCK = ROWS // (THREADS // 32)  # fold: rows per thread (one warp per ROW_BLOCK rows)
+AFFINE_ROWS = 16  # apply_affine: rows per 16-thread group; each thread owns AFFINE_GROUPS of them
+AFFINE_GROUPS = 4  # (64 rows per CTA share one staged M^T)
 
 
 class SegmentFoldKernel:
@@ -69,7 +71,7 @@ class SegmentFoldKernel:
                  first_sequence: Int32, write_final: Int32, descending: Int32, stream):
         rows = incoming.shape[2]
         if cutlass.const_expr(self.apply_affine):
-            tile_rows = ROWS * AFFINE_GROUPS
+            tile_rows = AFFINE_ROWS * AFFINE_GROUPS
             self.affine_kernel(summaries, seq_first_segment, init, incoming, init_count, value_rows).launch(
                 grid=(incoming.shape[0], summaries.shape[1], (rows + tile_rows - 1) // tile_rows),
                 block=(THREADS, 1, 1), stream=stream)
@@ -93,7 +95,7 @@ class SegmentFoldKernel:
                incoming: cute.Tensor, final: cute.Tensor, init_count: Int32, value_rows: Int32,
                identity_row: Int32, first_sequence: Int32, write_final: Int32, descending: Int32):
         K = self.key_dim
-        per_thread = K * ROWS // THREADS
+        cols = K // 32  # a thread owns ROW_BLOCK rows x cols columns (lane + 32 j)
         tidx, _, _ = cute.arch.thread_idx()
         sequence, head, tile = cute.arch.block_idx()
         allocator = cutlass.utils.SmemAllocator()
@@ -103,22 +105,23 @@ class SegmentFoldKernel:
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Float32,
                                    num_bits_per_copy=128)
         rows = incoming.shape[2]
-        local_row = tidx // (THREADS // ROWS)
-        row = tile * ROWS + local_row
-        col0 = tidx % (THREADS // ROWS)  # a thread owns columns col0 + 16 j: conflict-free reads of M^T
-        row_ok = row < rows
-        safe_row = cutlass.min(row, rows - 1)
-        e_row = cutlass.min(row, value_rows - 1)  # E^T rows exist below value_rows only
+        warp, lane = tidx // 32, tidx % 32
+        # warp w owns tile rows ROW_BLOCK w ..: its reads of X broadcast, its reads of a row of M^T are
+        # 32 consecutive words (one shared-memory wavefront per load for ROW_BLOCK FMAs)
+        local_rows = [warp * ROW_BLOCK + i for i in range(ROW_BLOCK)]
         if sequence >= first_sequence:
-            x = cute.make_rmem_tensor(cute.make_layout((per_thread,)), Float32)
-            for j in cutlass.range_constexpr(per_thread):
-                value = Float32(0.0)
-                if sequence < init_count:
-                    value = init[sequence, head, safe_row, col0 + 16 * j]
-                elif row >= identity_row:
-                    if row - identity_row == col0 + 16 * j:
-                        value = Float32(1.0)
-                x[j] = value
+            x = cute.make_rmem_tensor(cute.make_layout((ROW_BLOCK, cols)), Float32)
+            for i in cutlass.range_constexpr(ROW_BLOCK):
+                row = tile * ROWS + local_rows[i]
+                safe_row = cutlass.min(row, rows - 1)
+                for j in cutlass.range_constexpr(cols):
+                    value = Float32(0.0)
+                    if sequence < init_count:
+                        value = init[sequence, head, safe_row, lane + 32 * j]
+                    elif row >= identity_row:
+                        if row - identity_row == lane + 32 * j:
+                            value = Float32(1.0)
+                    x[i, j] = value
             first = seq_first_segment[sequence]
             count = seq_first_segment[sequence + 1] - first
             mapped = count if write_final != 0 else count - 1
@@ -132,40 +135,52 @@ class SegmentFoldKernel:
                 if descending != 0:
                     segment = first + count - 1 - position
                     next_segment = first + count - 2 - position
-                if row_ok:
-                    for j in cutlass.range_constexpr(per_thread):
-                        incoming[segment, head, row, col0 + 16 * j] = x[j]
+                for i in cutlass.range_constexpr(ROW_BLOCK):
+                    row = tile * ROWS + local_rows[i]
+                    if row < rows:
+                        for j in cutlass.range_constexpr(cols):
+                            incoming[segment, head, row, lane + 32 * j] = x[i, j]
                 if position < mapped:
                     if position + 1 < mapped:
                         self._stage_transition(atom, tidx, summaries, next_segment, head, value_rows,
                                                s_m2[None, None, (position + 1) % 2])
                     cute.arch.cp_async_commit_group()  # possibly empty: one group per step keeps wait(1) right
-                    for j in cutlass.range_constexpr(per_thread):
-                        s_x[local_row, col0 + 16 * j] = x[j]
+                    for i in cutlass.range_constexpr(ROW_BLOCK):
+                        for j in cutlass.range_constexpr(cols):
+                            s_x[local_rows[i], lane + 32 * j] = x[i, j]
                     # X <- X M^T + E^T: new[r, c] = E^T[r, c] + sum_m X[r, m] M^T[m, c] (E's loads in flight
                     # across the barrier)
-                    for j in cutlass.range_constexpr(per_thread):
-                        x[j] = zero_unless(row < value_rows, summaries[segment, head, e_row, col0 + 16 * j])
+                    for i in cutlass.range_constexpr(ROW_BLOCK):
+                        row = tile * ROWS + local_rows[i]
+                        e_row = cutlass.min(row, value_rows - 1)  # E^T rows exist below value_rows only
+                        for j in cutlass.range_constexpr(cols):
+                            x[i, j] = zero_unless(row < value_rows, summaries[segment, head, e_row, lane + 32 * j])
                     cute.arch.cp_async_wait_group(1)  # this step's M^T has landed (the next one may not)
                     cute.arch.sync_threads()
                     s_m = s_m2[None, None, position % 2]
-                    for m in cutlass.range(K, unroll=8):
-                        left = s_x[local_row, m]
-                        for j in cutlass.range_constexpr(per_thread):
-                            x[j] += left * s_m[m, col0 + 16 * j]
+                    for m in cutlass.range(K, unroll=4):
+                        right = cute.make_rmem_tensor(cute.make_layout((cols,)), Float32)
+                        for j in cutlass.range_constexpr(cols):
+                            right[j] = s_m[m, lane + 32 * j]
+                        for i in cutlass.range_constexpr(ROW_BLOCK):
+                            left = s_x[local_rows[i], m]
+                            for j in cutlass.range_constexpr(cols):
+                                x[i, j] += left * right[j]
                     cute.arch.sync_threads()  # s_x and this buffer are rewritten by the next steps
             cute.arch.cp_async_wait_group(0)
             if write_final != 0:
-                if row_ok:
-                    for j in cutlass.range_constexpr(per_thread):
-                        final[sequence, head, row, col0 + 16 * j] = x[j]
+                for i in cutlass.range_constexpr(ROW_BLOCK):
+                    row = tile * ROWS + local_rows[i]
+                    if row < rows:
+                        for j in cutlass.range_constexpr(cols):
+                            final[sequence, head, row, lane + 32 * j] = x[i, j]
 
     @cute.kernel
     def affine_kernel(self, affine: cute.Tensor, seq_first_segment: cute.Tensor, init: cute.Tensor,
                       incoming: cute.Tensor, init_count: Int32, value_rows: Int32):
         K = self.key_dim
-        per_thread = K * ROWS // THREADS
-        tile_rows = ROWS * AFFINE_GROUPS
+        per_thread = K * AFFINE_ROWS // THREADS
+        tile_rows = AFFINE_ROWS * AFFINE_GROUPS
         tidx, _, _ = cute.arch.thread_idx()
         segment, head, tile = cute.arch.block_idx()
         allocator = cutlass.utils.SmemAllocator()
@@ -175,14 +190,14 @@ class SegmentFoldKernel:
                                    num_bits_per_copy=128)
         rows = incoming.shape[2]
         sequences = seq_first_segment.shape[0] - 1
-        local_row = tidx // (THREADS // ROWS)
-        col0 = tidx % (THREADS // ROWS)
+        local_row = tidx // (THREADS // AFFINE_ROWS)
+        col0 = tidx % (THREADS // AFFINE_ROWS)
         real = segment < seq_first_segment[sequences]
         # sequences are stored in order, so the segments of sequences below init_count come first
         seeded = segment < seq_first_segment[cutlass.min(init_count, sequences)]
         acc = cute.make_rmem_tensor(cute.make_layout((AFFINE_GROUPS, per_thread)), Float32)
         for g in cutlass.range_constexpr(AFFINE_GROUPS):
-            row = tile * tile_rows + local_row + ROWS * g
+            row = tile * tile_rows + local_row + AFFINE_ROWS * g
             e_row = cutlass.min(row, value_rows - 1)
             for j in cutlass.range_constexpr(per_thread):
                 acc[g, j] = zero_unless(real & (row < value_rows), affine[segment, head, e_row, col0 + 16 * j])
@@ -205,11 +220,11 @@ class SegmentFoldKernel:
                 for j in cutlass.range_constexpr(per_thread):
                     right[j] = s_m[m, col0 + 16 * j]
                 for g in cutlass.range_constexpr(AFFINE_GROUPS):
-                    left = s_x[local_row + ROWS * g, m]
+                    left = s_x[local_row + AFFINE_ROWS * g, m]
                     for j in cutlass.range_constexpr(per_thread):
                         acc[g, j] += left * right[j]
         for g in cutlass.range_constexpr(AFFINE_GROUPS):
-            row = tile * tile_rows + local_row + ROWS * g
+            row = tile * tile_rows + local_row + AFFINE_ROWS * g
             if row < rows:
                 for j in cutlass.range_constexpr(per_thread):
                     incoming[segment, head, row, col0 + 16 * j] = acc[g, j]
