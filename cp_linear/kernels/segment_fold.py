@@ -15,10 +15,12 @@ With ``descending`` the segments are taken last to first: the backward's state g
 segment summaries [gamma^T ; M_b^T] (``chunk_reverse.ChunkGammaKernel``) have the same row form.
 The map of the segment taken last is applied only when ``write_final`` asks for the end state
 (the output or reverse pass computes it otherwise). One CTA of 256 threads per (sequence, head,
-16-row tile); each thread owns K / 16 strided columns of the tile. Per step every thread reads all
-of M_s^T (K x K float32) from shared memory; the fold is a latency chain, so the next segment's
-M^T is copied in with cp.async into a second buffer while the current step computes (its address
-depends only on the segment table, never on X). Exact float32, a fixed summation order.
+32-row tile); warp w owns 4 rows, lane l the columns l + 32 j, so each shared load of a row of
+M_s^T (32 consecutive words per warp) feeds 4 FMAs and each load of X is a broadcast: the step was
+bound by shared-memory wavefronts (16 rows x K / 16 columns per thread: 9 wavefronts per 8 FMAs
+per warp). The fold is a chain, so the next segment's M^T (K x K float32) is copied in with
+cp.async into a second buffer while the current step computes (its address depends only on the
+segment table, never on X). Exact float32, a fixed summation order.
 
 Mode "apply_affine" (parallel over segments, one launch). Run with R = V + K, the fold from
 [0 ; I] leaves each segment's prefix map in ``summaries`` ([E_pre^T ; M_pre^T] = the incoming
