@@ -237,7 +237,7 @@ def fold_case(key_dim: int, value_dim: int, init_count: int) -> None:
     total = sum(counts) + spare
     summaries = torch.randn(total, heads, value_dim + key_dim, key_dim, generator=gen) * 0.5
     summaries[:, :, value_dim:] = 0.9 * torch.eye(key_dim) + torch.randn(total, heads, key_dim, key_dim,
-                                                                         generator=gen) * 0.02
+                                                                         generator=gen) * 0.01
     summaries = summaries.cuda()
     init = torch.randn(len(counts), heads, value_dim, key_dim, generator=gen).cuda()
 

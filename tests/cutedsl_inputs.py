@@ -26,7 +26,7 @@ def fold_summaries(segments_per_sequence, spare_segments, heads, key_dim, value_
     total = int(starts[-1]) + spare_segments
     summaries = torch.randn(total, heads, value_dim + key_dim, key_dim, generator=gen) * 0.5
     summaries[:, :, value_dim:] = (0.9 * torch.eye(key_dim)
-                                   + torch.randn(total, heads, key_dim, key_dim, generator=gen) * 0.02)
+                                   + torch.randn(total, heads, key_dim, key_dim, generator=gen) * 0.01)
     return summaries.to(device), starts.to(device)
 
 

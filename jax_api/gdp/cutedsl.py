@@ -314,8 +314,9 @@ class CuTeDSLGatedDeltaProductCPBackend:
         value_dim = shard.value_dim
         # every sequence's fold from [0 ; I] (as torch's): the per-segment prefix maps serve apply, the
         # trailing sequence's final rows (its index is data here) are its summary
-        incoming_affine, stacked_rows = self._fold(shard, shard.summaries, init=None, init_count=0, rows=value_dim + shard.key_dim,
-                                     first_sequence=0, write_final=True, descending=False)
+        incoming_affine, stacked_rows = self._fold(shard, shard.summaries, init=None, init_count=0,
+                                                   rows=value_dim + shard.key_dim, first_sequence=0,
+                                                   write_final=True, descending=False)
         trailing = slice(None) if shard.rows else shard.trailing[None]
         summary = jnp.swapaxes(stacked_rows[trailing], -1, -2)  # [n, H, K, V + K] = [E | M]
         if initial is not None:

@@ -21,7 +21,8 @@ that one long sequence fills the GPU):
               chunk_scan output    every segment from its incoming state: outputs, end states
 
 A sequence that spans ranks therefore costs one summary pass (run before the all-gather) and
-one output pass — no second state pass, and one sequential fold per forward. The kernel backward mirrors it:
+one output pass — no second state pass, and one sequential fold per forward. The kernel
+backward mirrors it:
 
     prepare   chunk_prep, chunk_gamma   per-segment backward summaries [gamma ; M_b] of the leading
                                    sequence and of every segment followed by another one
