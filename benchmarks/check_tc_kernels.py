@@ -232,7 +232,7 @@ def fold_case(key_dim: int, value_dim: int, init_count: int) -> None:
     unused segments' rows zero; bitwise repeatable."""
     tag = f"[fold K{key_dim} V{value_dim} init{init_count}]"
     gen = torch.Generator().manual_seed(key_dim + value_dim + init_count)
-    counts, heads, spare = [3, 0, 9, 1], 3, 2
+    counts, heads, spare = [3, 0, 9, 1, 0], 3, 2  # sequences 3 and 4 are the trailing ones
     starts = torch.tensor(np.cumsum([0] + counts), dtype=torch.int32, device="cuda")
     total = sum(counts) + spare
     summaries = torch.randn(total, heads, value_dim + key_dim, key_dim, generator=gen) * 0.5
@@ -248,11 +248,16 @@ def fold_case(key_dim: int, value_dim: int, init_count: int) -> None:
                              init=init, incoming=sequential, final=sequential[:1], init_count=init_count,
                              value_rows=value_dim, identity_row=value_dim, first_sequence=0, write_final=0,
                              descending=0).run()
-        prefix = torch.empty(total, heads, value_dim + key_dim, key_dim, **f32)
-        final = torch.empty(len(counts), heads, value_dim + key_dim, key_dim, **f32)
-        kl.SegmentFoldLaunch(kcfg.SegmentFoldConfig(key_dim), summaries=summaries, seq_first_segment=starts,
-                             init=prefix[:1], incoming=prefix, final=final, init_count=0, value_rows=value_dim,
-                             identity_row=value_dim, first_sequence=0, write_final=1, descending=0).run()
+        finals = []
+        for write_final in (kl.FINAL_EVERY, kl.FINAL_TRAILING):  # the latter is what prepare runs
+            prefix = torch.empty(total, heads, value_dim + key_dim, key_dim, **f32)
+            finals.append(torch.full((len(counts), heads, value_dim + key_dim, key_dim), float("nan"), **f32))
+            kl.SegmentFoldLaunch(kcfg.SegmentFoldConfig(key_dim), summaries=summaries, seq_first_segment=starts,
+                                 init=prefix[:1], incoming=prefix, final=finals[-1], init_count=0,
+                                 value_rows=value_dim, identity_row=value_dim, first_sequence=0,
+                                 write_final=write_final, descending=0).run()
+        check(f"{tag} FINAL_TRAILING final rows as FINAL_EVERY's, the others unwritten",
+              float(not (torch.equal(finals[0][3:], finals[1][3:]) and bool(torch.isnan(finals[1][:3]).all()))), 0.0)
         via_prefix = torch.full((total, heads, value_dim, key_dim), float("nan"), **f32)
         kl.SegmentFoldLaunch(kcfg.SegmentFoldConfig(key_dim, "apply_affine"), summaries=prefix,
                              seq_first_segment=starts, init=init, incoming=via_prefix, final=via_prefix[:1],

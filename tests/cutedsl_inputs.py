@@ -30,6 +30,23 @@ def fold_summaries(segments_per_sequence, spare_segments, heads, key_dim, value_
     return summaries.to(device), starts.to(device)
 
 
+def prefix_fold(summaries, seq_first_segment, value_dim, write_final):
+    """Prepare's fold from [0 ; I] with V + K rows through ``launch.run()`` -> (each segment's prefix
+    map [S_max, H, V + K, K], final rows [N, H, V + K, K]); rows the launch does not write stay NaN."""
+    from cp_linear.kernels import configs as kcfg
+    from cp_linear.kernels import launch as kl
+
+    total, heads, key_dim = summaries.shape[0], summaries.shape[1], summaries.shape[3]
+    sequences = seq_first_segment.shape[0] - 1
+    nan = dict(fill_value=float("nan"), dtype=torch.float32, device=summaries.device)
+    prefix = torch.full((total, heads, value_dim + key_dim, key_dim), **nan)
+    final = torch.full((sequences, heads, value_dim + key_dim, key_dim), **nan)
+    kl.SegmentFoldLaunch(kcfg.SegmentFoldConfig(key_dim), summaries=summaries, seq_first_segment=seq_first_segment,
+                         init=prefix[:1], incoming=prefix, final=final, init_count=0, value_rows=value_dim,
+                         identity_row=value_dim, first_sequence=0, write_final=write_final, descending=0).run()
+    return prefix, final
+
+
 def fold_both_ways(summaries, seq_first_segment, init, init_count, value_dim):
     """Every segment's incoming state [S_max, H, V, K] two ways, through ``launch.run()`` (the GPU
     kernels, or the emulation when a test patches it): the sequential fold from ``init`` (the
@@ -40,17 +57,12 @@ def fold_both_ways(summaries, seq_first_segment, init, init_count, value_dim):
 
     total, heads, key_dim = summaries.shape[0], summaries.shape[1], summaries.shape[3]
     f32 = dict(dtype=torch.float32, device=summaries.device)
-    sequences = seq_first_segment.shape[0] - 1
     sequential = torch.zeros(total, heads, value_dim, key_dim, **f32)
     kl.SegmentFoldLaunch(kcfg.SegmentFoldConfig(key_dim), summaries=summaries, seq_first_segment=seq_first_segment,
                          init=init, incoming=sequential, final=sequential[:1], init_count=init_count,
                          value_rows=value_dim, identity_row=value_dim, first_sequence=0, write_final=0,
                          descending=0).run()
-    prefix = torch.empty(total, heads, value_dim + key_dim, key_dim, **f32)
-    final = torch.empty(sequences, heads, value_dim + key_dim, key_dim, **f32)
-    kl.SegmentFoldLaunch(kcfg.SegmentFoldConfig(key_dim), summaries=summaries, seq_first_segment=seq_first_segment,
-                         init=prefix[:1], incoming=prefix, final=final, init_count=0, value_rows=value_dim,
-                         identity_row=value_dim, first_sequence=0, write_final=1, descending=0).run()
+    prefix, _ = prefix_fold(summaries, seq_first_segment, value_dim, kl.FINAL_EVERY)
     via_prefix = torch.full((total, heads, value_dim, key_dim), float("nan"), **f32)  # every row must be written
     kl.SegmentFoldLaunch(kcfg.SegmentFoldConfig(key_dim, "apply_affine"), summaries=prefix,
                          seq_first_segment=seq_first_segment, init=init, incoming=via_prefix, final=via_prefix[:1],

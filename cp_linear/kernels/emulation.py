@@ -141,7 +141,8 @@ def emulate_segment_fold(launch) -> None:
             E = torch.zeros(heads, rows, K)
             E[:, :min(rows, value_rows)] = summary[:, :min(rows, value_rows)]
             X = X @ summary[:, value_rows:] + E
-        if int(launch.write_final):
+        trailing = int(launch.seq_first_segment[sequence + 1]) == int(launch.seq_first_segment[-1])
+        if int(launch.write_final) == 1 or (int(launch.write_final) == 2 and trailing):
             launch.final[sequence] = X
 
 

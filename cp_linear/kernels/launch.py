@@ -30,6 +30,9 @@ from typing import Any, ClassVar
 from cp_linear.kernels import configs as cfg
 
 SUMMARY_FLAG = 1
+# SegmentFoldLaunch.write_final: which sequences write their final rows (the trailing ones: the last
+# sequence with segments and the empty ones after it, whose index may be data)
+FINAL_NONE, FINAL_EVERY, FINAL_TRAILING = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -159,7 +162,7 @@ class SegmentFoldLaunch(_Launch):
     value_rows: Any = _scalar("int32")
     identity_row: Any = _scalar("int32")
     first_sequence: Any = _scalar("int32")
-    write_final: Any = _scalar("int32")
+    write_final: Any = _scalar("int32")  # FINAL_NONE, FINAL_EVERY or FINAL_TRAILING (segment_fold's doc)
     descending: Any = _scalar("int32")  # fold each sequence's segments last to first (the backward)
 
 

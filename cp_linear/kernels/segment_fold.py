@@ -9,12 +9,16 @@ Mode "fold" (sequential along each sequence). Per sequence n >= ``first_sequence
 
     X = init[n] (n < init_count), else zero rows with identity rows from ``identity_row`` on
     for s in the sequence's segments:   incoming[s] = X;  X = X M_s^T + E_s^T
-    final[n] = X                                     (when ``write_final``)
+    final[n] = X                                     (when n writes its final rows)
 
-With ``descending`` the segments are taken last to first: the backward's state gradients, whose
-segment summaries [gamma^T ; M_b^T] (``chunk_reverse.ChunkGammaKernel``) have the same row form.
-The map of the segment taken last is applied only when ``write_final`` asks for the end state
-(the output or reverse pass computes it otherwise). One CTA of 256 threads per (sequence, head,
+``write_final``: 0 (``FINAL_NONE``) no sequence writes ``final``; 1 (``FINAL_EVERY``) every
+sequence; 2 (``FINAL_TRAILING``) only the trailing ones: the last sequence with segments and the
+empty ones after it (a shard's CP summary; the other sequences' last segments have no summary and
+their final rows are not needed). With ``descending`` the segments are taken last to first: the
+backward's state gradients, whose segment summaries [gamma^T ; M_b^T]
+(``chunk_reverse.ChunkGammaKernel``) have the same row form. The map of the segment taken last is
+applied only for a sequence that writes its final rows (the output or reverse pass computes the
+end state otherwise). One CTA of 256 threads per (sequence, head,
 32-row tile); warp w owns 4 rows, lane l the columns l + 32 j, so each shared load of a row of
 M_s^T (32 consecutive words per warp) feeds 4 FMAs and each load of X is a broadcast: the step was
 bound by shared-memory wavefronts (16 rows x K / 16 columns per thread: 9 wavefronts per 8 FMAs
@@ -47,6 +51,7 @@ from cutlass.cute.nvgpu import cpasync
 from cp_linear.kernels._common import zero_unless
 from cp_linear.kernels.configs import SegmentFoldConfig
 
+FINAL_NONE, FINAL_EVERY, FINAL_TRAILING = 0, 1, 2  # write_final (cp_linear.kernels.launch has the same)
 ROWS = 32  # state rows per fold CTA
 THREADS = 256
 ROW_BLOCK = ROWS // (THREADS // 32)  # fold: rows per thread (one warp per ROW_BLOCK rows)
@@ -126,7 +131,10 @@ class SegmentFoldKernel:
                     x[i, j] = value
             first = seq_first_segment[sequence]
             count = seq_first_segment[sequence + 1] - first
-            mapped = count if write_final != 0 else count - 1
+            sequences = seq_first_segment.shape[0] - 1
+            trailing = seq_first_segment[sequence + 1] == seq_first_segment[sequences]
+            writes_final = (write_final == FINAL_EVERY) | ((write_final == FINAL_TRAILING) & trailing)
+            mapped = count if writes_final else count - 1
             if mapped > 0:
                 step_segment = cutlass.select_(descending != 0, first + count - 1, first)
                 self._stage_transition(atom, tidx, summaries, step_segment, head, value_rows, s_m2[None, None, 0])
@@ -170,7 +178,7 @@ class SegmentFoldKernel:
                                 x[i, j] += left * right[j]
                     cute.arch.sync_threads()  # s_x and this buffer are rewritten by the next steps
             cute.arch.cp_async_wait_group(0)
-            if write_final != 0:
+            if writes_final:
                 for i in cutlass.range_constexpr(ROW_BLOCK):
                     row = tile * ROWS + local_rows[i]
                     if row < rows:

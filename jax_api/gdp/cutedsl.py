@@ -264,8 +264,9 @@ class CuTeDSLGatedDeltaProductCPBackend:
         return out["state_out"], out["o"]
 
     def _fold(self, shard: _Shard, summaries: jax.Array, *, init: jax.Array | None, init_count: int, rows: int,
-              first_sequence: int, write_final: bool, descending: bool) -> tuple[jax.Array, jax.Array | None]:
-        """segment_fold -> (incoming [S_max, H, rows, K], final [N, H, rows, K] or None)."""
+              first_sequence: int, write_final: int, descending: bool) -> tuple[jax.Array, jax.Array | None]:
+        """segment_fold -> (incoming [S_max, H, rows, K], final [N, H, rows, K] or None); ``write_final``:
+        ``kl.FINAL_NONE``, ``FINAL_EVERY`` or ``FINAL_TRAILING`` (only the trailing sequences' rows)."""
         heads, key_dim, layout = shard.heads, shard.key_dim, shard.layout
         if init is None:  # read only for sequences below init_count (none)
             init = jnp.zeros((1, heads, rows, key_dim), _F32)
@@ -275,7 +276,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             dict(incoming=(layout.max_segments, heads, rows, key_dim),
                  final=(layout.num_sequences if write_final else 1, heads, rows, key_dim)),
             dict(init_count=init_count, value_rows=shard.value_dim, identity_row=shard.value_dim,
-                 first_sequence=first_sequence, write_final=int(write_final), descending=int(descending)))
+                 first_sequence=first_sequence, write_final=write_final, descending=int(descending)))
         return out["incoming"], out["final"] if write_final else None
 
     def _apply_affine(self, shard: _Shard, incoming_affine: jax.Array, init: jax.Array | None,
@@ -291,7 +292,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             dict(summaries=incoming_affine, seq_first_segment=layout.seq_first_segment, init=init),
             dict(incoming=(layout.max_segments, heads, value_dim, key_dim), final=(1, heads, value_dim, key_dim)),
             dict(init_count=init_count, value_rows=value_dim, identity_row=value_dim, first_sequence=0,
-                 write_final=0, descending=0))
+                 write_final=kl.FINAL_NONE, descending=0))
         return out["incoming"]
 
     def _output(self, shard: _Shard, incoming: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -316,7 +317,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
         # trailing sequence's final rows (its index is data here) are its summary
         incoming_affine, stacked_rows = self._fold(shard, shard.summaries, init=None, init_count=0,
                                                    rows=value_dim + shard.key_dim, first_sequence=0,
-                                                   write_final=True, descending=False)
+                                                   write_final=kl.FINAL_EVERY if shard.rows else kl.FINAL_TRAILING,
+                                                   descending=False)
         trailing = slice(None) if shard.rows else shard.trailing[None]
         summary = jnp.swapaxes(stacked_rows[trailing], -1, -2)  # [n, H, K, V + K] = [E | M]
         if initial is not None:
@@ -388,7 +390,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             end_grads = end_grads + jnp.swapaxes(final_grad.astype(_F32), -1, -2)
         grad_summaries = self._gamma(shard, do)
         _, gamma_rows = self._fold(shard, grad_summaries, init=end_grads, init_count=layout.num_sequences,
-                                   rows=value_dim, first_sequence=0, write_final=True, descending=True)
+                                   rows=value_dim, first_sequence=0, write_final=kl.FINAL_EVERY, descending=True)
         gamma = jnp.swapaxes(gamma_rows if shard.rows else gamma_rows[0], -1, -2)
         summary = jnp.concatenate([gamma, jnp.swapaxes(transition, -1, -2)], axis=-1)
         context = CuTeDSLBackwardContext(shard, do, grad_summaries, incoming, end_grads)
@@ -409,7 +411,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
                 outgoing = jnp.swapaxes(compose_backward(stacked), -1, -2)  # [H, V, K] or [B, H, V, K] (rows)
             end_grads = end_grads + outgoing if shard.rows else end_grads.at[shard.trailing].add(outgoing)
         grad_out, _ = self._fold(shard, ctx.grad_summaries, init=end_grads, init_count=layout.num_sequences,
-                                 rows=shard.value_dim, first_sequence=0, write_final=False, descending=True)
+                                 rows=shard.value_dim, first_sequence=0, write_final=kl.FINAL_NONE, descending=True)
         grads, grad_in = self._reverse(shard, ctx.do, ctx.incoming, grad_out)
         if inputs.initial_state is None:
             return grads

@@ -342,9 +342,9 @@ class CuTeDSLGatedDeltaProductCPBackend:
 
     def _prefix_fold(self, shard: _Shard, final: torch.Tensor) -> torch.Tensor:
         """segment_fold of every sequence from [0 ; I] with V + K rows -> each segment's prefix map
-        [S_max, H, V + K, K] (rows [E_pre^T ; M_pre^T]) and ``final`` [N, H, V + K, K] (each sequence's
-        [E | M] rows; only the trailing sequence's are meaningful: the last segment of another
-        sequence has no summary)."""
+        [S_max, H, V + K, K] (rows [E_pre^T ; M_pre^T]) and ``final`` [N, H, V + K, K]: the [E | M]
+        rows of the trailing sequences (every row in rows mode; the others' rows are not written: their
+        last segment has no summary, and skipping its map saves a step per sequence)."""
         heads, key_dim, value_dim = shard.heads, shard.key_dim, shard.value_dim
         incoming_affine = torch.empty(shard.layout.max_segments, heads, value_dim + key_dim, key_dim,
                                       dtype=torch.float32, device=shard.q.device)
@@ -352,7 +352,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             kcfg.SegmentFoldConfig(key_dim), summaries=shard.summaries,
             seq_first_segment=shard.layout.seq_first_segment, init=incoming_affine[:1], incoming=incoming_affine,
             final=final, init_count=0, value_rows=value_dim, identity_row=value_dim, first_sequence=0,
-            write_final=1, descending=0).run()
+            write_final=kl.FINAL_EVERY if shard.rows else kl.FINAL_TRAILING, descending=0).run()
         return incoming_affine
 
     def _apply_affine(self, shard: _Shard, incoming_affine: torch.Tensor, init: torch.Tensor | None,
@@ -368,7 +368,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             kcfg.SegmentFoldConfig(key_dim, "apply_affine"), summaries=incoming_affine,
             seq_first_segment=shard.layout.seq_first_segment, init=incoming[:1] if init is None else init,
             incoming=incoming, final=incoming[:1], init_count=init_count, value_rows=value_dim,
-            identity_row=value_dim, first_sequence=0, write_final=0, descending=0).run()
+            identity_row=value_dim, first_sequence=0, write_final=kl.FINAL_NONE, descending=0).run()
         return incoming
 
     def _output(self, shard: _Shard, incoming: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -533,7 +533,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             kcfg.SegmentFoldConfig(key_dim), summaries=grad_summaries, seq_first_segment=layout.seq_first_segment,
             init=end_grads, incoming=grad_out, final=grad_out[:1] if final is None else final,
             init_count=end_grads.shape[0], value_rows=value_dim, identity_row=value_dim, first_sequence=0,
-            write_final=int(final is not None), descending=1).run()
+            write_final=kl.FINAL_NONE if final is None else kl.FINAL_EVERY, descending=1).run()
         return grad_out
 
     def _gamma(self, shard: _Shard, do: torch.Tensor, summaries: torch.Tensor) -> None:
