@@ -18,11 +18,12 @@ their final rows are not needed). With ``descending`` the segments are taken las
 backward's state gradients, whose segment summaries [gamma^T ; M_b^T]
 (``chunk_reverse.ChunkGammaKernel``) have the same row form. The map of the segment taken last is
 applied only for a sequence that writes its final rows (the output or reverse pass computes the
-end state otherwise). One CTA of 256 threads per (sequence, head,
-32-row tile); warp w owns 4 rows, lane l the columns l + 32 j, so each shared load of a row of
-M_s^T (32 consecutive words per warp) feeds 4 FMAs and each load of X is a broadcast: the step was
-bound by shared-memory wavefronts (16 rows x K / 16 columns per thread: 9 wavefronts per 8 FMAs
-per warp). The fold is a chain, so the next segment's M^T (K x K float32) is copied in with
+end state otherwise).
+
+One CTA of 256 threads per (sequence, head, 32-row tile); warp w owns 4 rows, lane l the columns
+l + 32 j, so each shared load of a row of M_s^T (32 consecutive words per warp) feeds 4 FMAs and
+each load of X is a broadcast (the step is bound by shared-memory wavefronts: 1 row x K / 16
+columns per thread took 9 wavefronts per 8 FMAs per warp). The fold is a chain, so the next segment's M^T (K x K float32) is copied in with
 cp.async into a second buffer while the current step computes (its address depends only on the
 segment table, never on X). Exact float32, a fixed summation order.
 
@@ -50,8 +51,8 @@ from cutlass.cute.nvgpu import cpasync
 
 from cp_linear.kernels._common import zero_unless
 from cp_linear.kernels.configs import SegmentFoldConfig
+from cp_linear.kernels.launch import FINAL_EVERY, FINAL_TRAILING
 
-FINAL_NONE, FINAL_EVERY, FINAL_TRAILING = 0, 1, 2  # write_final (cp_linear.kernels.launch has the same)
 ROWS = 32  # state rows per fold CTA
 THREADS = 256
 ROW_BLOCK = ROWS // (THREADS // 32)  # fold: rows per thread (one warp per ROW_BLOCK rows)
