@@ -1,4 +1,4 @@
-"""The backward of ``chunk_prep``, one CTA of 4 warps per (chunk, head), float32 throughout.
+"""The backward of ``chunk_prep``, one CTA of 4 warps per (chunk, head), float32 values throughout.
 
 From the gradients of the prep outputs (``chunk_reverse`` wrote them: dTa, dTb [64, 64], dP
 [NQ, 64], and db, dc, dd) it recomputes the chunk's forward quantities (G, f, fq, Gram = k k^T and
