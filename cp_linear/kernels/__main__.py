@@ -49,18 +49,37 @@ _PTXAS_PATTERNS = {
 
 
 def _ptxas_report(ptx: str, arch: str) -> str:
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as handle:
-        handle.write(ptx)
-        handle.flush()
-        result = subprocess.run(["ptxas", f"-arch={arch}", "-v", handle.name, "-o", os.devnull],
+    with tempfile.TemporaryDirectory() as work:
+        source, cubin = Path(work) / "kernel.ptx", Path(work) / "kernel.cubin"
+        source.write_text(ptx)
+        result = subprocess.run(["ptxas", f"-arch={arch}", "-v", str(source), "-o", str(cubin)],
                                 capture_output=True, text=True, check=False)
+        code_bytes = _text_bytes(cubin.read_bytes()) if result.returncode == 0 else 0
     text = result.stdout + result.stderr
     if result.returncode != 0:
         return f"ptxas failed: {text.strip().splitlines()[-1] if text.strip() else result.returncode}"
     found = {name: pattern.search(text) for name, pattern in _PTXAS_PATTERNS.items()}
     values = {name: (match.group(1) if match else "?") for name, match in found.items()}
     return (f"{values['registers']} registers, stack {values['stack']} B, "
-            f"spills {values['spill_stores']}/{values['spill_loads']} B (store/load)")
+            f"spills {values['spill_stores']}/{values['spill_loads']} B (store/load), "
+            f"code {code_bytes / 1024:.0f} KB")
+
+
+def _text_bytes(cubin: bytes) -> int:
+    """Bytes of machine code (the ``.text.*`` sections) in an ELF64 cubin: straight-line code that runs
+    once per CTA is fetched from L2 every time once it outgrows the instruction cache (~128 KB)."""
+    import struct
+
+    section_offset, = struct.unpack_from("<Q", cubin, 0x28)
+    entry_size, count, names_index = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", cubin, section_offset + i * entry_size) for i in range(count)]
+    names_at = headers[names_index][4]
+
+    def name(header) -> bytes:
+        start = names_at + header[0]
+        return cubin[start:cubin.index(b"\0", start)]
+
+    return sum(header[5] for header in headers if name(header).startswith(b".text."))
 
 
 def _tensor_core_ops(ptx: str) -> list[str]:

@@ -107,16 +107,16 @@ class ChunkPrepBackwardKernel:
             chunk_common.row_norms(tidx, s_k, s_q, s_f, s_fq, steps, tokens, use_l2, K)
             cute.arch.sync_threads()
 
-            # 1. A = strictly lower beta_i f_i f_j E_ij Gram_ij (Gram = k k^T); T = (I + A)^-1
-            thr_mma = tiled_mma.get_slice(tidx)
-            coords = thr_mma.partition_C(cute.make_identity_tensor((C, C)))
-            acc = self.raw_product(tiled_mma, tidx, s_k, s_k)
-            for e in cutlass.range_constexpr(cute.size(acc)):
-                i, j = coords[e]
-                value = Float32(0.0)
-                if j < i:
-                    value = s_beta[i] * s_f[i] * s_f[j] * cute.math.exp(s_gate[i] - s_gate[j]) * acc[e]
-                s_a[i, j] = value
+            # 1. A = strictly lower beta_i f_i f_j E_ij Gram_ij (Gram = k k^T, then scaled in place by a rolled
+            #    loop: this code runs once per CTA, so short code matters more than registers); T = (I + A)^-1
+            self.store_raw_product(tiled_mma, tidx, s_k, s_k, s_a)
+            cute.arch.sync_threads()
+            for n in cutlass.range(C * C // THREADS, unroll=2):
+                flat = tidx + n * THREADS
+                i = flat // C
+                j = flat % C
+                scaled = s_beta[i] * s_f[i] * s_f[j] * cute.math.exp(s_gate[i] - s_gate[j]) * s_a[i, j]
+                s_a[i, j] = zero_unless(j < i, scaled)
             cute.arch.sync_threads()
             chunk_common.invert_unit_lower(tidx, s_a, s_t)
             cute.arch.cp_async_wait_group(0)
@@ -140,7 +140,7 @@ class ChunkPrepBackwardKernel:
                 s_dg[j] = da * a_j
             cute.arch.sync_threads()
 
-            # 3. dA = -T^T dT T^T on the strictly lower part: M1 = T^T dT, then dA = -M1 T^T into s_work
+            # 3. dA = -T^T dT T^T (its strictly lower part is read): M1 = T^T dT, then dA = -M1 T^T into s_work
             square_product(tidx, split_mma, float_transposed(s_t), float_transposed(s_work), s_m1, False)
             cute.arch.sync_threads()
             square_product(tidx, split_mma, s_m1, s_t, s_work, True)
@@ -171,7 +171,7 @@ class ChunkPrepBackwardKernel:
                         sum_w = sum_w + grad_a * s_a[i, line]
                 s_col_s[line] = sum_s
                 s_col_w[line] = sum_w
-            for n in cutlass.range_constexpr(C * C // THREADS):
+            for n in cutlass.range(C * C // THREADS, unroll=2):
                 flat = tidx + n * THREADS
                 i = flat // C
                 j = flat % C
@@ -259,10 +259,19 @@ class ChunkPrepBackwardKernel:
                     if j % NH == 0:
                         dg[first_token + j // NH, head] = s_dg[j]
 
-            # 7. dk = dk_scan + (dGram + dGram^T) k + dQK^T q - df f^3 k;  dq = dq_scan + dQK k - dfq fq^3 q
-            self.key_products(tidx, tiled_mma, split_mma, s_m1, s_a, s_k, s_q, s_f, s_df, dk_scan, dk, first, steps, head, use_l2)
-            self.query_products(tidx, tiled_mma, split_mma, s_a, s_k, s_q, s_fq, s_dfq, dq_scan, dq, first_token, tokens, head,
-                                use_l2)
+            # 7. dk = dk_scan + (dGram + dGram^T - diag(df f^3)) k + dQK^T q;  dq = dq_scan + dQK k - diag(dfq fq^3) q:
+            #    the l2norm terms ride in the products (dGram's diagonal is zero; s_t, free since step 5, holds
+            #    the query diagonal), so the epilogues only store
+            for n in cutlass.range(C * C // THREADS, unroll=2):
+                flat = tidx + n * THREADS
+                i = flat // C
+                cube_q = zero_unless(use_l2 != 0, s_dfq[i] * s_fq[i] * s_fq[i] * s_fq[i])
+                s_t[i, flat % C] = zero_unless(i == flat % C, -cube_q)
+            if tidx < C:
+                s_m1[tidx, tidx] = -zero_unless(use_l2 != 0, s_df[tidx] * s_f[tidx] * s_f[tidx] * s_f[tidx])
+            cute.arch.sync_threads()
+            self.key_products(tidx, tiled_mma, split_mma, s_m1, s_a, s_k, s_q, dk_scan, dk, first, steps, head)
+            self.query_products(tidx, tiled_mma, split_mma, s_a, s_t, s_k, s_q, dq_scan, dq, first_token, tokens, head)
 
     @cute.jit
     def raw_product(self, tiled_mma, tidx, s_left, s_k):
@@ -279,10 +288,7 @@ class ChunkPrepBackwardKernel:
     def store_raw_product(self, tiled_mma, tidx, s_left, s_k, out: cute.Tensor):
         """out = left k^T as a float32 square (Gram = k k^T, QK = q k^T, recomputed where needed)."""
         acc = self.raw_product(tiled_mma, tidx, s_left, s_k)
-        coords = tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((C, C)))
-        for e in cutlass.range_constexpr(cute.size(acc)):
-            i, j = coords[e]
-            out[i, j] = acc[e]
+        tiled_mma.get_slice(tidx).partition_C(out).store(acc.load())
 
     def transposed_operand(self, tiled_mma, tidx, s_tile):
         """The [K, 64] transpose of a [64, K] input-dtype tile as the B operand (ldmatrix.trans), partitioned
@@ -291,9 +297,9 @@ class ChunkPrepBackwardKernel:
                                 operand="B", transpose=True)
 
     @cute.jit
-    def key_products(self, tidx, tiled_mma, split_mma, s_gsym, s_dqk, s_k, s_q, s_f, s_df, dk_scan, dk, first, steps, head,
-                     use_l2):
-        """dk = dk_scan + (dGram + dGram^T) k + dQK^T q - df f^3 k: 64 x K on the bf16 tensor cores (split operands)."""
+    def key_products(self, tidx, tiled_mma, split_mma, s_gsym, s_dqk, s_k, s_q, dk_scan, dk, first, steps, head):
+        """dk = dk_scan + G k + dQK^T q (G: dGram + dGram^T - diag(df f^3)), 64 x K on the bf16 tensor cores
+        (split operands)."""
         K = self.key_dim
         thr = split_mma.get_slice(tidx)
         acc = cute.make_rmem_tensor(thr.partition_shape_C((C, K)), Float32)
@@ -303,12 +309,12 @@ class ChunkPrepBackwardKernel:
                                self.inputs_bf16)
         _mma.gemm_f32_by_16bit(split_mma, tidx, acc, float_transposed(s_dqk),
                                self.transposed_operand(tiled_mma, tidx, s_q), self.inputs_bf16)
-        store_rows(acc, coords, dk, first, steps, head, s_k, s_f, s_df, use_l2)
+        store_rows(acc, coords, dk, first, steps, head)
 
     @cute.jit
-    def query_products(self, tidx, tiled_mma, split_mma, s_dqk, s_k, s_q, s_fq, s_dfq, dq_scan, dq, first_token, tokens, head,
-                       use_l2):
-        """dq = dq_scan + dQK k - dfq fq^3 q: 64 (rows past the chunk's tokens are zero) x K."""
+    def query_products(self, tidx, tiled_mma, split_mma, s_dqk, s_qdiag, s_k, s_q, dq_scan, dq, first_token, tokens,
+                       head):
+        """dq = dq_scan + dQK k + D q (D = -diag(dfq fq^3)): 64 (rows past the chunk's tokens are zero) x K."""
         K = self.key_dim
         thr = split_mma.get_slice(tidx)
         acc = cute.make_rmem_tensor(thr.partition_shape_C((C, K)), Float32)
@@ -316,7 +322,9 @@ class ChunkPrepBackwardKernel:
         load_rows(acc, coords, dq_scan, first_token, tokens, head)
         _mma.gemm_f32_by_16bit(split_mma, tidx, acc, s_dqk, self.transposed_operand(tiled_mma, tidx, s_k),
                                self.inputs_bf16)
-        store_rows(acc, coords, dq, first_token, tokens, head, s_q, s_fq, s_dfq, use_l2)
+        _mma.gemm_f32_by_16bit(split_mma, tidx, acc, s_qdiag, self.transposed_operand(tiled_mma, tidx, s_q),
+                               self.inputs_bf16)
+        store_rows(acc, coords, dq, first_token, tokens, head)
 
 
 @cute.jit
@@ -329,15 +337,12 @@ def load_rows(acc: cute.Tensor, coords: cute.Tensor, scan: cute.Tensor, row0, ro
 
 
 @cute.jit
-def store_rows(acc: cute.Tensor, coords: cute.Tensor, out: cute.Tensor, row0, rows, head, s_x: cute.Tensor,
-               s_norm: cute.Tensor, s_dnorm: cute.Tensor, use_l2: Int32):
-    """out[row0 + r, head, c] = acc - dnorm_r norm_r^3 x[r, c] (the l2norm backward) for rows r < ``rows``."""
+def store_rows(acc: cute.Tensor, coords: cute.Tensor, out: cute.Tensor, row0, rows, head):
+    """out[row0 + r, head, c] = acc for rows r < ``rows``."""
     for e in cutlass.range_constexpr(cute.size(acc)):
         r, c = coords[e]
-        cube = zero_unless(use_l2 != 0, s_dnorm[r] * s_norm[r] * s_norm[r] * s_norm[r])
-        value = acc[e] - cube * s_x[r, c].to(Float32)
         if r < rows:
-            out[row0 + r, head, c] = value
+            out[row0 + r, head, c] = acc[e]
 
 
 def float_transposed(tile: cute.Tensor) -> cute.Tensor:
@@ -346,22 +351,19 @@ def float_transposed(tile: cute.Tensor) -> cute.Tensor:
 
 
 @cute.jit
-def square_product(tidx, split_mma, left: cute.Tensor, right_t: cute.Tensor,
-                   out: cute.Tensor, strictly_lower_negated: cutlass.Constexpr):
-    """out = left right for 64 x 64 float32 tiles on the bf16 tensor cores (split operands) (``right_t`` is the
-    [N, K] view of right); with ``strictly_lower_negated`` (the dA step) out = -(left right) on
-    the strictly lower part and zero elsewhere."""
+def square_product(tidx, split_mma, left: cute.Tensor, right_t: cute.Tensor, out: cute.Tensor,
+                   negate: cutlass.Constexpr):
+    """out = (-) left right for 64 x 64 float32 tiles on the bf16 tensor cores (split operands; ``right_t``
+    is the [N, K] view of right). For dA = -(M1 T^T) the whole square is written: its readers take
+    the strictly lower part only."""
     thr = split_mma.get_slice(tidx)
     acc = cute.make_rmem_tensor(thr.partition_shape_C((C, C)), Float32)
     acc.fill(0.0)
     _mma.gemm_f32_split(split_mma, tidx, acc, left, right_t)
-    coords = thr.partition_C(cute.make_identity_tensor((C, C)))
-    for e in cutlass.range_constexpr(cute.size(acc)):
-        i, j = coords[e]
-        value = acc[e]
-        if cutlass.const_expr(strictly_lower_negated):
-            value = zero_unless(i > j, -value)
-        out[i, j] = value
+    result = acc.load()
+    if cutlass.const_expr(negate):
+        result = -result
+    thr.partition_C(out).store(result)
 
 
 @cute.jit
