@@ -12,9 +12,10 @@ QK = q k^T on ``mma.sync``, A, T = (I + A)^-1) and runs ``backward_algorithm.pre
     f = (|k|^2 + eps)^-1/2              ->  dk -= df f^3 k (and dq likewise), with l2norm
 
 and adds the scan's parts of dq and dk. The 64 x 64 squares and the 64 x K products of dq and dk run
-on bf16 tensor cores with float32 operands split into bf16 halves (``_mma.gemm_f32_split`` and ``gemm_f32_by_16bit``: relative
-error ~2^-16, deterministic); dTa, dTb and dP are staged in shared memory by 16-byte ``cp.async``
-(the first two while the inverse runs), so no loop waits on a global load.
+on bf16 tensor cores with float32 operands split into bf16 halves (``_mma.gemm_f32_split`` and
+``gemm_f32_by_16bit``: relative error ~2^-16, deterministic); dTa, dTb and dP are staged in shared
+memory by 16-byte ``cp.async`` (the first two while the inverse runs), so no loop waits on a global
+load. Code that runs once per CTA is kept short (rolled loops): the kernel was instruction-fetch bound.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ class ChunkPrepBackwardKernel:
         g2s = _mma.make_g2s_copy(self.dtype, THREADS)
         g2s_f32 = _mma.make_g2s_copy(Float32, THREADS)
         self.kernel(q, k, g, beta, chunk_first_step, chunk_steps, num_chunks, d_ta, d_tb, d_p, d_scalars, dq_scan,
-                    dk_scan, dq, dk, dg, dbeta, scale, use_l2, num_householder, tiled_mma, split_mma, g2s, g2s_f32).launch(
+                    dk_scan, dq, dk, dg, dbeta, scale, use_l2, num_householder, tiled_mma, split_mma, g2s,
+                    g2s_f32).launch(
             grid=(chunk_first_step.shape[0], k.shape[1], 1), block=(THREADS, 1, 1), stream=stream)
 
     @cute.kernel
@@ -76,7 +78,8 @@ class ChunkPrepBackwardKernel:
         allocator = cutlass.utils.SmemAllocator()
         s_k = allocator.allocate_tensor(self.dtype, _mma.smem_tile_layout(C, K), 128)
         s_q = allocator.allocate_tensor(self.dtype, _mma.smem_tile_layout(C, K), 128)
-        square = lambda: allocator.allocate_tensor(Float32, cute.make_layout((C, C), stride=(PITCH, 1)), 16)  # noqa: E731
+        square_layout = cute.make_layout((C, C), stride=(PITCH, 1))
+        square = lambda: allocator.allocate_tensor(Float32, square_layout, 16)  # noqa: E731
         # four float32 squares, reused phase by phase (Gram and QK are recomputed where needed), so that
         # two CTAs share an SM: A -> dQK, T -> Gram -> QK, dTb -> dT -> dA -> dP, dTa -> M1 -> dGram
         s_a, s_t, s_work, s_m1 = square(), square(), square(), square()

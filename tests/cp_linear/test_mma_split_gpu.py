@@ -26,7 +26,8 @@ def _compile(b_split: bool):
                out_keys: cute.Tensor, mma: cute.TiledMma, keys_mma: cute.TiledMma):
         tidx, _, _ = cute.arch.thread_idx()
         allocator = cutlass.utils.SmemAllocator()
-        square = lambda: allocator.allocate_tensor(Float32, cute.make_layout((C, C), stride=(PITCH, 1)), 16)  # noqa: E731
+        square_layout = cute.make_layout((C, C), stride=(PITCH, 1))
+        square = lambda: allocator.allocate_tensor(Float32, square_layout, 16)  # noqa: E731
         s_a, s_b = square(), square()
         s_keys = allocator.allocate_tensor(keys.element_type, _mma.smem_tile_layout(C, K), 128)
         for n in cutlass.range_constexpr(C * C // THREADS):
@@ -37,7 +38,8 @@ def _compile(b_split: bool):
             flat = tidx + n * THREADS
             s_keys[flat // K, flat % K] = keys[flat // K, flat % K]
         cute.arch.sync_threads()
-        transposed = lambda tile: cute.make_tensor(tile.iterator, cute.make_layout((C, C), stride=(1, PITCH)))  # noqa: E731
+        transposed_layout = cute.make_layout((C, C), stride=(1, PITCH))
+        transposed = lambda tile: cute.make_tensor(tile.iterator, transposed_layout)  # noqa: E731
         thr = mma.get_slice(tidx)
         # A B^T, A^T B, A keys (keys^T as the [N, Kx] operand)
         for which in cutlass.range_constexpr(3):
@@ -66,11 +68,14 @@ def _compile(b_split: bool):
              out_keys: cute.Tensor, stream):
         mma = _mma.make_tiled_mma(cutlass.BFloat16, 4)
         keys_mma = _mma.make_tiled_mma(keys.element_type, 4)
-        kernel(a, b, keys, out_plain, out_transposed, out_keys, mma, keys_mma).launch(grid=(1, 1, 1), block=(THREADS, 1, 1),
-                                                                             stream=stream)
+        kernel(a, b, keys, out_plain, out_transposed, out_keys, mma, keys_mma).launch(
+            grid=(1, 1, 1), block=(THREADS, 1, 1), stream=stream)
 
     key_type = cutlass.BFloat16 if not b_split else cutlass.Float16
-    fake = lambda dtype, shape: make_fake_compact_tensor(dtype, shape, stride_order=(1, 0), assumed_align=16)  # noqa: E731
+
+    def fake(dtype, shape):
+        return make_fake_compact_tensor(dtype, shape, stride_order=(1, 0), assumed_align=16)
+
     return cute.compile(host, fake(Float32, (C, C)), fake(Float32, (C, C)), fake(key_type, (C, K)),
                         fake(Float32, (C, C)), fake(Float32, (C, C)), fake(Float32, (C, K)),
                         make_fake_stream(use_tvm_ffi_env_stream=True), options="--enable-tvm-ffi")
