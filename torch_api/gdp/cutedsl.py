@@ -137,8 +137,18 @@ _AUTO_INSTANCES: dict[str, object] = {}
 def _auto_instance(name: str):
     """One shared instance per automatic choice (the CuTeDSL backend keeps its compile caches)."""
     if name not in _AUTO_INSTANCES:
+        from torch_api.gdp.library import register_backend
+
         _AUTO_INSTANCES[name] = CuTeDSLGatedDeltaProductCPBackend() if name == "cutedsl" else TorchGDPBackend()
+        register_backend(_AUTO_INSTANCES[name])  # named outside any trace (backend_name)
     return _AUTO_INSTANCES[name]
+
+
+def _name_auto_instances() -> None:
+    """Build and name both automatic instances at import: one first made inside a ``torch.compile``
+    trace would be registered only after it, when the fake kernels have already looked its name up."""
+    for name in ("reference", "cutedsl"):
+        _auto_instance(name)
 
 
 def _compiling() -> bool:
@@ -627,3 +637,5 @@ def _packed_stack(preceding) -> torch.Tensor | None:
     if preceding.dtype != torch.float32:
         raise ValueError(f"preceding summaries must be float32; received {preceding.dtype}")
     return preceding.contiguous()
+
+_name_auto_instances()

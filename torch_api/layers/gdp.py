@@ -66,6 +66,9 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
         super().__init__()
         self.config = config = resolve_config(GDPConfig, config, kwargs)
         self.backend = backend
+        from torch_api.gdp.library import register_backend
+
+        register_backend(backend)  # its op name exists before any torch.compile trace reads it
         self.cp_check_inputs = cp_check_inputs
         c, n = config, config.num_householder
         self.q_proj = nn.Linear(c.hidden_size, c.key_dim, bias=False)
