@@ -56,6 +56,14 @@ def _loss(model, tokens, layout):
     return logits, logits.float().square().mean()
 
 
+def _forward_backward(model, tokens, layout) -> None:
+    """One step whose autograd graph dies on return: an AccumulateGrad node kept alive across steps
+    (e.g. by a loss variable) keeps the stream it was made on, and breaks a later capture."""
+    model.zero_grad(set_to_none=True)
+    _, loss = _loss(model, tokens, layout)
+    loss.backward()
+
+
 def _eager_step(model, tokens, layout):
     """(logits, loss, {parameter name: grad}) of one eager forward + backward, cloned."""
     model.zero_grad(set_to_none=True)
@@ -118,9 +126,7 @@ def graph_case(rank: int, world: int, group=None) -> dict:
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        model.zero_grad(set_to_none=True)
-        _, loss = _loss(model, static_tokens, static_layout)
-        loss.backward()
+        _forward_backward(model, static_tokens, static_layout)
     except RuntimeError as err:
         report["sync_error"] = f"{type(err).__name__}: {err}"
     finally:
@@ -132,9 +138,7 @@ def graph_case(rank: int, world: int, group=None) -> dict:
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         for _ in range(2):
-            model.zero_grad(set_to_none=True)
-            _, loss = _loss(model, static_tokens, static_layout)
-            loss.backward()
+            _forward_backward(model, static_tokens, static_layout)
     torch.cuda.current_stream(device).wait_stream(side)
     model.zero_grad(set_to_none=True)
     graph = torch.cuda.CUDAGraph()
