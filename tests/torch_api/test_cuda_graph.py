@@ -122,9 +122,15 @@ def graph_case(rank: int, world: int, group=None) -> dict:
     eager_a = _flatten(*_eager_step(model, static_tokens, static_layout))
     report["a_equals_b"] = float((eager_a["logits"].float() - eager_b["logits"].float()).abs().max()) == 0.0
 
-    # a steady-state step (agreed, warm) raises under sync debug mode "error" if anything synchronises
+    # a steady-state step (agreed, warm) raises under sync debug mode "error" if anything synchronises;
+    # first show that the mode is live here: a host read must raise
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
+    try:
+        static_tokens.sum().item()
+        report["sync_mode_live"] = False
+    except RuntimeError:
+        report["sync_mode_live"] = True
     try:
         _forward_backward(model, static_tokens, static_layout)
     except RuntimeError as err:
@@ -166,6 +172,7 @@ def _check(report: dict, who: str) -> None:
     context = (f"{who}: GDP backend {report['backend']}; eager packing B run twice differs in "
                f"{report['eager_b_repeat_differs'] or 'nothing'}")
     print(f"\n{who}: {report}")
+    assert report["sync_mode_live"], f"{who}: sync debug mode 'error' let .item() through; the sync check is void"
     assert report["sync_error"] is None, f"{who}: a steady-state step synchronised with the host: {report['sync_error']}"
     assert not report["a_equals_b"], f"{who}: packings A and B give the same logits; the test would prove nothing"
     assert report["replay_a_differs"] == {}, (
