@@ -194,3 +194,27 @@ def test_a_forced_halo_on_a_graph_ready_layout_raises_on_every_rank(gloo_pools):
     for rank, (ok, value) in enumerate(outcome):
         assert not ok and value.type_name == "ValueError" and "all-gather" in value.message, (
             f"rank {rank}: expected the graph-ready mode error; got {value}")
+
+
+def gathered_halo_against_exchange(rank, world):
+    """The conv halo through an all-gather against the neighbour exchange: the window and the
+    gradient it sends back, bitwise; and opcheck of the gathered op."""
+    from torch_api.attention.library import left_halo_gathered_op, left_halo_op
+
+    group_name = dist.group.WORLD.group_name
+    kv = torch.randn(6, 1, 5, generator=torch.Generator().manual_seed(rank))
+    grad = torch.randn(9, 1, 5, generator=torch.Generator().manual_seed(10 + rank))
+    results = []
+    for op in (left_halo_op, left_halo_gathered_op):
+        leaf = kv.clone().requires_grad_()
+        window = op(leaf, 3, group_name)
+        window.backward(grad)
+        results.append((window.detach(), leaf.grad))
+    torch.library.opcheck(torch.ops.cp_linear.left_halo_gathered.default, (kv.clone().requires_grad_(), 3, group_name))
+    return [torch.equal(a, b) for a, b in zip(*results)]
+
+
+@pytest.mark.multirank
+def test_the_gathered_conv_halo_equals_the_neighbour_exchange(gloo_pools):
+    for rank, same in enumerate(gloo_pools(2).run(gathered_halo_against_exchange)):
+        assert same == [True, True], f"rank {rank}: (window, gradient) bitwise equal: {same}"
