@@ -15,3 +15,57 @@ def emulation_inputs(lengths, heads, key_dim, value_dim, n_h, seed, rows=1):
     g = torch.nn.functional.logsigmoid(r(rows, tokens, heads) + 3.0)
     beta = torch.sigmoid(r(rows, tokens * n_h, heads))
     return q, k, v, g, beta
+
+
+def fold_summaries(segments_per_sequence, spare_segments, heads, key_dim, value_dim, seed, device="cpu"):
+    """Random segment summaries [S_max, H, V + K, K] float32 (rows [E^T ; M^T], M near 0.9 I so that
+    long folds stay bounded) and seq_first_segment int32 [N + 1] for sequences of the given segment
+    counts, with ``spare_segments`` unused rows after the real ones."""
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.tensor([0] + list(segments_per_sequence), dtype=torch.int32).cumsum(0).to(torch.int32)
+    total = int(starts[-1]) + spare_segments
+    summaries = torch.randn(total, heads, value_dim + key_dim, key_dim, generator=gen) * 0.5
+    summaries[:, :, value_dim:] = (0.9 * torch.eye(key_dim)
+                                   + torch.randn(total, heads, key_dim, key_dim, generator=gen) * 0.01)
+    return summaries.to(device), starts.to(device)
+
+
+def prefix_fold(summaries, seq_first_segment, value_dim, write_final):
+    """Prepare's fold from [0 ; I] with V + K rows through ``launch.run()`` -> (each segment's prefix
+    map [S_max, H, V + K, K], final rows [N, H, V + K, K]); rows the launch does not write stay NaN."""
+    from cp_linear.kernels import configs as kcfg
+    from cp_linear.kernels import launch as kl
+
+    total, heads, key_dim = summaries.shape[0], summaries.shape[1], summaries.shape[3]
+    sequences = seq_first_segment.shape[0] - 1
+    nan = dict(fill_value=float("nan"), dtype=torch.float32, device=summaries.device)
+    prefix = torch.full((total, heads, value_dim + key_dim, key_dim), **nan)
+    final = torch.full((sequences, heads, value_dim + key_dim, key_dim), **nan)
+    kl.SegmentFoldLaunch(kcfg.SegmentFoldConfig(key_dim), summaries=summaries, seq_first_segment=seq_first_segment,
+                         init=prefix[:1], incoming=prefix, final=final, init_count=0, value_rows=value_dim,
+                         identity_row=value_dim, first_sequence=0, write_final=write_final, descending=0).run()
+    return prefix, final
+
+
+def fold_both_ways(summaries, seq_first_segment, init, init_count, value_dim):
+    """Every segment's incoming state [S_max, H, V, K] two ways, through ``launch.run()`` (the GPU
+    kernels, or the emulation when a test patches it): the sequential fold from ``init`` (the
+    forward's apply before the dedup), and prepare's prefix fold from [0 ; I] followed by
+    segment_fold mode "apply_affine". Returns (sequential, via the prefix maps, the prefix maps)."""
+    from cp_linear.kernels import configs as kcfg
+    from cp_linear.kernels import launch as kl
+
+    total, heads, key_dim = summaries.shape[0], summaries.shape[1], summaries.shape[3]
+    f32 = dict(dtype=torch.float32, device=summaries.device)
+    sequential = torch.zeros(total, heads, value_dim, key_dim, **f32)
+    kl.SegmentFoldLaunch(kcfg.SegmentFoldConfig(key_dim), summaries=summaries, seq_first_segment=seq_first_segment,
+                         init=init, incoming=sequential, final=sequential[:1], init_count=init_count,
+                         value_rows=value_dim, identity_row=value_dim, first_sequence=0, write_final=0,
+                         descending=0).run()
+    prefix, _ = prefix_fold(summaries, seq_first_segment, value_dim, kl.FINAL_EVERY)
+    via_prefix = torch.full((total, heads, value_dim, key_dim), float("nan"), **f32)  # every row must be written
+    kl.SegmentFoldLaunch(kcfg.SegmentFoldConfig(key_dim, "apply_affine"), summaries=prefix,
+                         seq_first_segment=seq_first_segment, init=init, incoming=via_prefix, final=via_prefix[:1],
+                         init_count=init_count, value_rows=value_dim, identity_row=value_dim, first_sequence=0,
+                         write_final=0, descending=0).run()
+    return sequential, via_prefix, prefix

@@ -119,6 +119,18 @@ def gemm_smem_ab(tiled_mma, acc: cute.Tensor, a: SmemOperand, b: SmemOperand):
         cute.gemm(tiled_mma, acc, a.fragment[None, None, k], b.fragment[None, None, k], acc)
 
 
+@cute.jit
+def gemm_smem_ab_rolled(tiled_mma, acc: cute.Tensor, a: SmemOperand, b: SmemOperand):
+    """``gemm_smem_ab`` as a run-time loop over k-slices (no prefetch): for code that runs once per
+    CTA, where unrolled instructions are fetched once and never reused."""
+    a_copy, a_source, a_view, a_fragment = a.tiled_copy, a.source, a.view, a.fragment
+    b_copy, b_source, b_view, b_fragment = b.tiled_copy, b.source, b.view, b.fragment
+    for k in cutlass.range(b.k_slices(), unroll=1):
+        cute.copy(a_copy, a_source[None, None, k], a_view[None, None, 0])
+        cute.copy(b_copy, b_source[None, None, k], b_view[None, None, 0])
+        cute.gemm(tiled_mma, acc, a_fragment[None, None, 0], b_fragment[None, None, 0], acc)
+
+
 # ------------------------------------------------------------------------------------------ wgmma (Hopper)
 
 
@@ -183,3 +195,75 @@ def wgmma(tiled_mma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor, accumulat
         cute.gemm(tiled_mma, acc, a[None, None, k], b[None, None, k], acc)
     warpgroup.commit_group()
     warpgroup.wait_group(0)
+
+
+# ------------------------------------------------------------------ float32 products on bf16 tensor cores
+
+
+def _fragment(view: cute.Tensor, dtype) -> cute.Tensor:
+    """A register operand shaped like the partition ``view``, compact in its logical (column-major)
+    order: ``mma.sync`` packs adjacent elements into one register, so the order must be the MMA's
+    own, not ``make_fragment_like``'s copy of the shared-memory stride order (wrong for a
+    transposed view)."""
+    return cute.make_rmem_tensor(cute.make_layout(view.shape), dtype)
+
+
+@cute.jit
+def _split_bf16(values, big: cute.Tensor, small: cute.Tensor):
+    """float32 ``values`` -> big = bf16(values), small = bf16(values - big): big + small carries 16
+    significant bits (relative error <= 2^-17)."""
+    rounded = values.to(cutlass.BFloat16)
+    big.store(rounded)
+    small.store((values - rounded.to(cutlass.Float32)).to(cutlass.BFloat16))
+
+
+@cute.jit
+def gemm_f32_split(tiled_mma, tidx, acc: cute.Tensor, a_tile: cute.Tensor, b_tile: cute.Tensor):
+    """acc += A B^T to about float32 accuracy on a bf16 ``tiled_mma``: A [M, Kx] and B [N, Kx] float32
+    in shared memory, any layout (plain or transposed views). Both are split into bf16 big + small and
+    the product is big big + big small + small big (the 3xTF32 recipe with bf16 halves: relative
+    error ~2^-16)."""
+    thr = tiled_mma.get_slice(tidx)
+    part_a = thr.partition_A(a_tile)
+    part_b = thr.partition_B(b_tile)
+    a_big = _fragment(part_a[None, None, 0], cutlass.BFloat16)
+    a_small = _fragment(part_a[None, None, 0], cutlass.BFloat16)
+    b_big = _fragment(part_b[None, None, 0], cutlass.BFloat16)
+    b_small = _fragment(part_b[None, None, 0], cutlass.BFloat16)
+    # a rolled loop: these kernels run each product once per CTA, so unrolled code is fetched once
+    # and never reused (ncu: half the stall cycles were instruction fetch)
+    for k in cutlass.range(cute.size(part_a, mode=[2]), unroll=1):
+        _split_bf16(part_a[None, None, k].load(), a_big, a_small)
+        _split_bf16(part_b[None, None, k].load(), b_big, b_small)
+        cute.gemm(tiled_mma, acc, a_small, b_big, acc)
+        cute.gemm(tiled_mma, acc, a_big, b_small, acc)
+        cute.gemm(tiled_mma, acc, a_big, b_big, acc)
+
+
+@cute.jit
+def gemm_f32_by_16bit(tiled_mma, tidx, acc: cute.Tensor, a_tile: cute.Tensor, b: SmemOperand,
+                      b_is_bf16: cutlass.Constexpr):
+    """acc += A B^T with A [M, Kx] float32 in shared memory (split into bf16 big + small) and B a
+    16-bit ``SmemOperand`` (ldmatrix): bf16 B is exact (two products); fp16 B is split too (exactly:
+    11 significant bits fit in two bf16 halves; three products)."""
+    thr = tiled_mma.get_slice(tidx)
+    part_a = thr.partition_A(a_tile)
+    a_big = _fragment(part_a[None, None, 0], cutlass.BFloat16)
+    a_small = _fragment(part_a[None, None, 0], cutlass.BFloat16)
+    # in the ldmatrix fragment's own register order (it is not the compact one of its shape)
+    b_big = cute.make_fragment_like(b.fragment[None, None, 0], cutlass.BFloat16)
+    b_small = cute.make_fragment_like(b.fragment[None, None, 0], cutlass.BFloat16)
+    # rolled, as in gemm_f32_split; the operand's pieces as plain tensors (a Python object cannot be
+    # carried through a run-time loop)
+    b_copy, b_source, b_view, b_fragment = b.tiled_copy, b.source, b.view, b.fragment
+    for k in cutlass.range(b.k_slices(), unroll=1):
+        cute.copy(b_copy, b_source[None, None, k], b_view[None, None, 0])
+        _split_bf16(part_a[None, None, k].load(), a_big, a_small)
+        if cutlass.const_expr(b_is_bf16):
+            cute.gemm(tiled_mma, acc, a_small, b_fragment[None, None, 0], acc)
+            cute.gemm(tiled_mma, acc, a_big, b_fragment[None, None, 0], acc)
+        else:
+            _split_bf16(b_fragment[None, None, 0].load().to(cutlass.Float32), b_big, b_small)
+            cute.gemm(tiled_mma, acc, a_small, b_big, acc)
+            cute.gemm(tiled_mma, acc, a_big, b_small, acc)
+            cute.gemm(tiled_mma, acc, a_big, b_big, acc)

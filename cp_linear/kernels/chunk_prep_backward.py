@@ -1,4 +1,4 @@
-"""The backward of ``chunk_prep``, one CTA of 4 warps per (chunk, head), float32 throughout.
+"""The backward of ``chunk_prep``, one CTA of 4 warps per (chunk, head), float32 values throughout.
 
 From the gradients of the prep outputs (``chunk_reverse`` wrote them: dTa, dTb [64, 64], dP
 [NQ, 64], and db, dc, dd) it recomputes the chunk's forward quantities (G, f, fq, Gram = k k^T and
@@ -11,8 +11,10 @@ QK = q k^T on ``mma.sync``, A, T = (I + A)^-1) and runs ``backward_algorithm.pre
     G = cumsum(gates)                   ->  dg = reverse cumsum of dG at each token's first step
     f = (|k|^2 + eps)^-1/2              ->  dk -= df f^3 k (and dq likewise), with l2norm
 
-and adds the scan's parts of dq and dk. The 64 x 64 and 64 x K products run as float32 SIMT from
-shared memory, each output owned by one thread: exact to float32 and deterministic.
+and adds the scan's parts of dq and dk. The 64 x 64 squares and the 64 x K products of dq and dk run
+on bf16 tensor cores with float32 operands split into bf16 halves (``_mma.gemm_f32_split`` and ``gemm_f32_by_16bit``: relative
+error ~2^-16, deterministic); dTa, dTb and dP are staged in shared memory by 16-byte ``cp.async``
+(the first two while the inverse runs), so no loop waits on a global load.
 """
 
 from __future__ import annotations
@@ -23,14 +25,13 @@ from cutlass import Float32, Int32
 
 from cp_linear.kernels import _chunk_common as chunk_common
 from cp_linear.kernels import _mma
-from cp_linear.kernels._common import cutlass_dtype, smem_vector
+from cp_linear.kernels._common import cutlass_dtype, smem_vector, zero_unless
 from cp_linear.kernels.configs import CHUNK_SIZE, ChunkPrepBackwardConfig
 
 C = CHUNK_SIZE
 WARPS = 4
 THREADS = 32 * WARPS
 PITCH = C + 4
-BLOCK_ROWS, BLOCK_COLS = 4, 16  # outputs per thread in the SIMT products
 
 
 class ChunkPrepBackwardKernel:
@@ -39,6 +40,8 @@ class ChunkPrepBackwardKernel:
         self.dtype = cutlass_dtype(config.dtype)
         self.key_dim = config.key_dim
         self.query_tile = config.query_tile
+        # the float32 products run on bf16 halves (big + small); fp16 keys and queries are split too
+        self.inputs_bf16 = self.dtype is cutlass.BFloat16
 
     @cute.jit
     def __call__(self,
@@ -53,9 +56,11 @@ class ChunkPrepBackwardKernel:
                  dg: cute.Tensor, dbeta: cute.Tensor,  # (out) [T_all, H], [S_all, H] float32
                  scale: Float32, use_l2: Int32, num_householder: Int32, stream):
         tiled_mma = _mma.make_tiled_mma(self.dtype, WARPS)
+        split_mma = _mma.make_tiled_mma(cutlass.BFloat16, WARPS)
         g2s = _mma.make_g2s_copy(self.dtype, THREADS)
+        g2s_f32 = _mma.make_g2s_copy(Float32, THREADS)
         self.kernel(q, k, g, beta, chunk_first_step, chunk_steps, num_chunks, d_ta, d_tb, d_p, d_scalars, dq_scan,
-                    dk_scan, dq, dk, dg, dbeta, scale, use_l2, num_householder, tiled_mma, g2s).launch(
+                    dk_scan, dq, dk, dg, dbeta, scale, use_l2, num_householder, tiled_mma, split_mma, g2s, g2s_f32).launch(
             grid=(chunk_first_step.shape[0], k.shape[1], 1), block=(THREADS, 1, 1), stream=stream)
 
     @cute.kernel
@@ -64,7 +69,7 @@ class ChunkPrepBackwardKernel:
                d_ta: cute.Tensor, d_tb: cute.Tensor, d_p: cute.Tensor, d_scalars: cute.Tensor,
                dq_scan: cute.Tensor, dk_scan: cute.Tensor, dq: cute.Tensor, dk: cute.Tensor, dg: cute.Tensor,
                dbeta: cute.Tensor, scale: Float32, use_l2: Int32, num_householder: Int32,
-               tiled_mma: cute.TiledMma, g2s: cute.TiledCopy):
+               tiled_mma: cute.TiledMma, split_mma: cute.TiledMma, g2s: cute.TiledCopy, g2s_f32: cute.TiledCopy):
         K, NQ, NH = self.key_dim, self.query_tile, num_householder
         tidx, _, _ = cute.arch.thread_idx()
         chunk, head, _ = cute.arch.block_idx()
@@ -72,13 +77,16 @@ class ChunkPrepBackwardKernel:
         s_k = allocator.allocate_tensor(self.dtype, _mma.smem_tile_layout(C, K), 128)
         s_q = allocator.allocate_tensor(self.dtype, _mma.smem_tile_layout(C, K), 128)
         square = lambda: allocator.allocate_tensor(Float32, cute.make_layout((C, C), stride=(PITCH, 1)), 16)  # noqa: E731
-        s_a, s_t, s_gram, s_qk, s_work, s_m1 = square(), square(), square(), square(), square(), square()
+        # four float32 squares, reused phase by phase (Gram and QK are recomputed where needed), so that
+        # two CTAs share an SM: A -> dQK, T -> Gram -> QK, dTb -> dT -> dA -> dP, dTa -> M1 -> dGram
+        s_a, s_t, s_work, s_m1 = square(), square(), square(), square()
         s_gate, s_beta, s_f, s_fq = (smem_vector(allocator, C) for _ in range(4))
         # partial gradients by step (j) or token (t), each entry written by one thread
         s_dbeta, s_df, s_dg, s_dfq = (smem_vector(allocator, C) for _ in range(4))
         s_row_s, s_row_w, s_col_s, s_col_w = (smem_vector(allocator, C) for _ in range(4))
         s_col_p, s_col_u, s_row_u = (smem_vector(allocator, C) for _ in range(3))
         s_sum = smem_vector(allocator, 2)
+        s_scalars = allocator.allocate_tensor(Float32, cute.make_layout((4, C), stride=(C, 1)), 16)  # db, dc, dd
 
         if chunk < num_chunks[0]:
             first = chunk_first_step[chunk]
@@ -88,36 +96,33 @@ class ChunkPrepBackwardKernel:
             last_step = cutlass.max(steps - 1, 0)
             chunk_common.load_chunk_inputs(g2s, tidx, q, k, g, beta, head, first, steps, NH, s_k, s_q, s_gate,
                                            s_beta, K)
+            # the gradients of Ta and Tb into the squares that step 2 consumes first (read in step 2)
+            _mma.copy_rows_g2s(g2s_f32, tidx, d_ta[chunk, head, None, None], s_m1, C)
+            _mma.copy_rows_g2s(g2s_f32, tidx, d_tb[chunk, head, None, None], s_work, C)
+            cute.arch.cp_async_commit_group()
+            for n in cutlass.range_constexpr(4 * C // THREADS):
+                flat = tidx + n * THREADS
+                s_scalars[flat // C, flat % C] = d_scalars[chunk, head, flat // C, flat % C]
             chunk_common.gate_cumsum(tidx, s_gate)
             chunk_common.row_norms(tidx, s_k, s_q, s_f, s_fq, steps, tokens, use_l2, K)
             cute.arch.sync_threads()
 
-            # 1. Gram = k k^T, QK = q k^T (raw) and A = strictly lower beta_i f_i f_j E_ij Gram_ij; T = (I + A)^-1
+            # 1. A = strictly lower beta_i f_i f_j E_ij Gram_ij (Gram = k k^T); T = (I + A)^-1
             thr_mma = tiled_mma.get_slice(tidx)
             coords = thr_mma.partition_C(cute.make_identity_tensor((C, C)))
-            k_as_b = _mma.SmemOperand(tiled_mma, tidx, s_k, self.dtype, operand="B", transpose=False)
-            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((C, C)), Float32)
-            acc.fill(0.0)
-            _mma.gemm_smem_ab(tiled_mma, acc,
-                              _mma.SmemOperand(tiled_mma, tidx, s_k, self.dtype, operand="A", transpose=False), k_as_b)
+            acc = self.raw_product(tiled_mma, tidx, s_k, s_k)
             for e in cutlass.range_constexpr(cute.size(acc)):
                 i, j = coords[e]
-                s_gram[i, j] = acc[e]
                 value = Float32(0.0)
                 if j < i:
                     value = s_beta[i] * s_f[i] * s_f[j] * cute.math.exp(s_gate[i] - s_gate[j]) * acc[e]
                 s_a[i, j] = value
-            acc.fill(0.0)
-            _mma.gemm_smem_ab(tiled_mma, acc,
-                              _mma.SmemOperand(tiled_mma, tidx, s_q, self.dtype, operand="A", transpose=False), k_as_b)
-            for e in cutlass.range_constexpr(cute.size(acc)):
-                t, j = coords[e]
-                s_qk[t, j] = acc[e]
             cute.arch.sync_threads()
             chunk_common.invert_unit_lower(tidx, s_a, s_t)
+            cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
 
-            # 2. dT = dTa diag(a) + dTb diag(beta); da = colsum(dTa * T) -> dbeta, df, dG (thread j)
+            # 2. dT = dTa diag(a) + dTb diag(beta) (in place of dTb); da = colsum(dTa * T) -> dbeta, df, dG (thread j)
             if tidx < C:
                 j = tidx
                 growth = cute.math.exp(s_gate[j])
@@ -125,8 +130,8 @@ class ChunkPrepBackwardKernel:
                 da = Float32(0.0)
                 dbeta_t = Float32(0.0)
                 for i in cutlass.range(C, unroll=4):
-                    grad_a = d_ta[chunk, head, i, j]
-                    grad_b = d_tb[chunk, head, i, j]
+                    grad_a = s_m1[i, j]
+                    grad_b = s_work[i, j]
                     da = da + grad_a * s_t[i, j]
                     dbeta_t = dbeta_t + grad_b * s_t[i, j]
                     s_work[i, j] = grad_a * a_j + grad_b * s_beta[j]
@@ -136,9 +141,11 @@ class ChunkPrepBackwardKernel:
             cute.arch.sync_threads()
 
             # 3. dA = -T^T dT T^T on the strictly lower part: M1 = T^T dT, then dA = -M1 T^T into s_work
-            square_product(tidx, s_t, s_work, s_m1, True, False, Float32(1.0))
+            square_product(tidx, split_mma, float_transposed(s_t), float_transposed(s_work), s_m1, False)
             cute.arch.sync_threads()
-            square_product(tidx, s_m1, s_t, s_work, False, True, Float32(-1.0))
+            square_product(tidx, split_mma, s_m1, s_t, s_work, True)
+            cute.arch.sync_threads()
+            self.store_raw_product(tiled_mma, tidx, s_k, s_k, s_t)  # Gram (T is consumed)
             cute.arch.sync_threads()
 
             # 4. through A: rows (threads 0-63) and columns (64-127) of S = dA E Gram and W = dA A;
@@ -150,7 +157,7 @@ class ChunkPrepBackwardKernel:
                 for j in cutlass.range(C, unroll=4):
                     if j < line:
                         grad_a = s_work[line, j]
-                        s_ij = grad_a * cute.math.exp(s_gate[line] - s_gate[j]) * s_gram[line, j]
+                        s_ij = grad_a * cute.math.exp(s_gate[line] - s_gate[j]) * s_t[line, j]
                         sum_s = sum_s + s_ij * s_f[j]
                         sum_w = sum_w + grad_a * s_a[line, j]
                 s_row_s[line] = sum_s
@@ -159,7 +166,7 @@ class ChunkPrepBackwardKernel:
                 for i in cutlass.range(C, unroll=4):
                     if i > line:
                         grad_a = s_work[i, line]
-                        s_ij = grad_a * cute.math.exp(s_gate[i] - s_gate[line]) * s_gram[i, line]
+                        s_ij = grad_a * cute.math.exp(s_gate[i] - s_gate[line]) * s_t[i, line]
                         sum_s = sum_s + s_ij * s_beta[i] * s_f[i]
                         sum_w = sum_w + grad_a * s_a[i, line]
                 s_col_s[line] = sum_s
@@ -176,26 +183,29 @@ class ChunkPrepBackwardKernel:
                 s_m1[i, j] = value
             cute.arch.sync_threads()
 
-            # 5. through P: rows t (threads 0-63), columns j (64-127); dQK into s_a (A is consumed)
+            # 5. through P: dP staged in s_work (dA is consumed), QK = q k^T in s_t (Gram is consumed); rows t
+            #    (threads 0-63), columns j (64-127); dQK into s_a (A is consumed). Loads and exponentials are
+            #    unconditional, then selected.
+            _mma.copy_rows_g2s(g2s_f32, tidx, d_p[chunk, head, None, None], cute.local_tile(s_work, (NQ, C), (0, 0)),
+                               NQ)
+            cute.arch.cp_async_commit_group()
+            self.store_raw_product(tiled_mma, tidx, s_q, s_k, s_t)
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()
             if tidx < C:
                 t = tidx
-                last = t * NH + NH - 1
+                row_ok = t < tokens
+                last = cutlass.min(t * NH + NH - 1, C - 1)
                 dfq_t = Float32(0.0)
                 u_t = Float32(0.0)
-                if t < tokens:
-                    for j in cutlass.range(C, unroll=4):
-                        value = Float32(0.0)
-                        if j <= last:
-                            decay = cute.math.exp(s_gate[last] - s_gate[j])
-                            grad_p = d_p[chunk, head, t, j]
-                            base = scale * decay * s_qk[t, j]
-                            dfq_t = dfq_t + grad_p * base * s_f[j]
-                            u_t = u_t + grad_p * base * s_fq[t] * s_f[j]
-                            value = grad_p * scale * s_fq[t] * s_f[j] * decay
-                        s_a[t, j] = value
-                else:
-                    for j in cutlass.range(C, unroll=4):
-                        s_a[t, j] = Float32(0.0)
+                for j in cutlass.range(C, unroll=4):
+                    keep = row_ok & (j <= last)
+                    decay = cute.math.exp(s_gate[last] - s_gate[j])
+                    grad_p = s_work[t, j]
+                    base = scale * decay * s_t[t, j]
+                    dfq_t = dfq_t + zero_unless(keep, grad_p * base * s_f[j])
+                    u_t = u_t + zero_unless(keep, grad_p * base * s_fq[t] * s_f[j])
+                    s_a[t, j] = zero_unless(keep, grad_p * scale * s_fq[t] * s_f[j] * decay)
                 s_dfq[t] = dfq_t
                 s_row_u[t] = u_t
             else:
@@ -203,12 +213,12 @@ class ChunkPrepBackwardKernel:
                 col_p = Float32(0.0)
                 col_u = Float32(0.0)
                 for t in cutlass.range(NQ, unroll=4):
-                    last = t * NH + NH - 1
-                    if (t < tokens) & (j <= last):
-                        grad_p = d_p[chunk, head, t, j]
-                        base = scale * cute.math.exp(s_gate[last] - s_gate[j]) * s_qk[t, j]
-                        col_p = col_p + grad_p * base * s_fq[t]
-                        col_u = col_u + grad_p * base * s_fq[t] * s_f[j]
+                    last = cutlass.min(t * NH + NH - 1, C - 1)
+                    keep = (t < tokens) & (j <= last)
+                    grad_p = s_work[t, j]
+                    base = scale * cute.math.exp(s_gate[last] - s_gate[j]) * s_t[t, j]
+                    col_p = col_p + zero_unless(keep, grad_p * base * s_fq[t])
+                    col_u = col_u + zero_unless(keep, grad_p * base * s_fq[t] * s_f[j])
                 s_col_p[j] = col_p
                 s_col_u[j] = col_u
             cute.arch.sync_threads()
@@ -217,7 +227,7 @@ class ChunkPrepBackwardKernel:
             gate_last = s_gate[last_step]
             if tidx < C:
                 j = tidx
-                grad_b = d_scalars[chunk, head, 0, j]
+                grad_b = s_scalars[0, j]
                 b_j = s_f[j] * cute.math.exp(gate_last - s_gate[j])
                 s_df[j] = s_df[j] + s_beta[j] * s_row_s[j] + s_col_s[j] + s_col_p[j] + \
                     grad_b * cute.math.exp(gate_last - s_gate[j])
@@ -227,18 +237,18 @@ class ChunkPrepBackwardKernel:
                     t = j // NH
                     if t < tokens:
                         c_t = scale * s_fq[t] * cute.math.exp(s_gate[j])
-                        grad_g = grad_g + s_row_u[t] + d_scalars[chunk, head, 1, t] * c_t
+                        grad_g = grad_g + s_row_u[t] + s_scalars[1, t] * c_t
                 s_dg[j] = grad_g
                 bb = cute.arch.warp_reduction_sum(grad_b * b_j)
                 if tidx % 32 == 0:
                     s_sum[tidx // 32] = bb
             elif tidx < C + NQ:
                 t = tidx - C
-                s_dfq[t] = s_dfq[t] + d_scalars[chunk, head, 1, t] * scale * cute.math.exp(s_gate[t * NH + NH - 1])
+                s_dfq[t] = s_dfq[t] + s_scalars[1, t] * scale * cute.math.exp(s_gate[t * NH + NH - 1])
             cute.arch.sync_threads()
             if tidx == 0:
                 s_dg[last_step] = s_dg[last_step] + s_sum[0] + s_sum[1] + \
-                    d_scalars[chunk, head, 2, 0] * cute.math.exp(gate_last)
+                    s_scalars[2, 0] * cute.math.exp(gate_last)
             cute.arch.sync_threads()
             reverse_cumsum(tidx, s_dg)
             cute.arch.sync_threads()
@@ -250,93 +260,108 @@ class ChunkPrepBackwardKernel:
                         dg[first_token + j // NH, head] = s_dg[j]
 
             # 7. dk = dk_scan + (dGram + dGram^T) k + dQK^T q - df f^3 k;  dq = dq_scan + dQK k - dfq fq^3 q
-            self.key_products(tidx, s_m1, s_a, s_k, s_q, s_f, s_df, dk_scan, dk, first, steps, head, use_l2)
-            self.query_products(tidx, s_a, s_k, s_q, s_fq, s_dfq, dq_scan, dq, first_token, tokens, head, use_l2)
+            self.key_products(tidx, tiled_mma, split_mma, s_m1, s_a, s_k, s_q, s_f, s_df, dk_scan, dk, first, steps, head, use_l2)
+            self.query_products(tidx, tiled_mma, split_mma, s_a, s_k, s_q, s_fq, s_dfq, dq_scan, dq, first_token, tokens, head,
+                                use_l2)
 
     @cute.jit
-    def key_products(self, tidx, s_gsym, s_dqk, s_k, s_q, s_f, s_df, dk_scan, dk, first, steps, head, use_l2):
-        K, NQ = self.key_dim, self.query_tile
-        groups = K // BLOCK_COLS
-        if tidx < (C // BLOCK_ROWS) * groups:
-            row0 = (tidx // groups) * BLOCK_ROWS
-            col0 = (tidx % groups) * BLOCK_COLS
-            out = cute.make_rmem_tensor(cute.make_layout((BLOCK_ROWS, BLOCK_COLS), stride=(BLOCK_COLS, 1)), Float32)
-            out.fill(0.0)
-            for i in cutlass.range(C, unroll=2):
-                for r in cutlass.range_constexpr(BLOCK_ROWS):
-                    weight = s_gsym[row0 + r, i]
-                    for c in cutlass.range_constexpr(BLOCK_COLS):
-                        out[r, c] = out[r, c] + weight * s_k[i, col0 + c].to(Float32)
-            for t in cutlass.range(NQ, unroll=2):
-                for r in cutlass.range_constexpr(BLOCK_ROWS):
-                    weight = s_dqk[t, row0 + r]
-                    for c in cutlass.range_constexpr(BLOCK_COLS):
-                        out[r, c] = out[r, c] + weight * s_q[t, col0 + c].to(Float32)
-            for r in cutlass.range_constexpr(BLOCK_ROWS):
-                j = row0 + r
-                if j < steps:
-                    cube = Float32(0.0)
-                    if use_l2 != 0:
-                        cube = s_df[j] * s_f[j] * s_f[j] * s_f[j]
-                    for c in cutlass.range_constexpr(BLOCK_COLS):
-                        dk[first + j, head, col0 + c] = dk_scan[first + j, head, col0 + c] + out[r, c] - \
-                            cube * s_k[j, col0 + c].to(Float32)
+    def raw_product(self, tiled_mma, tidx, s_left, s_k):
+        """left k^T (64 x 64, float32 accumulator) of two 16-bit tiles on ``mma.sync``."""
+        thr = tiled_mma.get_slice(tidx)
+        acc = cute.make_rmem_tensor(thr.partition_shape_C((C, C)), Float32)
+        acc.fill(0.0)
+        _mma.gemm_smem_ab_rolled(tiled_mma, acc,
+                                 _mma.SmemOperand(tiled_mma, tidx, s_left, self.dtype, operand="A", transpose=False),
+                                 _mma.SmemOperand(tiled_mma, tidx, s_k, self.dtype, operand="B", transpose=False))
+        return acc
 
     @cute.jit
-    def query_products(self, tidx, s_dqk, s_k, s_q, s_fq, s_dfq, dq_scan, dq, first_token, tokens, head, use_l2):
-        K, NQ = self.key_dim, self.query_tile
-        groups = K // BLOCK_COLS
-        if tidx < (NQ // BLOCK_ROWS) * groups:
-            row0 = (tidx // groups) * BLOCK_ROWS
-            col0 = (tidx % groups) * BLOCK_COLS
-            out = cute.make_rmem_tensor(cute.make_layout((BLOCK_ROWS, BLOCK_COLS), stride=(BLOCK_COLS, 1)), Float32)
-            out.fill(0.0)
-            for j in cutlass.range(C, unroll=2):
-                for r in cutlass.range_constexpr(BLOCK_ROWS):
-                    weight = s_dqk[row0 + r, j]
-                    for c in cutlass.range_constexpr(BLOCK_COLS):
-                        out[r, c] = out[r, c] + weight * s_k[j, col0 + c].to(Float32)
-            for r in cutlass.range_constexpr(BLOCK_ROWS):
-                t = row0 + r
-                if t < tokens:
-                    cube = Float32(0.0)
-                    if use_l2 != 0:
-                        cube = s_dfq[t] * s_fq[t] * s_fq[t] * s_fq[t]
-                    for c in cutlass.range_constexpr(BLOCK_COLS):
-                        dq[first_token + t, head, col0 + c] = dq_scan[first_token + t, head, col0 + c] + out[r, c] - \
-                            cube * s_q[t, col0 + c].to(Float32)
+    def store_raw_product(self, tiled_mma, tidx, s_left, s_k, out: cute.Tensor):
+        """out = left k^T as a float32 square (Gram = k k^T, QK = q k^T, recomputed where needed)."""
+        acc = self.raw_product(tiled_mma, tidx, s_left, s_k)
+        coords = tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((C, C)))
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            i, j = coords[e]
+            out[i, j] = acc[e]
+
+    def transposed_operand(self, tiled_mma, tidx, s_tile):
+        """The [K, 64] transpose of a [64, K] input-dtype tile as the B operand (ldmatrix.trans), partitioned
+        by the input-dtype MMA so that its fragment has the input type (same layout as the bf16 MMA's)."""
+        return _mma.SmemOperand(tiled_mma, tidx, _mma.transposed_view(s_tile, C, self.key_dim), self.dtype,
+                                operand="B", transpose=True)
+
+    @cute.jit
+    def key_products(self, tidx, tiled_mma, split_mma, s_gsym, s_dqk, s_k, s_q, s_f, s_df, dk_scan, dk, first, steps, head,
+                     use_l2):
+        """dk = dk_scan + (dGram + dGram^T) k + dQK^T q - df f^3 k: 64 x K on the bf16 tensor cores (split operands)."""
+        K = self.key_dim
+        thr = split_mma.get_slice(tidx)
+        acc = cute.make_rmem_tensor(thr.partition_shape_C((C, K)), Float32)
+        coords = thr.partition_C(cute.make_identity_tensor((C, K)))
+        load_rows(acc, coords, dk_scan, first, steps, head)
+        _mma.gemm_f32_by_16bit(split_mma, tidx, acc, s_gsym, self.transposed_operand(tiled_mma, tidx, s_k),
+                               self.inputs_bf16)
+        _mma.gemm_f32_by_16bit(split_mma, tidx, acc, float_transposed(s_dqk),
+                               self.transposed_operand(tiled_mma, tidx, s_q), self.inputs_bf16)
+        store_rows(acc, coords, dk, first, steps, head, s_k, s_f, s_df, use_l2)
+
+    @cute.jit
+    def query_products(self, tidx, tiled_mma, split_mma, s_dqk, s_k, s_q, s_fq, s_dfq, dq_scan, dq, first_token, tokens, head,
+                       use_l2):
+        """dq = dq_scan + dQK k - dfq fq^3 q: 64 (rows past the chunk's tokens are zero) x K."""
+        K = self.key_dim
+        thr = split_mma.get_slice(tidx)
+        acc = cute.make_rmem_tensor(thr.partition_shape_C((C, K)), Float32)
+        coords = thr.partition_C(cute.make_identity_tensor((C, K)))
+        load_rows(acc, coords, dq_scan, first_token, tokens, head)
+        _mma.gemm_f32_by_16bit(split_mma, tidx, acc, s_dqk, self.transposed_operand(tiled_mma, tidx, s_k),
+                               self.inputs_bf16)
+        store_rows(acc, coords, dq, first_token, tokens, head, s_q, s_fq, s_dfq, use_l2)
 
 
 @cute.jit
-def square_product(tidx, left: cute.Tensor, right: cute.Tensor, out: cute.Tensor,
-                   transpose_left: cutlass.Constexpr, transpose_right: cutlass.Constexpr, sign: Float32):
-    """out = sign * op(left) op(right) for 64 x 64 float32 tiles (op: optional transpose), 32 outputs per
-    thread; with ``sign`` < 0 (the dA step) only the strictly lower part is kept, the rest zeroed."""
-    row0 = (tidx // 8) * 4
-    col0 = (tidx % 8) * 8
-    acc = cute.make_rmem_tensor(cute.make_layout((4, 8), stride=(8, 1)), Float32)
+def load_rows(acc: cute.Tensor, coords: cute.Tensor, scan: cute.Tensor, row0, rows, head):
+    """acc <- scan[row0 + r, head, c] (the products then accumulate on top), from clamped rows with no branch
+    around a load: a load under a branch is waited for alone (64 round trips per thread instead of one)."""
+    for e in cutlass.range_constexpr(cute.size(acc)):
+        r, c = coords[e]
+        acc[e] = scan[row0 + cutlass.min(r, rows - 1), head, c]
+
+
+@cute.jit
+def store_rows(acc: cute.Tensor, coords: cute.Tensor, out: cute.Tensor, row0, rows, head, s_x: cute.Tensor,
+               s_norm: cute.Tensor, s_dnorm: cute.Tensor, use_l2: Int32):
+    """out[row0 + r, head, c] = acc - dnorm_r norm_r^3 x[r, c] (the l2norm backward) for rows r < ``rows``."""
+    for e in cutlass.range_constexpr(cute.size(acc)):
+        r, c = coords[e]
+        cube = zero_unless(use_l2 != 0, s_dnorm[r] * s_norm[r] * s_norm[r] * s_norm[r])
+        value = acc[e] - cube * s_x[r, c].to(Float32)
+        if r < rows:
+            out[row0 + r, head, c] = value
+
+
+def float_transposed(tile: cute.Tensor) -> cute.Tensor:
+    """[C, C] transposed view of a float32 square (element (j, i) is tile[i, j])."""
+    return cute.make_tensor(tile.iterator, cute.make_layout((C, C), stride=(1, PITCH)))
+
+
+@cute.jit
+def square_product(tidx, split_mma, left: cute.Tensor, right_t: cute.Tensor,
+                   out: cute.Tensor, strictly_lower_negated: cutlass.Constexpr):
+    """out = left right for 64 x 64 float32 tiles on the bf16 tensor cores (split operands) (``right_t`` is the
+    [N, K] view of right); with ``strictly_lower_negated`` (the dA step) out = -(left right) on
+    the strictly lower part and zero elsewhere."""
+    thr = split_mma.get_slice(tidx)
+    acc = cute.make_rmem_tensor(thr.partition_shape_C((C, C)), Float32)
     acc.fill(0.0)
-    for m in cutlass.range(C, unroll=2):
-        for r in cutlass.range_constexpr(4):
-            a = Float32(0.0)
-            if cutlass.const_expr(transpose_left):
-                a = left[m, row0 + r]
-            else:
-                a = left[row0 + r, m]
-            for c in cutlass.range_constexpr(8):
-                b = Float32(0.0)
-                if cutlass.const_expr(transpose_right):
-                    b = right[col0 + c, m]
-                else:
-                    b = right[m, col0 + c]
-                acc[r, c] = acc[r, c] + a * b
-    for r in cutlass.range_constexpr(4):
-        for c in cutlass.range_constexpr(8):
-            value = acc[r, c] * sign
-            if sign < Float32(0.0):
-                if row0 + r <= col0 + c:
-                    value = Float32(0.0)
-            out[row0 + r, col0 + c] = value
+    _mma.gemm_f32_split(split_mma, tidx, acc, left, right_t)
+    coords = thr.partition_C(cute.make_identity_tensor((C, C)))
+    for e in cutlass.range_constexpr(cute.size(acc)):
+        i, j = coords[e]
+        value = acc[e]
+        if cutlass.const_expr(strictly_lower_negated):
+            value = zero_unless(i > j, -value)
+        out[i, j] = value
 
 
 @cute.jit

@@ -22,6 +22,7 @@ def _check_head_dim(name: str, value: int) -> None:
 TENSOR_CORE_DTYPES = ("bfloat16", "float16")
 QUERY_TILES = (32, 64)
 SCAN_MODES = ("summary", "output")
+FOLD_MODES = ("fold", "apply_affine")
 MMA_KINDS = ("sync", "wgmma")
 
 
@@ -105,12 +106,17 @@ class ChunkScanConfig:
 
 @dataclass(frozen=True)
 class SegmentFoldConfig:
-    """Float32 prefix fold of segment summaries into every segment's incoming state (``segment_fold``)."""
+    """Float32 prefix fold of segment summaries into every segment's incoming state (``segment_fold``;
+    mode "fold"), or the incoming states from the fold's per-segment prefix maps and the sequences'
+    start states in one parallel step (mode "apply_affine")."""
 
     key_dim: int
+    mode: str = "fold"
 
     def validate(self) -> None:
         _check_head_dim("key_dim", self.key_dim)
+        if self.mode not in FOLD_MODES:
+            raise ValueError(f"mode must be one of {FOLD_MODES}; received {self.mode!r}")
 
 
 @dataclass(frozen=True)
@@ -175,7 +181,8 @@ def tensor_core_configs() -> list:
     """Every config of the tensor-core forward (chunk_prep, chunk_scan, segment_fold)."""
     configs: list = []
     for key_dim in HEAD_DIMS:
-        configs.append(SegmentFoldConfig(key_dim))
+        for mode in FOLD_MODES:
+            configs.append(SegmentFoldConfig(key_dim, mode))
         for dtype in TENSOR_CORE_DTYPES:
             for tile in QUERY_TILES:
                 configs.append(ChunkPrepConfig(dtype, key_dim, tile))

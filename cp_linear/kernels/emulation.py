@@ -120,6 +120,8 @@ def emulate_chunk_scan(launch) -> None:
 def emulate_segment_fold(launch) -> None:
     import torch
 
+    if launch.config.mode == "apply_affine":
+        return emulate_apply_affine(launch)
     rows = launch.incoming.shape[2]
     value_rows, identity_row = int(launch.value_rows), int(launch.identity_row)
     heads, K = launch.summaries.shape[1], launch.summaries.shape[3]
@@ -139,8 +141,26 @@ def emulate_segment_fold(launch) -> None:
             E = torch.zeros(heads, rows, K)
             E[:, :min(rows, value_rows)] = summary[:, :min(rows, value_rows)]
             X = X @ summary[:, value_rows:] + E
-        if int(launch.write_final):
+        trailing = int(launch.seq_first_segment[sequence + 1]) == int(launch.seq_first_segment[-1])
+        if int(launch.write_final) == 1 or (int(launch.write_final) == 2 and trailing):
             launch.final[sequence] = X
+
+
+def emulate_apply_affine(launch) -> None:
+    """segment_fold mode "apply_affine": incoming[s] = E_pre_s + X0[n(s)] M_pre_s (n(s) < init_count),
+    E_pre_s for the other sequences' segments, zero for s >= the real segment count."""
+    import torch
+
+    value_rows = int(launch.value_rows)
+    affine = launch.summaries.float()
+    starts = launch.seq_first_segment.long()
+    launch.incoming.zero_()
+    for sequence in range(starts.shape[0] - 1):
+        for segment in range(int(starts[sequence]), int(starts[sequence + 1])):
+            state = affine[segment, :, :value_rows].clone()
+            if sequence < int(launch.init_count):
+                state = state + launch.init[sequence].float() @ affine[segment, :, value_rows:]
+            launch.incoming[segment] = state
 
 
 def run_emulated(launch) -> None:

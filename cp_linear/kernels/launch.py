@@ -30,6 +30,9 @@ from typing import Any, ClassVar
 from cp_linear.kernels import configs as cfg
 
 SUMMARY_FLAG = 1
+# SegmentFoldLaunch.write_final: which sequences write their final rows (the trailing ones: the last
+# sequence with segments and the empty ones after it, whose index may be data)
+FINAL_NONE, FINAL_EVERY, FINAL_TRAILING = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -142,19 +145,24 @@ class ChunkScanLaunch(_Launch):
 
 @dataclass
 class SegmentFoldLaunch(_Launch):
+    """Mode "fold": the sequential fold (all fields). Mode "apply_affine": ``summaries`` holds the
+    fold's per-segment prefix maps (its ``incoming`` at R = V + K), ``init`` the start rows of the
+    sequences below ``init_count``; writes ``incoming`` [S_max, H, V, K] and reads no other scalar
+    (``final`` is not written: pass any array of the right type)."""
+
     KERNEL: ClassVar[str] = "cp_linear.kernels.segment_fold:SegmentFoldKernel"
     OUTPUTS: ClassVar[tuple[str, ...]] = ("incoming", "final")
     config: cfg.SegmentFoldConfig
     summaries: Any = _spec(None, None, None, "key_dim", dtype="float32", align=16)
     seq_first_segment: Any = _spec(None, dtype="int32")
-    init: Any = _spec(None, None, None, "key_dim", dtype="float32")
+    init: Any = _spec(None, None, None, "key_dim", dtype="float32", align=16)  # apply_affine copies it by 16 B
     incoming: Any = _spec(None, None, None, "key_dim", dtype="float32")
     final: Any = _spec(None, None, None, "key_dim", dtype="float32")
     init_count: Any = _scalar("int32")
     value_rows: Any = _scalar("int32")
     identity_row: Any = _scalar("int32")
     first_sequence: Any = _scalar("int32")
-    write_final: Any = _scalar("int32")
+    write_final: Any = _scalar("int32")  # FINAL_NONE, FINAL_EVERY or FINAL_TRAILING (segment_fold's doc)
     descending: Any = _scalar("int32")  # fold each sequence's segments last to first (the backward)
 
 
@@ -233,9 +241,9 @@ class ChunkPrepBackwardLaunch(_Launch):
     chunk_first_step: Any = _spec(None, dtype="int32")
     chunk_steps: Any = _spec(None, dtype="int32")
     num_chunks: Any = _spec(1, dtype="int32")
-    d_ta: Any = _spec(None, None, 64, 64, dtype="float32")
-    d_tb: Any = _spec(None, None, 64, 64, dtype="float32")
-    d_p: Any = _spec(None, None, "query_tile", 64, dtype="float32")
+    d_ta: Any = _spec(None, None, 64, 64, dtype="float32", align=16)  # staged in shared memory by 16-byte copies
+    d_tb: Any = _spec(None, None, 64, 64, dtype="float32", align=16)
+    d_p: Any = _spec(None, None, "query_tile", 64, dtype="float32", align=16)
     d_scalars: Any = _spec(None, None, 4, 64, dtype="float32")
     dq_scan: Any = _spec(None, None, "key_dim", dtype="float32")
     dk_scan: Any = _spec(None, None, "key_dim", dtype="float32")
@@ -415,6 +423,10 @@ class KernelForwardContext:
     shard: Any
     summary: Any  # [1 or B, H, K, V + K] float32
     initial: Any  # float32 [N, H, K, V] (inputs.initial_state), or None
+    # [S_max, H, V + K, K] float32: each segment's prefix map [E_pre^T ; M_pre^T] from its sequence's
+    # start (prepare's fold from [0 ; I]); apply turns it into the incoming states (segment_fold
+    # mode "apply_affine") instead of folding a second time
+    incoming_affine: Any = None
 
 
 @dataclass

@@ -1,21 +1,45 @@
-"""Float32 fold of segment summaries along each sequence: every segment's incoming state.
+"""Float32 fold of segment summaries along each sequence, and its one-step companion.
 
 The states are transposed row stacks X [R, K] (R = V for states, R = V + K for a whole
 [E^T ; M^T] summary). Segment s of sequence n has the summary rows [E_s^T ; M_s^T] from
 ``chunk_scan`` (mode "summary"), and maps X -> X M_s^T + E_s^T (the CP summary algebra of
-``cp_linear.summary``, transposed). Per sequence n >= ``first_sequence``:
+``cp_linear.summary``, transposed).
+
+Mode "fold" (sequential along each sequence). Per sequence n >= ``first_sequence``:
 
     X = init[n] (n < init_count), else zero rows with identity rows from ``identity_row`` on
     for s in the sequence's segments:   incoming[s] = X;  X = X M_s^T + E_s^T
-    final[n] = X                                     (when ``write_final``)
+    final[n] = X                                     (when n writes its final rows)
 
-With ``descending`` the segments are taken last to first: the backward's state gradients, whose
-segment summaries [gamma^T ; M_b^T] (``chunk_reverse.ChunkGammaKernel``) have the same row form.
-The map of the segment taken last is applied only when ``write_final`` asks for the end state
-(the output or reverse pass computes it otherwise). One CTA of 256 threads per (sequence, head, 16-row tile); each
-thread owns K / 16 strided columns of the tile. M_s^T is staged in shared memory with 16-byte loads
-(every thread of the CTA reads all of it), then each thread runs its K-long dot products from
-there. Exact float32 arithmetic, no tensor cores: the fold is small next to the scan.
+``write_final``: 0 (``FINAL_NONE``) no sequence writes ``final``; 1 (``FINAL_EVERY``) every
+sequence; 2 (``FINAL_TRAILING``) only the trailing ones: the last sequence with segments and the
+empty ones after it (a shard's CP summary; the other sequences' last segments have no summary and
+their final rows are not needed). With ``descending`` the segments are taken last to first: the
+backward's state gradients, whose segment summaries [gamma^T ; M_b^T]
+(``chunk_reverse.ChunkGammaKernel``) have the same row form. The map of the segment taken last is
+applied only for a sequence that writes its final rows (the output or reverse pass computes the
+end state otherwise).
+
+One CTA of 256 threads per (sequence, head, 32-row tile); warp w owns 4 rows, lane l the columns
+l + 32 j, so each shared load of a row of M_s^T (32 consecutive words per warp) feeds 4 FMAs and
+each load of X is a broadcast (the step is bound by shared-memory wavefronts: 1 row x K / 16
+columns per thread took 9 wavefronts per 8 FMAs per warp). The fold is a chain, so the next segment's M^T (K x K float32) is copied in with
+cp.async into a second buffer while the current step computes (its address depends only on the
+segment table, never on X). Exact float32, a fixed summation order.
+
+Mode "apply_affine" (parallel over segments, one launch). Run with R = V + K, the fold from
+[0 ; I] leaves each segment's prefix map in ``summaries`` ([E_pre^T ; M_pre^T] = the incoming
+affine map: state in = S0 composed with it). Given the start rows X0 = init[n] of the sequences
+n < init_count, it writes every segment's incoming state without a second chain:
+
+    incoming[s] = E_pre_s^T + X0[n(s)] M_pre_s^T    (n(s) < init_count)
+    incoming[s] = E_pre_s^T                         (the other sequences: they start from zero)
+    incoming[s] = 0                                 (s >= the real segment count: deterministic)
+
+It reads ``summaries``, ``seq_first_segment``, ``init``, ``init_count``, ``value_rows``; ``final``
+and the other scalars are not used. One CTA of 256 threads per (segment, head, 64-row tile);
+each thread owns 4 rows x K / 16 columns; M_pre^T and the X0 rows are staged in shared memory, the
+products summed over m = 0..K-1 in order after E (the fold step's order).
 """
 
 from __future__ import annotations
@@ -23,17 +47,24 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync
 
+from cp_linear.kernels._common import zero_unless
 from cp_linear.kernels.configs import SegmentFoldConfig
+from cp_linear.kernels.launch import FINAL_EVERY, FINAL_TRAILING
 
-ROWS = 16
+ROWS = 32  # state rows per fold CTA
 THREADS = 256
+ROW_BLOCK = ROWS // (THREADS // 32)  # fold: rows per thread (one warp per ROW_BLOCK rows)
+AFFINE_ROWS = 16  # apply_affine: rows per 16-thread group; each thread owns AFFINE_GROUPS of them
+AFFINE_GROUPS = 4  # (64 rows per CTA share one staged M^T)
 
 
 class SegmentFoldKernel:
     def __init__(self, config: SegmentFoldConfig):
         config.validate()
         self.key_dim = config.key_dim
+        self.apply_affine = config.mode == "apply_affine"
 
     @cute.jit
     def __call__(self,
@@ -47,69 +78,164 @@ class SegmentFoldKernel:
                  identity_row: Int32,  # zero init rows >= identity_row start as identity rows
                  first_sequence: Int32, write_final: Int32, descending: Int32, stream):
         rows = incoming.shape[2]
-        self.kernel(summaries, seq_first_segment, init, incoming, final, init_count, value_rows, identity_row,
-                    first_sequence, write_final, descending).launch(
-            grid=(seq_first_segment.shape[0] - 1, summaries.shape[1], (rows + ROWS - 1) // ROWS),
-            block=(THREADS, 1, 1), stream=stream)
+        if cutlass.const_expr(self.apply_affine):
+            tile_rows = AFFINE_ROWS * AFFINE_GROUPS
+            self.affine_kernel(summaries, seq_first_segment, init, incoming, init_count, value_rows).launch(
+                grid=(incoming.shape[0], summaries.shape[1], (rows + tile_rows - 1) // tile_rows),
+                block=(THREADS, 1, 1), stream=stream)
+        else:
+            self.kernel(summaries, seq_first_segment, init, incoming, final, init_count, value_rows, identity_row,
+                        first_sequence, write_final, descending).launch(
+                grid=(seq_first_segment.shape[0] - 1, summaries.shape[1], (rows + ROWS - 1) // ROWS),
+                block=(THREADS, 1, 1), stream=stream)
+
+    @cute.jit
+    def _stage_transition(self, atom, tidx, summaries: cute.Tensor, segment, head, value_rows, s_m: cute.Tensor):
+        """cp.async M^T (rows value_rows.. of ``segment``'s summary, K x K) into ``s_m``, 16 bytes per copy."""
+        K = self.key_dim
+        for chunk in cutlass.range_constexpr(K * K // 4 // THREADS):
+            flat = (chunk * THREADS + tidx) * 4
+            source = cute.local_tile(summaries[segment, head, value_rows + flat // K, None], (4,), ((flat % K) // 4,))
+            cute.copy(atom, source, cute.local_tile(s_m[flat // K, None], (4,), ((flat % K) // 4,)))
 
     @cute.kernel
     def kernel(self, summaries: cute.Tensor, seq_first_segment: cute.Tensor, init: cute.Tensor,
                incoming: cute.Tensor, final: cute.Tensor, init_count: Int32, value_rows: Int32,
                identity_row: Int32, first_sequence: Int32, write_final: Int32, descending: Int32):
         K = self.key_dim
-        per_thread = K * ROWS // THREADS
+        cols = K // 32  # a thread owns ROW_BLOCK rows x cols columns (lane + 32 j)
         tidx, _, _ = cute.arch.thread_idx()
         sequence, head, tile = cute.arch.block_idx()
         allocator = cutlass.utils.SmemAllocator()
         s_x = allocator.allocate_tensor(Float32, cute.make_layout((ROWS, K), stride=(K + 4, 1)), 16)
-        s_m = allocator.allocate_tensor(Float32, cute.make_layout((K, K), stride=(K, 1)), 16)
+        # two M^T buffers: the next step's copy lands in one while the current step reads the other
+        s_m2 = allocator.allocate_tensor(Float32, cute.make_layout((K, K, 2), stride=(K, 1, K * K)), 16)
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Float32,
+                                   num_bits_per_copy=128)
         rows = incoming.shape[2]
-        local_row = tidx // (THREADS // ROWS)
-        row = tile * ROWS + local_row
-        col0 = tidx % (THREADS // ROWS)  # a thread owns columns col0 + 16 j: conflict-free reads of M^T
-        row_ok = row < rows
-        safe_row = cutlass.min(row, rows - 1)
+        warp, lane = tidx // 32, tidx % 32
+        # warp w owns tile rows ROW_BLOCK w ..: its reads of X broadcast, its reads of a row of M^T are
+        # 32 consecutive words (one shared-memory wavefront per load for ROW_BLOCK FMAs)
+        local_rows = [warp * ROW_BLOCK + i for i in range(ROW_BLOCK)]
         if sequence >= first_sequence:
-            x = cute.make_rmem_tensor(cute.make_layout((per_thread,)), Float32)
-            for j in cutlass.range_constexpr(per_thread):
-                value = Float32(0.0)
-                if sequence < init_count:
-                    value = init[sequence, head, safe_row, col0 + 16 * j]
-                elif row >= identity_row:
-                    if row - identity_row == col0 + 16 * j:
-                        value = Float32(1.0)
-                x[j] = value
+            x = cute.make_rmem_tensor(cute.make_layout((ROW_BLOCK, cols)), Float32)
+            for i in cutlass.range_constexpr(ROW_BLOCK):
+                row = tile * ROWS + local_rows[i]
+                safe_row = cutlass.min(row, rows - 1)
+                for j in cutlass.range_constexpr(cols):
+                    value = Float32(0.0)
+                    if sequence < init_count:
+                        value = init[sequence, head, safe_row, lane + 32 * j]
+                    elif row >= identity_row:
+                        if row - identity_row == lane + 32 * j:
+                            value = Float32(1.0)
+                    x[i, j] = value
             first = seq_first_segment[sequence]
             count = seq_first_segment[sequence + 1] - first
-            mapped = count if write_final != 0 else count - 1
+            sequences = seq_first_segment.shape[0] - 1
+            trailing = seq_first_segment[sequence + 1] == seq_first_segment[sequences]
+            writes_final = (write_final == FINAL_EVERY) | ((write_final == FINAL_TRAILING) & trailing)
+            mapped = count if writes_final else count - 1
+            if mapped > 0:
+                step_segment = cutlass.select_(descending != 0, first + count - 1, first)
+                self._stage_transition(atom, tidx, summaries, step_segment, head, value_rows, s_m2[None, None, 0])
+            cute.arch.cp_async_commit_group()
             for position in range(count):
                 segment = first + position
+                next_segment = first + position + 1
                 if descending != 0:
                     segment = first + count - 1 - position
-                if row_ok:
-                    for j in cutlass.range_constexpr(per_thread):
-                        incoming[segment, head, row, col0 + 16 * j] = x[j]
+                    next_segment = first + count - 2 - position
+                for i in cutlass.range_constexpr(ROW_BLOCK):
+                    row = tile * ROWS + local_rows[i]
+                    if row < rows:
+                        for j in cutlass.range_constexpr(cols):
+                            incoming[segment, head, row, lane + 32 * j] = x[i, j]
                 if position < mapped:
-                    # stage M^T (K x K float32) with 16-byte loads, and this tile's X rows
-                    for chunk in cutlass.range_constexpr(K * K // 4 // THREADS):
-                        flat = (chunk * THREADS + tidx) * 4
-                        source = cute.local_tile(summaries[segment, head, None, None], (1, 4),
-                                                 (value_rows + flat // K, (flat % K) // 4))
-                        cute.local_tile(s_m, (1, 4), (flat // K, (flat % K) // 4)).store(source.load())
-                    for j in cutlass.range_constexpr(per_thread):
-                        s_x[local_row, col0 + 16 * j] = x[j]
+                    if position + 1 < mapped:
+                        self._stage_transition(atom, tidx, summaries, next_segment, head, value_rows,
+                                               s_m2[None, None, (position + 1) % 2])
+                    cute.arch.cp_async_commit_group()  # possibly empty: one group per step keeps wait(1) right
+                    for i in cutlass.range_constexpr(ROW_BLOCK):
+                        for j in cutlass.range_constexpr(cols):
+                            s_x[local_rows[i], lane + 32 * j] = x[i, j]
+                    # X <- X M^T + E^T: new[r, c] = E^T[r, c] + sum_m X[r, m] M^T[m, c] (E's loads in flight
+                    # across the barrier)
+                    for i in cutlass.range_constexpr(ROW_BLOCK):
+                        row = tile * ROWS + local_rows[i]
+                        e_row = cutlass.min(row, value_rows - 1)  # E^T rows exist below value_rows only
+                        for j in cutlass.range_constexpr(cols):
+                            x[i, j] = zero_unless(row < value_rows, summaries[segment, head, e_row, lane + 32 * j])
+                    cute.arch.cp_async_wait_group(1)  # this step's M^T has landed (the next one may not)
                     cute.arch.sync_threads()
-                    # X <- X M^T + E^T: new[r, c] = sum_m X[r, m] M^T[m, c] + E^T[r, c]
+                    s_m = s_m2[None, None, position % 2]
+                    for m in cutlass.range(K, unroll=4):
+                        right = cute.make_rmem_tensor(cute.make_layout((cols,)), Float32)
+                        for j in cutlass.range_constexpr(cols):
+                            right[j] = s_m[m, lane + 32 * j]
+                        for i in cutlass.range_constexpr(ROW_BLOCK):
+                            left = s_x[local_rows[i], m]
+                            for j in cutlass.range_constexpr(cols):
+                                x[i, j] += left * right[j]
+                    cute.arch.sync_threads()  # s_x and this buffer are rewritten by the next steps
+            cute.arch.cp_async_wait_group(0)
+            if writes_final:
+                for i in cutlass.range_constexpr(ROW_BLOCK):
+                    row = tile * ROWS + local_rows[i]
+                    if row < rows:
+                        for j in cutlass.range_constexpr(cols):
+                            final[sequence, head, row, lane + 32 * j] = x[i, j]
+
+    @cute.kernel
+    def affine_kernel(self, affine: cute.Tensor, seq_first_segment: cute.Tensor, init: cute.Tensor,
+                      incoming: cute.Tensor, init_count: Int32, value_rows: Int32):
+        K = self.key_dim
+        per_thread = K * AFFINE_ROWS // THREADS
+        tile_rows = AFFINE_ROWS * AFFINE_GROUPS
+        tidx, _, _ = cute.arch.thread_idx()
+        segment, head, tile = cute.arch.block_idx()
+        allocator = cutlass.utils.SmemAllocator()
+        s_x = allocator.allocate_tensor(Float32, cute.make_layout((tile_rows, K), stride=(K + 4, 1)), 16)
+        s_m = allocator.allocate_tensor(Float32, cute.make_layout((K, K), stride=(K, 1)), 16)
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Float32,
+                                   num_bits_per_copy=128)
+        rows = incoming.shape[2]
+        sequences = seq_first_segment.shape[0] - 1
+        local_row = tidx // (THREADS // AFFINE_ROWS)
+        col0 = tidx % (THREADS // AFFINE_ROWS)
+        real = segment < seq_first_segment[sequences]
+        # sequences are stored in order, so the segments of sequences below init_count come first
+        seeded = segment < seq_first_segment[cutlass.min(init_count, sequences)]
+        acc = cute.make_rmem_tensor(cute.make_layout((AFFINE_GROUPS, per_thread)), Float32)
+        for g in cutlass.range_constexpr(AFFINE_GROUPS):
+            row = tile * tile_rows + local_row + AFFINE_ROWS * g
+            e_row = cutlass.min(row, value_rows - 1)
+            for j in cutlass.range_constexpr(per_thread):
+                acc[g, j] = zero_unless(real & (row < value_rows), affine[segment, head, e_row, col0 + 16 * j])
+        if seeded:  # uniform over the CTA: the barriers below are safe
+            owner = Int32(0)  # the sequence of this segment: how many sequences end at or before it
+            for n in range(init_count):
+                owner = owner + cutlass.select_(seq_first_segment[n + 1] <= segment, Int32(1), Int32(0))
+            self._stage_transition(atom, tidx, affine, segment, head, value_rows, s_m)
+            cute.arch.cp_async_commit_group()
+            for chunk in cutlass.range_constexpr(tile_rows * K // 4 // THREADS):
+                flat = (chunk * THREADS + tidx) * 4
+                x_row = cutlass.min(tile * tile_rows + flat // K, rows - 1)
+                source = cute.local_tile(init[owner, head, x_row, None], (4,), ((flat % K) // 4,))
+                cute.copy(atom, source, cute.local_tile(s_x[flat // K, None], (4,), ((flat % K) // 4,)))
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()
+            for m in cutlass.range(K, unroll=4):
+                right = cute.make_rmem_tensor(cute.make_layout((per_thread,)), Float32)
+                for j in cutlass.range_constexpr(per_thread):
+                    right[j] = s_m[m, col0 + 16 * j]
+                for g in cutlass.range_constexpr(AFFINE_GROUPS):
+                    left = s_x[local_row + AFFINE_ROWS * g, m]
                     for j in cutlass.range_constexpr(per_thread):
-                        x[j] = Float32(0.0)
-                        if row < value_rows:
-                            x[j] = summaries[segment, head, row, col0 + 16 * j]
-                    for m in cutlass.range(K, unroll=8):
-                        left = s_x[local_row, m]
-                        for j in cutlass.range_constexpr(per_thread):
-                            x[j] += left * s_m[m, col0 + 16 * j]
-                    cute.arch.sync_threads()
-            if write_final != 0:
-                if row_ok:
-                    for j in cutlass.range_constexpr(per_thread):
-                        final[sequence, head, row, col0 + 16 * j] = x[j]
+                        acc[g, j] += left * right[j]
+        for g in cutlass.range_constexpr(AFFINE_GROUPS):
+            row = tile * tile_rows + local_row + AFFINE_ROWS * g
+            if row < rows:
+                for j in cutlass.range_constexpr(per_thread):
+                    incoming[segment, head, row, col0 + 16 * j] = acc[g, j]

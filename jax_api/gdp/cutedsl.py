@@ -264,8 +264,9 @@ class CuTeDSLGatedDeltaProductCPBackend:
         return out["state_out"], out["o"]
 
     def _fold(self, shard: _Shard, summaries: jax.Array, *, init: jax.Array | None, init_count: int, rows: int,
-              first_sequence: int, write_final: bool, descending: bool) -> tuple[jax.Array, jax.Array | None]:
-        """segment_fold -> (incoming [S_max, H, rows, K], final [N, H, rows, K] or None)."""
+              first_sequence: int, write_final: int, descending: bool) -> tuple[jax.Array, jax.Array | None]:
+        """segment_fold -> (incoming [S_max, H, rows, K], final [N, H, rows, K] or None); ``write_final``:
+        ``kl.FINAL_NONE``, ``FINAL_EVERY`` or ``FINAL_TRAILING`` (only the trailing sequences' rows)."""
         heads, key_dim, layout = shard.heads, shard.key_dim, shard.layout
         if init is None:  # read only for sequences below init_count (none)
             init = jnp.zeros((1, heads, rows, key_dim), _F32)
@@ -275,8 +276,24 @@ class CuTeDSLGatedDeltaProductCPBackend:
             dict(incoming=(layout.max_segments, heads, rows, key_dim),
                  final=(layout.num_sequences if write_final else 1, heads, rows, key_dim)),
             dict(init_count=init_count, value_rows=shard.value_dim, identity_row=shard.value_dim,
-                 first_sequence=first_sequence, write_final=int(write_final), descending=int(descending)))
+                 first_sequence=first_sequence, write_final=write_final, descending=int(descending)))
         return out["incoming"], out["final"] if write_final else None
+
+    def _apply_affine(self, shard: _Shard, incoming_affine: jax.Array, init: jax.Array | None,
+                      init_count: int) -> jax.Array:
+        """segment_fold mode "apply_affine" -> every segment's incoming state [S_max, H, V, K]: the
+        prefix maps [S_max, H, V + K, K] applied to ``init`` (the start rows of the first ``init_count``
+        sequences; the others start from zero); unused segments' rows are zero."""
+        heads, key_dim, value_dim, layout = shard.heads, shard.key_dim, shard.value_dim, shard.layout
+        if init is None:  # read only for sequences below init_count (none)
+            init = jnp.zeros((1, heads, value_dim, key_dim), _F32)
+        out = self._launch(
+            kl.SegmentFoldLaunch, kcfg.SegmentFoldConfig(key_dim, "apply_affine"),
+            dict(summaries=incoming_affine, seq_first_segment=layout.seq_first_segment, init=init),
+            dict(incoming=(layout.max_segments, heads, value_dim, key_dim), final=(1, heads, value_dim, key_dim)),
+            dict(init_count=init_count, value_rows=value_dim, identity_row=value_dim, first_sequence=0,
+                 write_final=kl.FINAL_NONE, descending=0))
+        return out["incoming"]
 
     def _output(self, shard: _Shard, incoming: jax.Array) -> tuple[jax.Array, jax.Array]:
         """chunk_scan output -> (o [B, T, H, V], end state of every segment [S_max, H, V, K] float32)."""
@@ -288,18 +305,20 @@ class CuTeDSLGatedDeltaProductCPBackend:
     # ------------------------------------------------------------------ forward protocol
 
     def cp_forward_prepare(self, inputs: GDPInputs):
-        """Chunk prep, the summary pass and the fold of the trailing sequence's segments -> its packed
-        ``[E | M]`` (M = 0 when the trailing sequence starts inside the shard; E + M S0 when it starts
-        from ``inputs.initial_state`` S0)."""
+        """Chunk prep, the summary pass and the fold of every sequence's segments (each segment's prefix
+        map, kept for apply) -> the trailing sequence's packed ``[E | M]`` (M = 0 when it starts inside
+        the shard; E + M S0 when it starts from ``inputs.initial_state`` S0)."""
         if not self._use_kernels(inputs):
             return self._fallback.cp_forward_prepare(inputs)
         initial = _initial_states(inputs)
         shard = self._shard(inputs, cp_summary=True)
         value_dim = shard.value_dim
-        # every sequence's fold (torch folds only the trailing one, N - 1; here its index is data): the
-        # folds are independent, so the trailing sequence's rows are the same either way
-        _, stacked_rows = self._fold(shard, shard.summaries, init=None, init_count=0, rows=value_dim + shard.key_dim,
-                                     first_sequence=0, write_final=True, descending=False)
+        # every sequence's fold from [0 ; I] (as torch's): the per-segment prefix maps serve apply, the
+        # trailing sequence's final rows (its index is data here) are its summary
+        incoming_affine, stacked_rows = self._fold(shard, shard.summaries, init=None, init_count=0,
+                                                   rows=value_dim + shard.key_dim, first_sequence=0,
+                                                   write_final=kl.FINAL_EVERY if shard.rows else kl.FINAL_TRAILING,
+                                                   descending=False)
         trailing = slice(None) if shard.rows else shard.trailing[None]
         summary = jnp.swapaxes(stacked_rows[trailing], -1, -2)  # [n, H, K, V + K] = [E | M]
         if initial is not None:
@@ -307,12 +326,12 @@ class CuTeDSLGatedDeltaProductCPBackend:
         if not shard.rows:  # M = 0 when the trailing sequence starts inside the shard
             summary = summary.at[..., value_dim:].set(jnp.where(shard.trailing > 0, 0.0, summary[..., value_dim:]))
         packed = summary if shard.rows else summary[0]
-        return CPForwardPackedSummary(packed), CuTeDSLForwardContext(shard, summary, initial)
+        return CPForwardPackedSummary(packed), CuTeDSLForwardContext(shard, summary, initial, incoming_affine)
 
     def cp_forward_apply(self, local_context, preceding) -> CPForwardResult:
-        """Every segment's incoming state (the fold of ``preceding`` for the leading sequence,
-        ``initial_state`` or zero for the others), then the output pass; ``(o, final_state)`` when the
-        inputs ask for final states."""
+        """Every segment's incoming state from prepare's prefix maps (applied to the fold of
+        ``preceding`` for the leading sequence, to ``initial_state``, or to zero), then the output pass;
+        ``(o, final_state)`` when the inputs ask for final states."""
         if not isinstance(local_context, CuTeDSLForwardContext):  # prepared by the fallback
             return self._fallback.cp_forward_apply(local_context, preceding)
         shard, summary, initial = local_context.shard, local_context.summary, local_context.initial
@@ -328,8 +347,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             init, init_count = jnp.swapaxes(initial, -1, -2), initial.shape[0]
         else:
             init, init_count = None, 0
-        incoming, _ = self._fold(shard, shard.summaries, init=init, init_count=init_count, rows=value_dim,
-                                 first_sequence=0, write_final=False, descending=False)
+        incoming = self._apply_affine(shard, local_context.incoming_affine, init, init_count)
         output, state_out = self._output(shard, incoming)
         if inputs.output_final_state:
             start = initial if initial is not None else jnp.zeros(inputs.state_shape, _F32)
@@ -372,7 +390,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             end_grads = end_grads + jnp.swapaxes(final_grad.astype(_F32), -1, -2)
         grad_summaries = self._gamma(shard, do)
         _, gamma_rows = self._fold(shard, grad_summaries, init=end_grads, init_count=layout.num_sequences,
-                                   rows=value_dim, first_sequence=0, write_final=True, descending=True)
+                                   rows=value_dim, first_sequence=0, write_final=kl.FINAL_EVERY, descending=True)
         gamma = jnp.swapaxes(gamma_rows if shard.rows else gamma_rows[0], -1, -2)
         summary = jnp.concatenate([gamma, jnp.swapaxes(transition, -1, -2)], axis=-1)
         context = CuTeDSLBackwardContext(shard, do, grad_summaries, incoming, end_grads)
@@ -393,7 +411,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
                 outgoing = jnp.swapaxes(compose_backward(stacked), -1, -2)  # [H, V, K] or [B, H, V, K] (rows)
             end_grads = end_grads + outgoing if shard.rows else end_grads.at[shard.trailing].add(outgoing)
         grad_out, _ = self._fold(shard, ctx.grad_summaries, init=end_grads, init_count=layout.num_sequences,
-                                 rows=shard.value_dim, first_sequence=0, write_final=False, descending=True)
+                                 rows=shard.value_dim, first_sequence=0, write_final=kl.FINAL_NONE, descending=True)
         grads, grad_in = self._reverse(shard, ctx.do, ctx.incoming, grad_out)
         if inputs.initial_state is None:
             return grads

@@ -200,7 +200,41 @@ def test_a_new_packing_reuses_the_program(emulated):
                                              num_householder=n_h, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
         assert rel_err(_as64(o), o_ref) < OUTPUT_LIMIT
     assert len(traces) == 1 and forward._cache_size() == 1
-    assert launches[0] == launches[1] == 4  # prep, summary scan, fold, output scan (the CP fold is unused here)
+    # prep, summary scan, the one fold (each segment's prefix map), apply_affine, output scan
+    assert launches[0] == launches[1] == 5
+
+
+@pytest.mark.parametrize("case", ["one_sequence", "one_sequence_initial", "packed_initial"])
+def test_saved_segment_states_match_the_torch_backend_bit_for_bit(emulated, case):
+    """The forward's saved segment states (prepare's prefix maps through apply_affine; what the
+    kernel backward restarts from), bit for bit as torch's, unused rows zero."""
+    n_h, heads, dim = 2, 2, 64
+    lengths = [300] if case.startswith("one") else [150, 37, 301]
+    q, k, v, g, beta = _inputs(lengths, heads, dim, dim, n_h, seed=45)
+    cu = torch.tensor(np.cumsum([0] + lengths), dtype=torch.int32)
+    initial = None
+    if case != "one_sequence":
+        initial = torch.randn(len(lengths), heads, dim, dim, generator=torch.Generator().manual_seed(46)) * 0.3
+    options = dict(scale=dim ** -0.5, num_householder=n_h, use_qk_l2norm_in_kernel=True, output_final_state=True)
+    torch_backend = tcd.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=2, backward="kernels")
+    _, local = torch_backend.cp_forward_prepare(GDPInputs(q, k, v, g, beta, cu_seqlens=cu, initial_state=initial,
+                                                          **options))
+    theirs = tcd.segment_states_of(torch_backend.cp_forward_apply(local, None).saved_context)
+    backend = jcd.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=2, backward="kernels", sm_count=132)
+
+    @jax.jit
+    def saved_states(q, k, v, g, beta, cu, initial):
+        inputs = GDPInputs(q, k, v, g, beta, cu_seqlens=cu, initial_state=initial, **options)
+        _, local = backend.cp_forward_prepare(inputs)
+        return backend.cp_forward_apply(local, None).saved_context.tensors[8]
+
+    ours = saved_states(*(_jax(x) for x in (q, k, v, g, beta)), jnp.asarray(cu.numpy()),
+                        None if initial is None else _jax(initial))
+    _assert_same_bits("saved segment states", ours, theirs)
+    real = int(np.ceil(np.ceil(np.array(lengths) / (64 // n_h)) / 2).sum())  # segments of 2 chunks
+    zero_states = int((theirs[:real].abs().sum((1, 2, 3)) == 0).sum())
+    assert zero_states == (0 if initial is not None else len(lengths))  # each sequence's first, from zero
+    assert torch.count_nonzero(theirs[real:]) == 0
 
 
 # --------------------------------------------------------------------------- CP over two host devices

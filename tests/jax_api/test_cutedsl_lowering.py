@@ -43,7 +43,8 @@ def _names(*configs) -> set[str]:
 
 
 FORWARD = _names(kcfg.ChunkPrepConfig("bfloat16", DIM, 32), kcfg.ChunkScanConfig("bfloat16", DIM, DIM, "summary"),
-                 kcfg.SegmentFoldConfig(DIM), kcfg.ChunkScanConfig("bfloat16", DIM, DIM, "output", 32))
+                 kcfg.SegmentFoldConfig(DIM), kcfg.SegmentFoldConfig(DIM, "apply_affine"),
+                 kcfg.ChunkScanConfig("bfloat16", DIM, DIM, "output", 32))
 BACKWARD = _names(kcfg.ChunkGammaConfig("bfloat16", DIM, DIM, 32), kcfg.ChunkReverseConfig("bfloat16", DIM, DIM, 32),
                   kcfg.ChunkPrepBackwardConfig("bfloat16", DIM, 32))
 
@@ -80,12 +81,12 @@ def _one_device(backward):
     return loss
 
 
-def test_the_forward_lowers_to_four_kernel_calls_and_nothing_else(hopper):
-    """prep, summary scan, the incoming fold, output scan (the CP summary fold of prepare has no use
-    in the one-device op: JAX drops it)."""
+def test_the_forward_lowers_to_five_kernel_calls_and_nothing_else(hopper):
+    """prep, summary scan, the one fold (every segment's prefix map), apply_affine (the incoming
+    states from those maps), output scan."""
     text = jax.jit(_one_device("jax")).trace(*_arrays([100, 56, 100])).lower(lowering_platforms=("cuda",)).as_text()
     calls = _custom_calls(text)
-    assert len(calls) == 4 and set(calls) == FORWARD, calls
+    assert len(calls) == 5 and set(calls) == FORWARD, calls
     assert "callback" not in text
 
 
@@ -94,9 +95,9 @@ def test_the_kernel_backward_lowers_to_kernel_calls_only_and_a_new_packing_to_th
     texts = [grad.trace(*_arrays(lengths)).lower(lowering_platforms=("cuda",)).as_text()
              for lengths in ([100, 56, 100], [3, 250, 3])]
     calls = _custom_calls(texts[0])
-    # forward 4; backward: prep again, gamma, the descending fold, reverse, prep backward (the fold
+    # forward 5; backward: prep again, gamma, the descending fold, reverse, prep backward (the fold
     # of the leading gamma builds the CP summary, unused on one device: dropped)
-    assert len(calls) == 9 and set(calls) == FORWARD | BACKWARD, calls
+    assert len(calls) == 10 and set(calls) == FORWARD | BACKWARD, calls
     assert "callback" not in texts[0]
     assert texts[0] == texts[1]
 
@@ -178,7 +179,7 @@ _REGISTRATION_SCRIPT = textwrap.dedent('''
 
 @pytest.mark.timeout(900)
 def test_kernels_compile_and_register_once_per_config_for_the_gpu():
-    """In a fresh process that traces as on a GPU: the four forward configs compile for sm_90a once
+    """In a fresh process that traces as on a GPU: the five forward configs compile for sm_90a once
     each (two packings, two traces), register as XLA FFI targets for the GPU platform, and the
     lowered program calls exactly those targets."""
     pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (the cuda extra)")
@@ -189,6 +190,6 @@ def test_kernels_compile_and_register_once_per_config_for_the_gpu():
                             timeout=850, env=env, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in result.stdout.splitlines() if " " in line)
-    assert lines["COMPILES"] == "[1, 1, 1, 1] 4", result.stdout
+    assert lines["COMPILES"] == "[1, 1, 1, 1, 1] 5", result.stdout
     assert set(lines["REGISTERED"].split()) == FORWARD, result.stdout
     assert set(lines["CALLS"].split()) == FORWARD and lines["SAME"] == "True", result.stdout

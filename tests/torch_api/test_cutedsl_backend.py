@@ -288,18 +288,19 @@ GRAD_TOLERANCE = {"dq": 5e-3, "dk": 5e-3, "dv": 5e-3, "dg": 1e-2, "dbeta": 5e-3,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("nh, segment_chunks", [(1, None), (2, 3), (3, 2)])
-def test_kernel_backward_matches_float64_gradients(nh, segment_chunks):
+@pytest.mark.parametrize("nh, segment_chunks, dtype", [(1, None, "bfloat16"), (2, 3, "bfloat16"), (3, 2, "bfloat16"),
+                                                       (2, 3, "float16")])
+def test_kernel_backward_matches_float64_gradients(nh, segment_chunks, dtype):
     from cp_linear.kernels import backward_algorithm as ba
     from torch_api.gdp.cutedsl import CuTeDSLGatedDeltaProductCPBackend
 
     lengths, heads, dim = (400, 37, 600), 2, 128
     rng = np.random.default_rng(31 + nh)
-    q, k, v, g, beta = _device_inputs(rng, torch.bfloat16, lengths=lengths, heads=heads, key_dim=dim,
+    q, k, v, g, beta = _device_inputs(rng, getattr(torch, dtype), lengths=lengths, heads=heads, key_dim=dim,
                                       value_dim=dim, num_householder=nh)
     cu = _cu(lengths)
     gen = torch.Generator(device="cuda").manual_seed(nh)
-    do = torch.randn(1, sum(lengths), heads, dim, device="cuda", generator=gen).bfloat16()
+    do = torch.randn(1, sum(lengths), heads, dim, device="cuda", generator=gen).to(getattr(torch, dtype))
     dfinal = torch.randn(len(lengths), heads, dim, dim, device="cuda", generator=gen)
     initial = torch.randn(len(lengths), heads, dim, dim, device="cuda", generator=gen) * 0.1
     backend = CuTeDSLGatedDeltaProductCPBackend(segment_chunks=segment_chunks, backward="kernels")
@@ -342,3 +343,82 @@ def test_kernel_backward_follows_its_emulation_and_repeats_bitwise(monkeypatch):
     emulated = _kernel_backward_grads(backend, *cpu[:5], cpu[5], cpu[6], nh, cu.cpu())
     for name, got, want in zip(("dq", "dk", "dv", "dg", "dbeta"), first, emulated):
         assert rel_err(_host(got), _host(want)) < 2e-3, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("key_dim, value_dim", [(128, 128), (64, 128), (128, 64)])
+@pytest.mark.parametrize("init_count", [0, 1, 4])
+def test_segment_fold_apply_affine_follows_its_emulation_and_the_sequential_fold(key_dim, value_dim, init_count,
+                                                                                   monkeypatch):
+    """segment_fold on the GPU: the double-buffered sequential fold and the prefix fold + mode
+    "apply_affine" (the forward's one-fold plan) against their emulation, against each other (same
+    incoming states, another rounding order), unused rows zero, and bitwise repeatable."""
+    from cp_linear.kernels import launch as kl
+    from cp_linear.kernels.emulation import run_emulated
+    from tests.cutedsl_inputs import fold_both_ways, fold_summaries
+
+    heads = 3
+    summaries, starts = fold_summaries([3, 0, 9, 1], 2, heads, key_dim, value_dim, seed=61, device="cuda")
+    init = torch.randn(4, heads, value_dim, key_dim, device="cuda")
+    sequential, via_prefix, prefix = fold_both_ways(summaries, starts, init, init_count, value_dim)
+    again = fold_both_ways(summaries, starts, init, init_count, value_dim)
+    assert torch.equal(sequential, again[0]) and torch.equal(via_prefix, again[1])
+    real = int(starts[-1])
+    assert torch.count_nonzero(via_prefix[real:]) == 0
+    assert rel_err(_host(via_prefix[:real]), _host(sequential[:real])) < 1e-5
+    monkeypatch.setattr(kl._Launch, "run", run_emulated)
+    emulated = fold_both_ways(summaries.cpu(), starts.cpu(), init.cpu(), init_count, value_dim)
+    assert rel_err(_host(sequential[:real]), _host(emulated[0][:real])) < 1e-5
+    assert rel_err(_host(prefix[:real]), _host(emulated[2][:real])) < 1e-5
+    assert rel_err(_host(via_prefix), _host(emulated[1])) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("initial", [False, True])
+def test_saved_segment_states_are_the_incoming_states(initial):
+    """The forward's saved segment states (read by the kernel backward) after the fold dedup: each
+    segment's incoming state, i.e. the sequential fold's (the forward before the dedup) to float32
+    accumulation order, from zero or the initial state; unused rows zero; bitwise repeatable."""
+    import torch_api.gdp.cutedsl as cutedsl
+    from tests.cutedsl_inputs import fold_both_ways
+
+    rng = np.random.default_rng(12)
+    lengths = (700, 300, 1100)
+    q, k, v, g, beta = _device_inputs(rng, torch.bfloat16, lengths=lengths, heads=2, key_dim=128,
+                                      value_dim=128, num_householder=2)
+    start = torch.randn(len(lengths), 2, 128, 128, device="cuda") * 0.1 if initial else None
+    backend = cutedsl.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=4, backward="kernels")
+    inputs = _inputs(q, k, v, g, beta, 2, True, _cu(lengths))
+    _, _, saved = backend.one_device_forward(inputs, start)
+    _, _, saved_again = backend.one_device_forward(inputs, start)
+    states = cutedsl.segment_states_of(saved)
+    assert torch.equal(states, cutedsl.segment_states_of(saved_again))
+    _, local = backend.cp_forward_prepare(inputs)
+    layout = local.shard.layout
+    init = start.transpose(-1, -2).contiguous() if initial else states[:1]
+    sequential, _, _ = fold_both_ways(local.shard.summaries, layout.seq_first_segment, init,
+                                      len(lengths) if initial else 0, 128)
+    real = int(layout.num_segments[0])
+    assert rel_err(_host(states[:real]), _host(sequential[:real])) < 1e-5
+    assert torch.count_nonzero(states[real:]) == 0
+
+
+@pytest.mark.gpu
+def test_prefix_fold_writes_only_the_trailing_sequences_final_rows():
+    """write_final=FINAL_TRAILING (prepare's CP summary): the last sequence with segments and the empty
+    ones after it write their final rows ([0 ; I] for an empty one), bit for bit as with FINAL_EVERY;
+    the other sequences' final rows are not written (their last map is skipped); the prefix maps
+    are the same bits either way."""
+    from cp_linear.kernels import launch as kl
+    from tests.cutedsl_inputs import fold_summaries, prefix_fold
+
+    heads, dim = 2, 64
+    summaries, starts = fold_summaries([3, 0, 9, 1, 0], 2, heads, dim, dim, seed=53, device="cuda")
+    every = prefix_fold(summaries, starts, dim, kl.FINAL_EVERY)
+    trailing = prefix_fold(summaries, starts, dim, kl.FINAL_TRAILING)
+    real = int(starts[-1])
+    assert torch.equal(every[0][:real], trailing[0][:real])
+    assert torch.equal(every[1][3:], trailing[1][3:])
+    assert torch.isnan(trailing[1][:3]).all()
+    identity = torch.cat([torch.zeros(dim, dim), torch.eye(dim)]).to(summaries.device)
+    assert torch.equal(trailing[1][4], identity.expand(heads, -1, -1))

@@ -224,3 +224,141 @@ def test_cp_initial_state_on_the_first_rank_reaches_the_next(emulated):
     # rank 0's summary applied to a zero incoming state is its end state (the output pass rounds
     # differently from the summary pass: both within the state budget)
     assert rel_err(summary0.packed[..., :dim].numpy(), end0[0].numpy().astype(np.float64)) < STATE_LIMIT
+
+
+# ---------------------------------------------------------------------------------------------- fold dedup
+# The forward folds once (prepare, every sequence from [0 ; I]: each segment's prefix map) and apply
+# turns the prefix maps into incoming states in one parallel step (segment_fold mode "apply_affine").
+# The saved segment states must still be each segment's incoming state, and unused rows zero.
+
+
+def _prefix_state(q, k, v, g, beta, n_h, row, start, stop, initial=None):
+    """float64 state [H, K, V] of the sequence of batch row ``row`` that starts at token ``start``,
+    after its tokens [start, stop) (``initial`` [H, K, V] at ``start``; zero when None)."""
+    heads, dim_k, dim_v = q.shape[2], q.shape[3], v.shape[3]
+    if stop == start:
+        return np.zeros((heads, dim_k, dim_v)) if initial is None else initial.double().numpy()
+    tok, step = slice(start, stop), slice(start * n_h, stop * n_h)
+    _, final = _reference(q[row:row + 1, tok], k[row:row + 1, step], v[row:row + 1, step], g[row:row + 1, tok],
+                          beta[row:row + 1, step], n_h, None, None if initial is None else initial[None])
+    return final[0]
+
+
+def _check_segment_states(states, q, k, v, g, beta, n_h, segment_tokens, pieces):
+    """``states`` [S_max, H, V, K]: the saved segment states of one shard. ``pieces``: the shard's
+    sequences in order, as (row, global start of the sequence, global first token of the piece in
+    this shard, tokens of the piece, initial state or None). Each segment's state must be the
+    float64 state at its first token, and the rows after the last segment zero."""
+    segment = 0
+    for row, seq_start, piece_start, piece_tokens, initial in pieces:
+        for offset in range(0, piece_tokens, segment_tokens):
+            expected = _prefix_state(q, k, v, g, beta, n_h, row, seq_start, piece_start + offset, initial)
+            got = states[segment].transpose(-1, -2).numpy()  # saved rows are S^T
+            assert rel_err(got, expected) < STATE_LIMIT or np.abs(expected).max() == 0 == np.abs(got).max(), segment
+            segment += 1
+    assert torch.count_nonzero(states[segment:]) == 0
+
+
+@pytest.mark.parametrize("case", ["one_sequence", "one_sequence_initial", "packed_initial"])
+def test_one_device_forward_and_saved_segment_states(emulated, case):
+    """(a) one sequence, no initial state; (b) one sequence from an initial state; packed sequences,
+    each from its own initial state: outputs and final states against float64 and TorchGDPBackend,
+    and every saved segment state against the float64 state at the segment's first token."""
+    from torch_api.gdp.chunk import TorchGDPBackend
+
+    n_h, heads, dim, segment_chunks = 2, 2, 64, 2
+    lengths = [300] if case.startswith("one") else [150, 37, 301]
+    q, k, v, g, beta = _inputs(lengths, heads, dim, dim, n_h, seed=41)
+    g = g * 0.05  # a slow decay, so that the initial state still matters in later segments
+    cu = torch.tensor(np.cumsum([0] + lengths), dtype=torch.int32)
+    initial = None
+    if case != "one_sequence":
+        initial = torch.randn(len(lengths), heads, dim, dim, generator=torch.Generator().manual_seed(42)) * 0.3
+    inputs = GDPInputs(q, k, v, g, beta, scale=dim ** -0.5, num_householder=n_h, use_qk_l2norm_in_kernel=True,
+                       cu_seqlens=cu)
+    backend = cutedsl.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=segment_chunks, backward="kernels")
+    o, final, saved = backend.one_device_forward(inputs, initial)
+    o_ref, final_ref = _reference(q, k, v, g, beta, n_h, cu.numpy(), initial)
+    assert rel_err(o.float().numpy(), o_ref) < OUTPUT_LIMIT
+    assert rel_err(final.numpy(), final_ref) < STATE_LIMIT
+    o_torch, final_torch, _ = TorchGDPBackend().one_device_forward(inputs, initial)
+    assert rel_err(o.float().numpy(), o_torch.float().numpy().astype(np.float64)) < OUTPUT_LIMIT
+    assert rel_err(final.numpy(), final_torch.numpy().astype(np.float64)) < STATE_LIMIT
+    states = cutedsl.segment_states_of(saved)
+    assert states is not None and states.shape[2:] == (dim, dim)
+    segment_tokens = segment_chunks * (64 // n_h)
+    starts = np.cumsum([0] + lengths)
+    pieces = [(0, int(starts[n]), int(starts[n]), lengths[n], None if initial is None else initial[n])
+              for n in range(len(lengths))]
+    _check_segment_states(states, q, k, v, g, beta, n_h, segment_tokens, pieces)
+
+
+@pytest.mark.parametrize("layout", ["spanning", "packed", "rows"])
+def test_cp_apply_saved_segment_states_continue_from_the_preceding_summaries(emulated, layout):
+    """(c) CP over two shards: rank 1's leading sequence (every row in rows mode) starts from the
+    fold of rank 0's summary; every saved segment state of both ranks is the float64 state at the
+    segment's first token (the leading sequence's through E_pre + S_in M_pre)."""
+    n_h, heads, dim, segment_chunks = 2, 2, 64, 2
+    backend = cutedsl.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=segment_chunks, backward="kernels")
+    half = 128
+    if layout == "rows":
+        q, k, v, g, beta = _inputs([2 * half], heads, dim, dim, n_h, seed=43, rows=2)
+        cu_local = [None, None]
+        pieces = [[(row, 0, 0, half, None) for row in range(2)], [(row, 0, half, half, None) for row in range(2)]]
+    else:
+        lengths = [2 * half] if layout == "spanning" else [60, 150, 46]
+        q, k, v, g, beta = _inputs(lengths, heads, dim, dim, n_h, seed=44)
+        if layout == "spanning":
+            cu_local = [torch.tensor([0, half], dtype=torch.int32)] * 2
+            pieces = [[(0, 0, 0, half, None)], [(0, 0, half, half, None)]]
+        else:  # [60, 68] | [82, 46]: the 150-token sequence spans the ranks
+            cu_local = [torch.tensor([0, 60, 128], dtype=torch.int32), torch.tensor([0, 82, 128], dtype=torch.int32)]
+            pieces = [[(0, 0, 0, 60, None), (0, 60, 60, 68, None)], [(0, 60, 128, 82, None), (0, 210, 210, 46, None)]]
+    g = g * 0.05  # the preceding state still matters on rank 1
+    shards = [GDPInputs(q[:, rank * half:(rank + 1) * half], k[:, rank * half * n_h:(rank + 1) * half * n_h],
+                        v[:, rank * half * n_h:(rank + 1) * half * n_h], g[:, rank * half:(rank + 1) * half],
+                        beta[:, rank * half * n_h:(rank + 1) * half * n_h], scale=dim ** -0.5, num_householder=n_h,
+                        use_qk_l2norm_in_kernel=True, cu_seqlens=cu_local[rank]) for rank in range(2)]
+    prepared = [backend.cp_forward_prepare(shard) for shard in shards]
+    results = [backend.cp_forward_apply(prepared[0][1], None),
+               backend.cp_forward_apply(prepared[1][1], prepared[0][0].packed[None])]
+    segment_tokens = segment_chunks * (64 // n_h)
+    for rank in range(2):
+        states = cutedsl.segment_states_of(results[rank].saved_context)
+        _check_segment_states(states, q, k, v, g, beta, n_h, segment_tokens, pieces[rank])
+
+
+@pytest.mark.parametrize("init_count", [0, 1, 4])
+def test_apply_affine_emulation_equals_the_sequential_fold(emulated, init_count):
+    """The emulation of segment_fold mode "apply_affine" on prepare's prefix maps gives the sequential
+    fold's incoming states (sequences below ``init_count`` from their init rows, the others from
+    zero; an empty sequence in between), and zero rows for the unused segments."""
+    from tests.cutedsl_inputs import fold_both_ways, fold_summaries
+
+    heads, dim = 2, 64
+    summaries, starts = fold_summaries([3, 0, 5, 1], 2, heads, dim, dim, seed=51)
+    init = torch.randn(4, heads, dim, dim, generator=torch.Generator().manual_seed(52))
+    sequential, via_prefix, _ = fold_both_ways(summaries, starts, init, init_count, dim)
+    real = int(starts[-1])
+    assert rel_err(via_prefix[:real].numpy(), sequential[:real].numpy().astype(np.float64)) < 1e-5
+    assert torch.count_nonzero(via_prefix[real:]) == 0
+
+
+def test_prefix_fold_writes_only_the_trailing_sequences_final_rows(emulated):
+    """write_final=FINAL_TRAILING (prepare's CP summary): the last sequence with segments and the empty
+    ones after it write their final rows ([0 ; I] for an empty one), bit for bit as with FINAL_EVERY;
+    the other sequences' final rows are not written (their last map is skipped); the prefix maps
+    are the same bits either way."""
+    from cp_linear.kernels import launch as kl
+    from tests.cutedsl_inputs import fold_summaries, prefix_fold
+
+    heads, dim = 2, 64
+    summaries, starts = fold_summaries([3, 0, 9, 1, 0], 2, heads, dim, dim, seed=53, device="cpu")
+    every = prefix_fold(summaries, starts, dim, kl.FINAL_EVERY)
+    trailing = prefix_fold(summaries, starts, dim, kl.FINAL_TRAILING)
+    real = int(starts[-1])
+    assert torch.equal(every[0][:real], trailing[0][:real])
+    assert torch.equal(every[1][3:], trailing[1][3:])
+    assert torch.isnan(trailing[1][:3]).all()
+    identity = torch.cat([torch.zeros(dim, dim), torch.eye(dim)]).to(summaries.device)
+    assert torch.equal(trailing[1][4], identity.expand(heads, -1, -1))

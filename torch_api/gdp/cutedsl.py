@@ -12,14 +12,17 @@ that one long sequence fills the GPU):
     prepare   chunk_prep           every chunk (parallel): T, P, scalars
               chunk_scan summary   every segment that is followed by another one, plus (CP) every
                                    segment of the trailing sequence: [E^T ; M^T] from [0 ; I]
-              segment_fold         (CP) the trailing sequence's segment summaries -> its [E | M]
-    apply     segment_fold         every segment's incoming state: sequence 0 from S_in (the fold
-                                   of the preceding summaries), the others from their initial
-                                   state (or zero)
+              segment_fold         every sequence's segment summaries from [0 ; I] -> each
+                                   segment's prefix map [E_pre | M_pre] (kept in the context) and
+                                   the trailing sequence's [E | M]
+    apply     segment_fold         (mode apply_affine, parallel over segments) every segment's
+                                   incoming state E_pre + M_pre S: S = S_in (the fold of the
+                                   preceding summaries) for sequence 0, the initial state, or zero
               chunk_scan output    every segment from its incoming state: outputs, end states
 
 A sequence that spans ranks therefore costs one summary pass (run before the all-gather) and
-one output pass — no second state pass. The kernel backward mirrors it:
+one output pass — no second state pass, and one sequential fold per forward. The kernel
+backward mirrors it:
 
     prepare   chunk_prep, chunk_gamma   per-segment backward summaries [gamma ; M_b] of the leading
                                    sequence and of every segment followed by another one
@@ -348,22 +351,35 @@ class CuTeDSLGatedDeltaProductCPBackend:
             num_segments=layout.num_segments, state_in=state_in, state_out=state_out, o=o,
             num_householder=shard.inputs.num_householder).run()
 
-    def _fold(self, shard: _Shard, *, init: torch.Tensor | None, init_count: int, rows: int, identity_row: int,
-              first_sequence: int, final: torch.Tensor | None, zeroed: bool = False) -> torch.Tensor:
-        """segment_fold -> incoming [S_max, H, rows, K] (and ``final`` filled when given). ``zeroed``:
-        rows of unused segments (num_segments..S_max) are zero instead of stale memory."""
-        heads, key_dim = shard.heads, shard.key_dim
-        device = shard.q.device
-        allocate = torch.zeros if zeroed else torch.empty
-        incoming = allocate(shard.layout.max_segments, heads, rows, key_dim, dtype=torch.float32, device=device)
-        if init is None:
-            init = incoming[:1]
+    def _prefix_fold(self, shard: _Shard, final: torch.Tensor) -> torch.Tensor:
+        """segment_fold of every sequence from [0 ; I] with V + K rows -> each segment's prefix map
+        [S_max, H, V + K, K] (rows [E_pre^T ; M_pre^T]) and ``final`` [N, H, V + K, K]: the [E | M]
+        rows of the trailing sequences (every row in rows mode; the others' rows are not written: their
+        last segment has no summary, and skipping its map saves a step per sequence)."""
+        heads, key_dim, value_dim = shard.heads, shard.key_dim, shard.value_dim
+        incoming_affine = torch.empty(shard.layout.max_segments, heads, value_dim + key_dim, key_dim,
+                                      dtype=torch.float32, device=shard.q.device)
         kl.SegmentFoldLaunch(
             kcfg.SegmentFoldConfig(key_dim), summaries=shard.summaries,
-            seq_first_segment=shard.layout.seq_first_segment, init=init, incoming=incoming,
-            final=incoming[:1] if final is None else final, init_count=init_count, value_rows=shard.value_dim,
-            identity_row=identity_row, first_sequence=first_sequence, write_final=int(final is not None),
-            descending=0).run()
+            seq_first_segment=shard.layout.seq_first_segment, init=incoming_affine[:1], incoming=incoming_affine,
+            final=final, init_count=0, value_rows=value_dim, identity_row=value_dim, first_sequence=0,
+            write_final=kl.FINAL_EVERY if shard.rows else kl.FINAL_TRAILING, descending=0).run()
+        return incoming_affine
+
+    def _apply_affine(self, shard: _Shard, incoming_affine: torch.Tensor, init: torch.Tensor | None,
+                      init_count: int) -> torch.Tensor:
+        """segment_fold mode "apply_affine" -> every segment's incoming state [S_max, H, V, K]: the
+        prefix maps applied to ``init`` [init_count, H, V, K] (the start rows of the first
+        ``init_count`` sequences; the others start from zero). Rows of unused segments are zero, so
+        the saved states (an output of the custom ops) are deterministic."""
+        heads, key_dim, value_dim = shard.heads, shard.key_dim, shard.value_dim
+        incoming = torch.empty(shard.layout.max_segments, heads, value_dim, key_dim, dtype=torch.float32,
+                               device=shard.q.device)
+        kl.SegmentFoldLaunch(
+            kcfg.SegmentFoldConfig(key_dim, "apply_affine"), summaries=incoming_affine,
+            seq_first_segment=shard.layout.seq_first_segment, init=incoming[:1] if init is None else init,
+            incoming=incoming, final=incoming[:1], init_count=init_count, value_rows=value_dim,
+            identity_row=value_dim, first_sequence=0, write_final=kl.FINAL_NONE, descending=0).run()
         return incoming
 
     def _output(self, shard: _Shard, incoming: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -377,9 +393,10 @@ class CuTeDSLGatedDeltaProductCPBackend:
     # ------------------------------------------------------------------ forward protocol
 
     def cp_forward_prepare(self, inputs: GDPInputs) -> tuple[CPForwardPackedSummary, CuTeDSLForwardContext]:
-        """Chunk prep, the summary pass and the fold of the trailing sequence's segments -> its packed
-        ``[E | M]``. A trailing sequence that starts inside the shard has M = 0; one that starts from
-        ``inputs.initial_state`` S0 carries it in E (E + M S0)."""
+        """Chunk prep, the summary pass and the fold of every sequence's segments (each segment's
+        prefix map, kept for apply) -> the trailing sequence's packed ``[E | M]``. A trailing sequence
+        that starts inside the shard has M = 0; one that starts from ``inputs.initial_state`` S0
+        carries it in E (E + M S0)."""
         if not self._use_kernels(inputs):
             return self._fallback.cp_forward_prepare(inputs)
         initial = _initial_states(inputs)
@@ -388,9 +405,9 @@ class CuTeDSLGatedDeltaProductCPBackend:
         num_seqs = shard.layout.num_sequences
         stacked_rows = torch.empty(num_seqs, heads, value_dim + key_dim, key_dim, dtype=torch.float32,
                                    device=shard.q.device)
-        # every sequence's fold (the folds are independent): the trailing sequence's index is data
-        self._fold(shard, init=None, init_count=0, rows=value_dim + key_dim, identity_row=value_dim,
-                   first_sequence=0, final=stacked_rows)
+        incoming_affine = self._prefix_fold(shard, final=stacked_rows)
+        # the trailing sequence's index is data (the last nonempty one): its row is written
+        # (FINAL_TRAILING writes every sequence whose segments end at the last one)
         picked = slice(None) if shard.rows else shard.trailing.view(1)
         summary = stacked_rows[picked].transpose(-1, -2).contiguous()  # [n, H, K, V + K] = [E | M]
         if initial is not None:
@@ -398,12 +415,12 @@ class CuTeDSLGatedDeltaProductCPBackend:
         if not shard.rows:  # M = 0 when the trailing sequence starts inside the shard
             summary[..., value_dim:] = torch.where(shard.trailing > 0, 0.0, summary[..., value_dim:])
         packed = summary if shard.rows else summary[0]
-        return CPForwardPackedSummary(packed), CuTeDSLForwardContext(shard, summary, initial)
+        return CPForwardPackedSummary(packed), CuTeDSLForwardContext(shard, summary, initial, incoming_affine)
 
     def cp_forward_apply(self, local_context: CuTeDSLForwardContext, preceding) -> CPForwardResult:
-        """Every segment's incoming state (the fold of the preceding summaries for the leading
-        sequence, ``initial_state`` or zero for the others), then the output pass; returns
-        ``(o, final_state)`` when the inputs ask for final states."""
+        """Every segment's incoming state from prepare's prefix maps (applied to the fold of the
+        preceding summaries for the leading sequence, to ``initial_state``, or to zero), then the
+        output pass; returns ``(o, final_state)`` when the inputs ask for final states."""
         if not isinstance(local_context, CuTeDSLForwardContext):  # prepared by the fallback
             return self._fallback.cp_forward_apply(local_context, preceding)
         shard, summary, initial = local_context.shard, local_context.summary, local_context.initial
@@ -421,9 +438,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
         else:
             leading_state = torch.zeros(state_shape, dtype=torch.float32, device=shard.q.device)
             init, init_count = None, 0
-        # saved for the kernel backward and then an output of the custom ops, which must be deterministic
-        incoming = self._fold(shard, init=init, init_count=init_count, rows=value_dim, identity_row=value_dim,
-                              first_sequence=0, final=None, zeroed=self.backward == "kernels")
+        # saved for the kernel backward and then an output of the custom ops: deterministic (unused rows zero)
+        incoming = self._apply_affine(shard, local_context.incoming_affine, init, init_count)
         output, state_out = self._output(shard, incoming)
         if inputs.output_final_state:
             start = initial if initial is not None else torch.zeros(inputs.state_shape, dtype=torch.float32,
@@ -529,7 +545,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             kcfg.SegmentFoldConfig(key_dim), summaries=grad_summaries, seq_first_segment=layout.seq_first_segment,
             init=end_grads, incoming=grad_out, final=grad_out[:1] if final is None else final,
             init_count=end_grads.shape[0], value_rows=value_dim, identity_row=value_dim, first_sequence=0,
-            write_final=int(final is not None), descending=1).run()
+            write_final=kl.FINAL_NONE if final is None else kl.FINAL_EVERY, descending=1).run()
         return grad_out
 
     def _gamma(self, shard: _Shard, do: torch.Tensor, summaries: torch.Tensor) -> None:
