@@ -218,3 +218,40 @@ def gathered_halo_against_exchange(rank, world):
 def test_the_gathered_conv_halo_equals_the_neighbour_exchange(gloo_pools):
     for rank, same in enumerate(gloo_pools(2).run(gathered_halo_against_exchange)):
         assert same == [True, True], f"rank {rank}: (window, gradient) bitwise equal: {same}"
+
+
+def padded_cu_seqlens_against_plain(rank, world):
+    """The GDP CP op with cu_seqlens padded by empty sequences at the end (what a graph-ready layout
+    passes) against the unpadded one, for the reference backend and the CuTeDSL backend (launches
+    emulated on the CPU): output and input gradients bitwise, per backend."""
+    from tests.cutedsl_inputs import emulation_inputs
+    from tests.torch_api.test_custom_ops import emulating_kernels
+    from torch_api.gdp.chunk import TorchGDPBackend
+    from torch_api.gdp.cp import run_cp_op
+    from torch_api.gdp.cutedsl import CuTeDSLGatedDeltaProductCPBackend
+
+    local = 12
+    differ = []
+    with emulating_kernels():
+        for backend in (TorchGDPBackend(), CuTeDSLGatedDeltaProductCPBackend(segment_chunks=1)):
+            inputs = emulation_inputs([local], heads=2, key_dim=64, value_dim=64, n_h=2, seed=rank)
+            do = torch.randn(1, local, 2, 64, generator=torch.Generator().manual_seed(rank)).bfloat16()
+            for plain, padded in (([0, 5, local], [0, 5, local, local, local]), ([0, local], [0, local, local])):
+                results = []
+                for cu in (plain, padded):
+                    leaves = [x.clone().requires_grad_() for x in inputs]
+                    out = run_cp_op(*leaves, cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+                                    rank_range=torch.tensor([0, world], dtype=torch.int32),
+                                    group_name=dist.group.WORLD.group_name, backend=backend, scale=64 ** -0.5,
+                                    num_householder=2, use_qk_l2norm_in_kernel=True, contain=False)
+                    out.backward(do)
+                    results.append([out, *(x.grad for x in leaves)])
+                differ += [f"{type(backend).__name__} {plain}: {name}" for name, a, b in
+                           zip(("o", "dq", "dk", "dv", "dg", "dbeta"), *results) if not torch.equal(a, b)]
+    return differ
+
+
+@pytest.mark.multirank
+def test_empty_sequences_padding_cu_seqlens_change_nothing_under_cp(gloo_pools):
+    for rank, differ in enumerate(gloo_pools(2).run(padded_cu_seqlens_against_plain)):
+        assert differ == [], f"rank {rank}: padded cu_seqlens changed {differ}"
