@@ -109,6 +109,40 @@ def left_halo_backward(grad_window: torch.Tensor, halo_len: int, group) -> torch
     return grad_kv
 
 
+def left_halo_gathered_forward(kv: torch.Tensor, halo_len: int, group) -> torch.Tensor:
+    """``left_halo_forward`` through one all-gather of every rank's last ``halo_len`` tokens instead
+    of a neighbour exchange: collectives only, with shapes fixed by (L, halo_len, cp_size), which a CUDA
+    graph captures like the other collectives of a step (graph-ready layouts, torch_api.layers.layout).
+    Moves (cp_size - 1) * halo_len tokens per rank where the exchange moves halo_len: the conv's halo is
+    a few tokens. kv [L, *rest] -> [halo_len + L, *rest]; the same values as ``left_halo_forward``."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    local_len = kv.shape[0]
+    if not halo_len:
+        return kv.clone(memory_format=torch.contiguous_format)
+    tails = kv.new_empty((world * halo_len, *kv.shape[1:]))
+    _all_gather(tails, kv[local_len - halo_len:].contiguous(), group)
+    halo = tails[(rank - 1) * halo_len:rank * halo_len] if rank > 0 else torch.zeros_like(tails[:halo_len])
+    return torch.cat((halo, kv), dim=0)
+
+
+def left_halo_gathered_backward(grad_window: torch.Tensor, halo_len: int, group) -> torch.Tensor:
+    """The adjoint of ``left_halo_gathered_forward``: each rank puts its halo's gradient in the slot of
+    the rank it came from and one reduce-scatter (sum) hands every rank the gradient of its own tail
+    (zeros added elsewhere, so the values equal ``left_halo_backward``'s)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    grad_kv = grad_window[halo_len:].clone(memory_format=torch.contiguous_format)
+    if not halo_len:
+        return grad_kv
+    local_len = grad_kv.shape[0]
+    slots = grad_window.new_zeros((world * halo_len, *grad_window.shape[1:]))
+    if rank > 0:
+        slots[(rank - 1) * halo_len:rank * halo_len] = grad_window[:halo_len]
+    from_right = grad_window.new_empty((halo_len, *grad_window.shape[1:]))
+    _reduce_scatter_sum(from_right, slots, group)
+    grad_kv[local_len - halo_len:] += from_right
+    return grad_kv
+
+
 class _LeftHaloKV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, kv, halo_len, group):
@@ -167,4 +201,4 @@ def needed_kv_all_to_all(kv: torch.Tensor, send_index: torch.Tensor, in_splits: 
     return _NeededKVAllToAll.apply(kv, send_index, list(in_splits), list(out_splits), group)
 
 
-__all__ = ["all_gather_kv", "left_halo_kv", "needed_kv_all_to_all", "stack_kv", "unstack_kv"]
+__all__ = ["all_gather_kv", "left_halo_gathered_backward", "left_halo_gathered_forward", "left_halo_kv", "needed_kv_all_to_all", "stack_kv", "unstack_kv"]

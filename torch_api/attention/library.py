@@ -139,4 +139,37 @@ def _halo_backward(ctx, grad_window):
 
 left_halo_op.register_autograd(_halo_backward, setup_context=_halo_setup)
 
-__all__ = ["blockdiag_attention_op", "left_halo_op", "routing_name"]
+
+@torch.library.custom_op("cp_linear::left_halo_gathered", mutates_args=())
+def left_halo_gathered_op(x: torch.Tensor, halo_len: int, group_name: str) -> torch.Tensor:
+    """``left_halo_op`` through an all-gather (fixed shapes, collectives only: graph-ready layouts;
+    ``torch_api.attention.exchange.left_halo_gathered_forward``)."""
+    from torch_api.attention.exchange import left_halo_gathered_forward
+
+    return left_halo_gathered_forward(x.contiguous(), halo_len, _group(group_name))
+
+
+@left_halo_gathered_op.register_fake
+def _(x, halo_len, group_name):
+    return x.new_empty((halo_len + x.shape[0], *x.shape[1:]))
+
+
+@torch.library.custom_op("cp_linear::left_halo_gathered_backward", mutates_args=())
+def left_halo_gathered_backward_op(grad_window: torch.Tensor, halo_len: int, group_name: str) -> torch.Tensor:
+    from torch_api.attention.exchange import left_halo_gathered_backward
+
+    return left_halo_gathered_backward(grad_window.contiguous(), halo_len, _group(group_name))
+
+
+@left_halo_gathered_backward_op.register_fake
+def _(grad_window, halo_len, group_name):
+    return grad_window.new_empty((grad_window.shape[0] - halo_len, *grad_window.shape[1:]))
+
+
+def _gathered_halo_backward(ctx, grad_window):
+    return left_halo_gathered_backward_op(grad_window, *ctx.options), None, None
+
+
+left_halo_gathered_op.register_autograd(_gathered_halo_backward, setup_context=_halo_setup)
+
+__all__ = ["blockdiag_attention_op", "left_halo_gathered_op", "left_halo_op", "routing_name"]

@@ -140,8 +140,18 @@ _AUTO_INSTANCES: dict[str, object] = {}
 def _auto_instance(name: str):
     """One shared instance per automatic choice (the CuTeDSL backend keeps its compile caches)."""
     if name not in _AUTO_INSTANCES:
+        from torch_api.gdp.library import register_backend
+
         _AUTO_INSTANCES[name] = CuTeDSLGatedDeltaProductCPBackend() if name == "cutedsl" else TorchGDPBackend()
+        register_backend(_AUTO_INSTANCES[name])  # named outside any trace (backend_name)
     return _AUTO_INSTANCES[name]
+
+
+def _name_auto_instances() -> None:
+    """Build and name both automatic instances at import: one first made inside a ``torch.compile``
+    trace would be registered only after it, when the fake kernels have already looked its name up."""
+    for name in ("reference", "cutedsl"):
+        _auto_instance(name)
 
 
 def _compiling() -> bool:
@@ -165,6 +175,7 @@ class _Shard(kl.KernelShard):
     p: torch.Tensor  # [C_max, H, NQ, 64]
     scalars: torch.Tensor  # [C_max, H, 4, 64] float32
     summaries: torch.Tensor  # [S_max, H, V + K, K] float32 ([E^T ; M^T] per segment)
+    trailing: torch.Tensor | None = None  # int64 []: the last nonempty sequence (packed shards)
 
     @property
     def dtype(self) -> str:
@@ -260,11 +271,11 @@ class CuTeDSLGatedDeltaProductCPBackend:
             cu = torch.arange(0, (batch + 1) * tokens, tokens, dtype=torch.int32, device=device)
         else:
             cu = inputs.cu_seqlens.to(device=device, dtype=torch.int32)
-        num_seqs = cu.shape[0] - 1
         sizes = self._sizes(inputs)
-        summary_sequence = None
-        if cp_summary and not rows:
-            summary_sequence = num_seqs - 1
+        # the trailing sequence: the last nonempty one, found on the device (a graph-ready layout pads
+        # cu_seqlens with empty sequences at its end, torch_api.layers.layout), so no host read
+        trailing = None if rows else _last_nonempty(cu)
+        summary_sequence = trailing if cp_summary else None
         layout = kl.forward_layout(cu, total_tokens=q.shape[0], num_householder=inputs.num_householder, heads=heads,
                                    row_blocks=sizes.row_blocks, sm_count=_sm_count(device),
                                    segment_chunks=sizes.segment_chunks, summary_sequence=summary_sequence,
@@ -290,7 +301,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             p=torch.empty(chunks, heads, tile, 64, dtype=dtype, device=device),
             scalars=torch.empty(chunks, heads, 4, 64, dtype=torch.float32, device=device),
             summaries=torch.empty(layout.max_segments, heads, value_dim + key_dim, key_dim, dtype=torch.float32,
-                                  device=device), row_block=row_block)
+                                  device=device), row_block=row_block, trailing=trailing)
         kl.ChunkPrepLaunch(
             kcfg.ChunkPrepConfig(shard.dtype, key_dim, tile),
             q=q, k=k, g=_flat(inputs.g).float(), beta=_flat(inputs.beta).float(),
@@ -394,14 +405,15 @@ class CuTeDSLGatedDeltaProductCPBackend:
         num_seqs = shard.layout.num_sequences
         stacked_rows = torch.empty(num_seqs, heads, value_dim + key_dim, key_dim, dtype=torch.float32,
                                    device=shard.q.device)
-        first = 0 if shard.rows else num_seqs - 1
         incoming_affine = self._prefix_fold(shard, final=stacked_rows)
-        summary = stacked_rows[first:].transpose(-1, -2).contiguous()  # [n, H, K, V + K] = [E | M]
-        starts_inside = not shard.rows and num_seqs > 1
+        # the trailing sequence's index is data (the last nonempty one): its row is written
+        # (FINAL_TRAILING writes every sequence whose segments end at the last one)
+        picked = slice(None) if shard.rows else shard.trailing.view(1)
+        summary = stacked_rows[picked].transpose(-1, -2).contiguous()  # [n, H, K, V + K] = [E | M]
         if initial is not None:
-            summary[..., :value_dim] += summary[..., value_dim:] @ initial[first:]
-        if starts_inside:
-            summary[..., value_dim:].zero_()
+            summary[..., :value_dim] += summary[..., value_dim:] @ initial[picked]
+        if not shard.rows:  # M = 0 when the trailing sequence starts inside the shard
+            summary[..., value_dim:] = torch.where(shard.trailing > 0, 0.0, summary[..., value_dim:])
         packed = summary if shard.rows else summary[0]
         return CPForwardPackedSummary(packed), CuTeDSLForwardContext(shard, summary, initial, incoming_affine)
 
@@ -490,8 +502,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
             end_grads = end_grads.clone()
             if shard.rows:
                 end_grads += outgoing
-            else:
-                end_grads[-1] += outgoing
+            else:  # the trailing (last nonempty) sequence's end
+                end_grads.index_add_(0, shard.trailing.view(1), outgoing[None])
         grad_out = self._descending_fold(shard, ctx.grad_summaries, end_grads, final=None)
         grads, grad_in = self._reverse(shard, ctx.do, ctx.incoming, grad_out)
         if shard.inputs.initial_state is None:
@@ -600,6 +612,12 @@ def with_segment_states(saved: CPSavedContext, states: torch.Tensor | None) -> C
     return CPSavedContext(saved.tensors + (states,), {**saved.metadata, _KERNEL_BACKWARD: True})
 
 
+def _last_nonempty(cu: torch.Tensor) -> torch.Tensor:
+    """int64 []: index of the last sequence with tokens (0 when none has any), on the device."""
+    index = torch.arange(cu.shape[0] - 1, device=cu.device)
+    return torch.where(cu[1:] > cu[:-1], index, 0).max()
+
+
 def _initial_states(inputs: GDPInputs) -> torch.Tensor | None:
     """float32 [N, H, K, V] of ``inputs.initial_state`` (shape checked), or None."""
     kl.check_initial_state_shape(inputs)
@@ -635,3 +653,5 @@ def _packed_stack(preceding) -> torch.Tensor | None:
     if preceding.dtype != torch.float32:
         raise ValueError(f"preceding summaries must be float32; received {preceding.dtype}")
     return preceding.contiguous()
+
+_name_auto_instances()

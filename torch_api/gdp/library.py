@@ -59,11 +59,28 @@ def has_op_layout(backend) -> bool:
     return type(backend) is TorchGDPBackend or isinstance(backend, CuTeDSLGatedDeltaProductCPBackend)
 
 
+_NAME_ATTRIBUTE = "_cp_linear_op_name"
+
+
 def backend_name(backend) -> str:
-    """A string naming ``backend`` for the ops (the instance stays registered for the process)."""
-    name = f"{type(backend).__name__}@{id(backend):x}"
-    _BACKENDS.setdefault(name, backend)
+    """A string naming ``backend`` for the ops (the instance stays registered for the process).
+
+    The name is stored on the instance at its first registration, so a later call (inside a
+    ``torch.compile`` trace too) only reads an attribute: no ``id()`` formatted under dynamo, which
+    cannot turn it into a constant, and the same name for every packing, so no recompilation. The
+    layers register their backends eagerly (``register_backend``)."""
+    name = getattr(backend, _NAME_ATTRIBUTE, None)
+    if name is None or _BACKENDS.get(name) is not backend:
+        name = f"{type(backend).__name__}#{len(_BACKENDS)}"
+        _BACKENDS[name] = backend
+        setattr(backend, _NAME_ATTRIBUTE, name)
     return name
+
+
+def register_backend(backend) -> None:
+    """Name ``backend`` now, outside any trace (``backend_name``); a no-op for names and None."""
+    if backend is not None and not isinstance(backend, str):
+        backend_name(backend)
 
 
 def _backend(name: str):
@@ -368,4 +385,4 @@ def _cp_autograd(ctx, do, _d_incoming, _d_transition, _d_segment_states, _d_inco
 gdp_cp_forward.register_autograd(_cp_autograd, setup_context=_setup_cp)
 
 
-__all__ = ["backend_name", "gdp_backward", "gdp_cp_backward", "gdp_cp_forward", "gdp_forward", "has_op_layout"]
+__all__ = ["backend_name", "register_backend", "gdp_backward", "gdp_cp_backward", "gdp_cp_forward", "gdp_forward", "has_op_layout"]

@@ -108,7 +108,8 @@ class ChunkPlacement:
         rows = cu_seqlens is None
         tokens = steps // num_householder
         if rows:
-            cu_seqlens = torch.tensor([0, tokens], dtype=torch.int32, device=device)
+            # [0, tokens] made on the device: torch.tensor(list, device=cuda) is a synchronising copy
+            cu_seqlens = torch.arange(2, dtype=torch.int32, device=device) * tokens
         layout, bounds = chunk_layout(cu_seqlens.to(device=device, dtype=torch.int32), total_steps=steps,
                                       num_householder=num_householder, chunk_size=chunk_size)
         starts = layout.starts_sequence()

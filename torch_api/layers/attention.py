@@ -82,7 +82,9 @@ class BlockDiagAttention(StateTableMixin, nn.Module):
         v = self.v_proj(x).view(batch, length, c.kv_heads, d)
         cos, sin = rope_angles(layout.positions(x.device), d, c.rope_theta)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if layout.is_cp:
+        if layout.static_shapes:
+            o = self._static_attention(q, k, v, layout, signature, covered)
+        elif layout.is_cp:
             from torch_api.attention.blockdiag import attend, run_blockdiag_op
             from torch_api.attention.kernel import resolve_kernel
 
@@ -112,6 +114,35 @@ class BlockDiagAttention(StateTableMixin, nn.Module):
             o = doc_causal_attention(q, k, v, layout.attention_layout(), kernel=kernel,
                                      contain=not self.check_inputs)
         return self.o_proj(o.reshape(batch, length, c.num_heads * d))
+
+    def _static_attention(self, q, k, v, layout, signature, covered: bool):
+        """A graph-ready layout's attention (``torch_api.attention.static``: ids as a device tensor, K/V
+        all-gathered). Under CP a call that a model agreement covered, with checks off, sends no header
+        and reads nothing on the host; otherwise one header carries the kernel choice and the value flags."""
+        from torch_api._dist import agree_or_raise
+        from torch_api.attention.blockdiag import QKV_CHECKS
+        from torch_api.attention.kernel import KERNELS, resolve_kernel
+        from torch_api.attention.static import run_static_attention
+        from torch_api.gdp.validation import nonfinite_flags, raise_failed_checks
+
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        kernel, error = resolve_kernel(self.kernel, q.device, q.shape[-1], needs_grad)
+        if error is None and self.mode not in STATIC_MODES:
+            error = (f"a graph-ready layout (max_sequences) exchanges K/V with an all-gather; mode={self.mode!r} "
+                     f"is not one of {STATIC_MODES}")
+        if layout.is_cp and not compiling() and (not covered or self.check_inputs or error):
+            flags = nonfinite_flags(q, k, v) if self.check_inputs and error is None else None
+            kernel_id = KERNELS.index(kernel) if kernel in KERNELS else -1
+            agree_or_raise(layout.group, error, [*signature, kernel_id], what=self.AGREEMENT, value_flags=flags,
+                           value_checks=QKV_CHECKS)
+        elif error:
+            raise ValueError(f"{self.AGREEMENT}: {error}")
+        elif not layout.is_cp and self.check_inputs:
+            raise_failed_checks(QKV_CHECKS, nonfinite_flags(q, k, v), "BlockDiagAttention")
+        return run_static_attention(q, k, v, layout, kernel=kernel, contain=not self.check_inputs)
+
+
+STATIC_MODES = ("auto", "allgather")  # what a graph-ready layout runs (torch_api.attention.static)
 
 
 # help() and inspect.signature list every keyword argument (a metaclass hides __init__ from them)

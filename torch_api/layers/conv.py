@@ -19,11 +19,13 @@ import torch.nn.functional as F
 
 
 
-def conv_window(x: torch.Tensor, halo_len: int, group=None) -> torch.Tensor:
+def conv_window(x: torch.Tensor, halo_len: int, group=None, *, gathered: bool = False) -> torch.Tensor:
     """x [B, L, C] -> [B, halo_len + L, C]: the ``halo_len`` tokens before the shard, then x.
 
     Without ``group`` (one device) the halo is zeros. Under CP it is the previous rank's last
     ``halo_len`` tokens (zeros on rank 0); needs ``halo_len <= L``, equal on every rank.
+    ``gathered``: move it with an all-gather instead of a neighbour exchange (graph-ready layouts:
+    collectives only; the same values).
     """
     if halo_len == 0:
         return x
@@ -31,11 +33,12 @@ def conv_window(x: torch.Tensor, halo_len: int, group=None) -> torch.Tensor:
         return F.pad(x, (0, 0, halo_len, 0))
     if not 0 <= halo_len <= x.shape[1]:
         raise ValueError(f"halo_len must be in [0, L = {x.shape[1]}]; received {halo_len}")
-    from torch_api.attention.library import left_halo_op
+    from torch_api.attention.library import left_halo_gathered_op, left_halo_op
 
     group_name = group if isinstance(group, str) else group.group_name
     token_major = x.transpose(0, 1)  # [L, B, C]: the exchange moves whole tokens along dim 0
-    return left_halo_op(token_major, int(halo_len), group_name).transpose(0, 1)
+    exchange = left_halo_gathered_op if gathered else left_halo_op
+    return exchange(token_major, int(halo_len), group_name).transpose(0, 1)
 
 
 def masked_causal_conv(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

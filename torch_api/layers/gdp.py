@@ -66,6 +66,9 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
         super().__init__()
         self.config = config = resolve_config(GDPConfig, config, kwargs)
         self.backend = backend
+        from torch_api.gdp.library import register_backend
+
+        register_backend(backend)  # its op name exists before any torch.compile trace reads it
         self.cp_check_inputs = cp_check_inputs
         c, n = config, config.num_householder
         self.q_proj = nn.Linear(c.hidden_size, c.key_dim, bias=False)
@@ -98,7 +101,8 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
         if not c.use_short_conv:
             return F.silu(q), F.silu(k), F.silu(v)
         # one halo exchange for all three projections
-        window = conv_window(torch.cat((q, k, v), dim=-1), c.conv_size - 1, layout.group_name)
+        window = conv_window(torch.cat((q, k, v), dim=-1), c.conv_size - 1, layout.group_name,
+                             gathered=layout.static_shapes)
         positions = layout.positions(x.device)
         q_win, k_win, v_win = window.split(c.conv_channels, dim=-1)
         return self.q_conv1d(q_win, positions), self.k_conv1d(k_win, positions), self.v_conv1d(v_win, positions)

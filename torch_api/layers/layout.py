@@ -16,10 +16,28 @@ read what ``materialize`` built::
     logits = compiled_model(input_ids, layout=layout)                            # no header inside
 
 Without ``cp_group`` the same object describes the whole sequence on one device (cp_size 1).
+
+Graph-ready layouts (``max_sequences=``): every tensor a step reads has a shape fixed by
+(T, cp_size, max_sequences), never by the packing, so ``torch.compile`` traces one graph for every
+packing of that signature and a CUDA graph captured on one packing replays another after
+``copy_packing_`` wrote the new values into the captured buffers::
+
+    layout = build_shard_layout(doc_ids=ids, total_len=T, cp_group=group, max_sequences=64).materialize(dev)
+    model.agree(input_ids, layout=layout)            # eager, once per batch: header + checks
+    ... capture model(input_ids, layout=layout) and its backward in a CUDA graph ...
+    layout.copy_packing_(build_shard_layout(doc_ids=new_ids, total_len=T, cp_group=group, max_sequences=64))
+    model.agree(input_ids, layout=layout); graph.replay()
+
+  * GDP: local ``cu_seqlens`` padded to ``max_sequences + 1`` entries with empty sequences at the end
+    (every backend gives the same outputs and gradients as without them);
+  * attention: the ``cp_linear::blockdiag_attention_static`` op (torch_api.attention.static), which
+    reads the ids as a device tensor [T] and exchanges K/V with an all-gather (fixed shapes; the
+    halo / a2a modes move less but their shapes follow the packing).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -39,7 +57,7 @@ class ShardLayout:
     gdp_metadata  ``PackedSequenceCPMetadata`` of the rank (None when unpacked)
     """
 
-    def __init__(self, packed: PackedLayout, cp_group=None):
+    def __init__(self, packed: PackedLayout, cp_group=None, max_sequences: int | None = None):
         if not isinstance(packed, PackedLayout):
             raise ValueError(f"packed must be a PackedLayout; received {type(packed).__name__}")
         self.packed = packed
@@ -52,8 +70,20 @@ class ShardLayout:
         packed.check_cp_size(self.cp_size)
         self.local_len = packed.total_len // self.cp_size
         self.gdp_metadata = packed.gdp_metadata(self.cp_rank, self.cp_size) if self.is_cp else None
+        # from replicated ids only, so every rank raises the same error here, before any collective
+        self.max_sequences = _check_capacity(packed, self.cp_size, max_sequences)
         self._device_cache: dict = {}
         self._covered: set = set()
+        self._agreed_model: tuple | None = None  # the signature an explicit HybridDecoder.agree covered
+
+    @property
+    def static_shapes(self) -> bool:
+        """True for a graph-ready layout (``max_sequences`` given): see the module docstring."""
+        return self.max_sequences is not None
+
+    def static_signature(self) -> tuple:
+        """What fixes the shapes of a graph-ready layout: (T, cp_size, group, max_sequences, packed)."""
+        return (self.packed.total_len, self.cp_size, self.group_name, self.max_sequences, self.packed.packed)
 
     @property
     def is_cp(self) -> bool:
@@ -75,11 +105,25 @@ class ShardLayout:
         local = self.packed.local(self.packed.position, self.cp_rank, self.cp_size)
         return self._cached(("position", device), lambda: torch.from_numpy(local.copy()).to(device))
 
+    def _padded(self, cu) -> np.ndarray:
+        """int32 cu_seqlens, padded with empty sequences to ``max_sequences + 1`` entries when graph-ready."""
+        cu = np.asarray(cu, dtype=np.int32)
+        if self.max_sequences is None:
+            return cu
+        return np.concatenate([cu, np.full(self.max_sequences + 1 - cu.shape[0], cu[-1], np.int32)])
+
     def cu_seqlens(self, device) -> torch.Tensor | None:
-        """int32 [N + 1] GDP sequence boundaries on one device; None when unpacked."""
+        """int32 [N + 1] GDP sequence boundaries on one device ([max_sequences + 1] when graph-ready);
+        None when unpacked."""
         if not self.packed.packed:
             return None
-        return self._cached(("cu", device), lambda: torch.from_numpy(self.packed.cu_seqlens()).to(device))
+        return self._cached(("cu", device), lambda: torch.from_numpy(self._padded(self.packed.cu_seqlens())).to(device))
+
+    def doc_ids_tensor(self, device) -> torch.Tensor:
+        """int32 [T]: the global doc ids (0 = padding; all ones when unpacked), what the graph-ready
+        attention op reads (``torch_api.attention.static``)."""
+        return self._cached(("doc_ids", device),
+                            lambda: torch.from_numpy(self.packed.doc_ids.astype(np.int32)).to(device))
 
     def gdp_arrays(self, device) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(local cu_seqlens int32 [N + 1] or None when unpacked, rank_range int32 [2] =
@@ -89,7 +133,7 @@ class ShardLayout:
             meta = self.gdp_metadata
             if meta is None:
                 return None, torch.tensor([0, self.cp_size], dtype=torch.int32, device=device)
-            cu = torch.tensor(meta.local_cu_seqlens, dtype=torch.int32).to(device)
+            cu = torch.from_numpy(self._padded(meta.local_cu_seqlens)).to(device)
             span = torch.tensor([meta.preceding_rank_start, meta.following_rank_stop], dtype=torch.int32)
             return cu, span.to(device)
 
@@ -106,6 +150,36 @@ class ShardLayout:
             self.gdp_arrays(device)
         else:
             self.cu_seqlens(device)
+        if self.static_shapes:
+            self.doc_ids_tensor(device)
+        return self
+
+    def copy_packing_(self, source: "ShardLayout") -> "ShardLayout":
+        """Take ``source``'s packing (a graph-ready layout of the same T, group and max_sequences) and
+        write its values into this layout's device tensors *in place*, the buffers a captured CUDA
+        graph reads; host state (ids, metadata, agreement records) is replaced. Checks use host state
+        only and depend on replicated values, so they raise alike on every rank. Returns self."""
+        if not isinstance(source, ShardLayout):
+            raise ValueError(f"source must be a ShardLayout; received {type(source).__name__}")
+        if not (self.static_shapes and source.static_shapes):
+            raise ValueError("copy_packing_ needs graph-ready layouts on both sides (build_shard_layout(..., "
+                             "max_sequences=...)); a layout without it has packing-dependent shapes")
+        if source.static_signature() != self.static_signature():
+            raise ValueError(f"copy_packing_: source has (T, cp_size, group, max_sequences, packed) = "
+                             f"{source.static_signature()}; this layout {self.static_signature()}")
+        built = {}
+        for key in list(self._device_cache):
+            if not isinstance(key, tuple) or key[0] not in _STATIC_KEYS:
+                del self._device_cache[key]  # host-derived (routings, one-device attention layout): rebuilt lazily
+                continue
+            built[key] = getattr(source, _STATIC_KEYS[key[0]])(*key[1:])
+        for key, new in built.items():
+            old = self._device_cache[key]
+            for target, value in zip(old if isinstance(old, tuple) else (old,), new if isinstance(new, tuple) else (new,)):
+                if target is not None:
+                    target.copy_(value)
+        self.packed, self.gdp_metadata = source.packed, source.gdp_metadata
+        self._covered, self._agreed_model = set(), None
         return self
 
     def attention_routing(self, mode: str):
@@ -193,6 +267,40 @@ class ShardLayout:
                        value_checks=value_checks)
         self._covered.update((tuple(sig), what) for sig, what in layers)
 
+    def record_model_agreement(self, signature) -> None:
+        """An explicit ``HybridDecoder.agree`` (a collective every rank ran) covered ``signature``."""
+        self._agreed_model = tuple(signature)
+
+    def agreed_model(self, signature) -> bool:
+        """True when an explicit agreement covered this model call, so the eager step sends no header
+        (sync-free); a rank whose call differs from what it agreed raises here, alone, instead of
+        entering a header the others skip."""
+        if self._agreed_model is None:
+            return False
+        if tuple(signature) != self._agreed_model:
+            raise ValueError("model inputs: this call differs (shapes, dtype, grad or autocast mode, layers) from the "
+                             "batch HybridDecoder.agree covered on this layout; agree again for the new call")
+        return True
+
+
+# device tensors a graph-ready layout rewrites in place (``copy_packing_``): cache key -> builder method
+_STATIC_KEYS = {"position": "positions", "cu": "cu_seqlens", "gdp": "gdp_arrays", "doc_ids": "doc_ids_tensor"}
+
+
+def _check_capacity(packed: PackedLayout, cp_size: int, max_sequences) -> int | None:
+    """``max_sequences`` checked against the most GDP sequences any shard holds (replicated ids)."""
+    if max_sequences is None:
+        return None
+    if isinstance(max_sequences, bool) or not isinstance(max_sequences, (int, np.integer)) or max_sequences < 1:
+        raise ValueError(f"max_sequences must be a positive int or None; received {max_sequences!r}")
+    if packed.packed:
+        shards = packed.seq_idx.reshape(cp_size, -1)
+        most = int(np.max(1 + np.count_nonzero(shards[:, 1:] != shards[:, :-1], axis=1)))
+        if most > max_sequences:
+            raise ValueError(f"max_sequences = {max_sequences} is too small: a shard of this packing holds {most} "
+                             f"sequences (T = {packed.total_len}, cp_size = {cp_size})")
+    return int(max_sequences)
+
 
 def compiling() -> bool:
     """True while torch.compile traces: the layers then send no agreement header (a collective with a
@@ -201,15 +309,18 @@ def compiling() -> bool:
     return bool(compiler is not None and compiler.is_compiling())
 
 
-def build_shard_layout(*, total_len: int, doc_ids=None, seq_idx=None, cu_seqlens=None, cp_group=None) -> ShardLayout:
+def build_shard_layout(*, total_len: int, doc_ids=None, seq_idx=None, cu_seqlens=None, cp_group=None,
+                       max_sequences: int | None = None) -> ShardLayout:
     """A ``ShardLayout`` from *global* ids (replicated on every rank; host-read once).
 
     total_len: T, the global length (local length x cp_size). At most one of ``doc_ids`` (int [T],
     0 = padding), ``seq_idx`` (int [1, T] nondecreasing) or ``cu_seqlens`` (int [N + 1]); none of
-    them means every batch row is one sequence of T tokens.
+    them means every batch row is one sequence of T tokens. ``max_sequences``: build a graph-ready
+    layout whose shapes do not depend on the packing (module docstring); the most GDP sequences (runs
+    of equal doc ids, padding runs included) one shard may hold, else ValueError on every rank.
     """
     return ShardLayout(layout_from_ids(doc_ids=doc_ids, seq_idx=seq_idx, cu_seqlens=cu_seqlens, total_len=total_len),
-                       cp_group)
+                       cp_group, max_sequences)
 
 
 def resolve_layout(hidden_states, *, layout=None, cp_group=None, doc_ids=None, seq_idx=None,

@@ -75,7 +75,7 @@ class HybridDecoder(StateTableMixin, nn.Module):
         elif doc_ids is not None or cp_group is not None:
             raise ValueError("pass either layout or doc_ids / cp_group, not both")
         if layout.is_cp and not compiling():  # a compiled step agreed eagerly (``agree``)
-            self.agree(input_ids, layout=layout)
+            self._agree(input_ids, layout, explicit=False)
         h = self.embeddings(input_ids)
         for block in self.layers:
             h = block(h, layout)
@@ -89,7 +89,15 @@ class HybridDecoder(StateTableMixin, nn.Module):
         residual stream keeps the embedding dtype and the norms keep it too). ``forward`` runs it on
         every eager call; a step compiled with ``torch.compile`` cannot (a header reads the host), so
         call it eagerly once per batch before the compiled call, under the same grad and autocast
-        modes, with the layers' checks off (``cp_check_inputs`` / ``check_inputs`` False)."""
+        modes, with the layers' checks off (``cp_check_inputs`` / ``check_inputs`` False).
+
+        Called explicitly, the agreement is recorded on ``layout``: later eager calls with the same
+        signature on that layout send no header (a steady-state step without host synchronisation,
+        which a CUDA graph can capture), and a call that differs raises on its rank. The token-range
+        check ran on the ``input_ids`` given here: agree again for every batch."""
+        self._agree(input_ids, layout, explicit=True)
+
+    def _agree(self, input_ids: torch.Tensor, layout: ShardLayout, *, explicit: bool) -> None:
         hidden = (*input_ids.shape, self.config.hidden_size)
         dtype, device = self.embeddings.weight.dtype, input_ids.device
         layers = [(layout.signature_of(hidden, dtype, device, block.attn.cp_signature()), block.attn.AGREEMENT)
@@ -97,6 +105,8 @@ class HybridDecoder(StateTableMixin, nn.Module):
         params = [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in self.named_parameters()]
         signature = (*layout.signature_of(hidden, dtype, device, config_fingerprint(self.config)), len(self.layers),
                      digest([sig for sig, _ in layers]), digest(params))
+        if not explicit and layout.agreed_model(signature):
+            return  # an explicit agree covered this call: no header, no host read
         error = None
         if input_ids.dtype not in (torch.int32, torch.int64):
             error = f"input_ids must be int32 or int64; received {input_ids.dtype}"
@@ -106,6 +116,8 @@ class HybridDecoder(StateTableMixin, nn.Module):
         out_of_range = None if error else ((input_ids < 0) | (input_ids >= self.config.vocab_size)).any().view(1)
         layout.agree_model(error, signature, layers, value_flags=out_of_range,
                            value_checks=(("input_ids", f"token ids outside [0, {self.config.vocab_size})"),))
+        if explicit:
+            layout.record_model_agreement(signature)
 
 
 __all__ = ["HybridBlock", "HybridDecoder"]
