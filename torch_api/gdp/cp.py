@@ -449,15 +449,16 @@ def _initial_state_error(initial_state, routing, q, v) -> str | None:
 
 def _local_initial_states(initial_state: torch.Tensor, routing, rank: int) -> torch.Tensor:
     """The initial states of this rank's local sequences [n, H, K, V]. A first sequence that began on an
-    earlier rank keeps its row as the state the preceding summaries are folded from, detached: its
-    gradient is counted on the rank where it starts (the backward summaries carry this rank's share there)."""
+    earlier rank keeps its row as the state the preceding summaries are folded from, with no gradient:
+    that is counted on the rank where it starts (the backward summaries carry this rank's share there)."""
     rows = routing.local_rows[rank]
     local = initial_state.index_select(0, torch.tensor(rows, dtype=torch.int64).to(initial_state.device))
     if not routing.first_row_continues(rank):
         return local
-    if routing.rows:  # every row continues from rank 0
-        return local.detach()
-    return torch.cat([local[:1].detach(), local[1:]])
+    # torch.where rather than detach: initial_state still gets a gradient tensor (zero rows) on every rank
+    continuing = torch.zeros(len(rows), 1, 1, 1, dtype=torch.bool)
+    continuing[: len(rows) if routing.rows else 1] = True  # without ids every row continues from rank 0
+    return torch.where(continuing.to(local.device), local.detach(), local)
 
 
 def _replicated_final_states(local_final: torch.Tensor, routing, rank: int) -> torch.Tensor:
@@ -466,8 +467,8 @@ def _replicated_final_states(local_final: torch.Tensor, routing, rank: int) -> t
     ends = routing.ends_here(rank)
     positions = [i for i, end in enumerate(ends) if end]
     final = local_final.new_zeros((routing.num_sequences, *local_final.shape[1:]))
-    if not positions:
-        return final
+    # no shortcut when nothing ends here: the result stays attached to the op, so a loss on final_state
+    # alone still runs this rank's backward (and its collectives) with zero cotangents
     rows = [routing.local_rows[rank][i] for i in positions]
     device = local_final.device
     return final.index_copy(0, torch.tensor(rows, dtype=torch.int64).to(device),
