@@ -107,11 +107,10 @@ def scan_schedule(routing: SequenceStateRouting, *, descending: bool) -> ScanSch
     offset = 1
     while offset < world:
         messages = tuple((i - offset, i) for i in range(offset, world) if not closed[i] and low[i] > 0)
-        new_closed = list(closed)
+        new_closed, new_low = list(closed), list(low)  # every message of a round carries the previous round's value
         for sender, receiver in messages:
-            new_closed[receiver] = closed[sender]
-            low[receiver] = low[sender]
-        closed = new_closed
+            new_closed[receiver], new_low[receiver] = closed[sender], low[sender]
+        closed, low = new_closed, new_low
         rounds.append(messages)
         offset *= 2
     return ScanSchedule(world, descending, tuple(empty), tuple(rounds))
