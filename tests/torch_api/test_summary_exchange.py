@@ -1,7 +1,7 @@
 """``summary_exchange="scan"`` (log-depth point-to-point prefix fold) against the all-gather path.
 
 Host: the scan schedule, simulated with numpy summaries, folds exactly the ranks the all-gather slice
-[preceding_rank_start, rank) / [rank + 1, following_rank_stop) names, in at most 1 + ceil(log2 cp)
+[preceding_rank_start, rank) / [rank + 1, following_rank_stop) names, in at most ceil(log2 cp)
 rounds. Gloo, world 2-4: the op's outputs and all five gradients through the scan equal the
 all-gather path's (float32, 1e-6 relative), for packed layouts, batch rows and unpacked summaries.
 """
@@ -45,12 +45,15 @@ def simulate(schedule, summaries):
     """Run the schedule's messages with numpy summaries [w, H, K, V + K] (in scan order); -> per rank the
     folded stack [n, ...] the exchange hands the backend."""
     world = schedule.world
-    held = [summaries[schedule.rank_at(p)] for p in range(world)]
-    for index, messages in enumerate(schedule.rounds):
-        sent = {receiver: held[sender] for sender, receiver in messages}
+    inclusive = [summaries[schedule.rank_at(p)] for p in range(world)]
+    exclusive = [None] * world
+    for messages in schedule.rounds:
+        sent = {receiver: inclusive[sender] for sender, receiver in messages}
         for receiver, value in sent.items():
-            held[receiver] = value if index == 0 else combine(value, held[receiver])
-    return [held[schedule.position_of(r)][None] if not schedule.empty[schedule.position_of(r)]
+            exclusive[receiver] = value if exclusive[receiver] is None else combine(value, exclusive[receiver])
+            if not schedule.stops[receiver]:
+                inclusive[receiver] = combine(value, inclusive[receiver])
+    return [exclusive[schedule.position_of(r)][None] if not schedule.empty[schedule.position_of(r)]
             else np.zeros((0, *summaries.shape[1:])) for r in range(world)]
 
 
@@ -84,7 +87,7 @@ def test_scan_schedule_folds_exactly_the_all_gather_slice(world, name):
         if r + 1 < stop:
             np.testing.assert_allclose(compose_backward(got_backward[r]), compose_backward(backward[r + 1:stop]),
                                        rtol=1e-12, atol=1e-12)
-    bound = 1 + math.ceil(math.log2(world))
+    bound = math.ceil(math.log2(world))
     for schedule in (forward_schedule, backward_schedule):
         assert len(schedule.rounds) <= bound
         assert max(schedule.received_per_rank()) <= bound

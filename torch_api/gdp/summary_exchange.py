@@ -12,19 +12,19 @@ Glossary
 memory cp summaries per rank, bytes (cp - 1) summaries received per rank, one collective.
 
 "scan": an exclusive prefix fold of ``combine`` (``cp_linear.summary``) by Hillis-Steele over
-``batch_isend_irecv``: a shift round (position i takes the summary of i - 1), then rounds with
-offsets 1, 2, 4, ... in which position i folds in what i - offset holds::
+``batch_isend_irecv``. Each position holds an inclusive fold (starting as its own summary) and an
+exclusive one (starting empty); in the round with offset 1, 2, 4, ... position i receives the
+inclusive fold of i - offset and folds it into both::
 
-    positions   0     1     2     3          (one sequence over 4 ranks, forward)
-    shift       -    s0    s1    s2
-    offset 1    -    s0   s0s1  s1s2
-    offset 2    -    s0   s0s1  s0s1s2        rank 3's incoming summary = fold(s0, s1, s2)
+    positions (exclusive)   0     1     2       3          (one sequence over 4 ranks, forward)
+    offset 1                -    s0    s1      s2
+    offset 2                -    s0   s0s1   s0s1s2        rank 3's incoming summary = fold(s0, s1, s2)
 
 Every rank knows every rank's ``stops`` / ``empty`` from the replicated ids
 (``cp_linear.plan.SequenceStateRouting``), so sender and receiver agree on each message without
 communicating, and nothing is sent to a position whose fold is already complete. Cost: at most
-1 + ceil(log2 cp) rounds, at most that many summaries received per rank, two summaries of memory
-(held and received). The result is one folded summary ``[1, ...]`` (``[0, ...]`` when empty), whose
+ceil(log2 cp) rounds and that many summaries received per rank; four summaries of memory (own
+inclusive fold, exclusive fold, receive buffer, and the fold being formed). The result is one folded summary ``[1, ...]`` (``[0, ...]`` when empty), whose
 fold equals the fold of the all-gather slice up to float32 reassociation.
 """
 
@@ -47,9 +47,9 @@ from cp_linear.summary import (
 )
 
 SUMMARY_EXCHANGES = ("all_gather", "scan", "auto")
-# "auto" scans above this group size: on gloo (CPU, 2 cores) the all-gather is faster at 2 and 4
-# ranks, the scan from 8 (benchmarks/bench_summary_exchange.py, docs/cp_options.md)
-SCAN_MIN_WORLD = 8
+# "auto" scans from this group size: on gloo (CPU, 2 cores) the all-gather was faster at 4 and 8
+# ranks (benchmarks/bench_summary_exchange.py, docs/cp_options.md); beyond, the scan saves memory (O(1) vs O(cp))
+SCAN_MIN_WORLD = 16
 
 
 def resolve_summary_exchange(summary_exchange: str, world: int) -> str | None:
@@ -66,12 +66,13 @@ def resolve_summary_exchange(summary_exchange: str, world: int) -> str | None:
 class ScanSchedule:
     """The messages of one direction's scan, identical on every rank (host ints).
 
-    rounds[k] = the (sender position, receiver position) pairs of round k; round 0 is the shift.
+    rounds[k] = the (sender position, receiver position) pairs of round k (offset 2^k).
     """
 
     world: int
     descending: bool
     empty: tuple[bool, ...]
+    stops: tuple[bool, ...]
     rounds: tuple[tuple[tuple[int, int], ...], ...]
 
     def rank_at(self, position: int) -> int:
@@ -90,7 +91,12 @@ class ScanSchedule:
 
 
 def scan_schedule(routing: SequenceStateRouting, *, descending: bool) -> ScanSchedule:
-    """The scan's messages for the forward (ascending ranks) or the backward (descending)."""
+    """The scan's messages for the forward (ascending ranks) or the backward (descending).
+
+    Each position keeps an inclusive fold (its own summary and what came before) and an exclusive one
+    (what came before: the result); round k sends the inclusive fold to position + 2^k. ``closed``
+    tracks, on the host, which folds already reach a stop, so no message goes where nothing is missing.
+    """
     world = routing.cp_size
     ranks = range(world - 1, -1, -1) if descending else range(world)
     if descending:
@@ -100,20 +106,20 @@ def scan_schedule(routing: SequenceStateRouting, *, descending: bool) -> ScanSch
         stops = [routing.trailing_starts_here(r) for r in ranks]
         empty = [not routing.first_row_continues(r) for r in ranks]
     empty[0] = True
-    # closed[i]: position i's fold is complete; low[i]: the lowest summary position it covers
-    closed = [empty[i] or stops[i - 1] for i in range(world)]
-    low = [i - 1 for i in range(world)]
-    rounds = [tuple((i - 1, i) for i in range(1, world) if not empty[i])]
+    inclusive_closed, exclusive_closed = list(stops), list(empty)
+    rounds = []
     offset = 1
     while offset < world:
-        messages = tuple((i - offset, i) for i in range(offset, world) if not closed[i] and low[i] > 0)
-        new_closed, new_low = list(closed), list(low)  # every message of a round carries the previous round's value
+        messages = tuple((i - offset, i) for i in range(offset, world) if not exclusive_closed[i])
+        # every message of a round carries the previous round's folds
+        new_inclusive, new_exclusive = list(inclusive_closed), list(exclusive_closed)
         for sender, receiver in messages:
-            new_closed[receiver], new_low[receiver] = closed[sender], low[sender]
-        closed, low = new_closed, new_low
+            new_exclusive[receiver] = inclusive_closed[sender]
+            new_inclusive[receiver] = inclusive_closed[receiver] or inclusive_closed[sender]
+        inclusive_closed, exclusive_closed = new_inclusive, new_exclusive
         rounds.append(messages)
         offset *= 2
-    return ScanSchedule(world, descending, tuple(empty), tuple(rounds))
+    return ScanSchedule(world, descending, tuple(empty), tuple(stops), tuple(rounds))
 
 
 def _as_packed(summary) -> torch.Tensor:
@@ -140,29 +146,30 @@ def scan_exchange(summary, group: dist.ProcessGroup, schedule: ScanSchedule):
     assert isinstance(summary, (torch.Tensor, CPForwardPackedSummary, CPBackwardPackedSummary,
                                 CPForwardUnpackedSummary, CPBackwardUnpackedSummary))
     mine = _as_packed(summary)
-    rank = dist.get_rank(group)
-    position = schedule.position_of(rank)
-    held = mine
+    position = schedule.position_of(dist.get_rank(group))
+    inclusive, exclusive = mine, None  # None: nothing folded yet (the identity)
+    inclusive_done = schedule.stops[position]  # a stop: nothing earlier changes the inclusive fold
     received = torch.empty_like(mine)
-    for index, messages in enumerate(schedule.rounds):
+    for messages in schedule.rounds:
         ops, got = [], False
         for sender, receiver in messages:
             if sender == position:
-                ops.append(dist.P2POp(dist.isend, held, dist.get_global_rank(group, schedule.rank_at(receiver)),
-                                      group))
+                peer = dist.get_global_rank(group, schedule.rank_at(receiver))
+                ops.append(dist.P2POp(dist.isend, inclusive, peer, group))
             if receiver == position:
-                ops.append(dist.P2POp(dist.irecv, received, dist.get_global_rank(group, schedule.rank_at(sender)),
-                                      group))
+                peer = dist.get_global_rank(group, schedule.rank_at(sender))
+                ops.append(dist.P2POp(dist.irecv, received, peer, group))
                 got = True
         if ops:
             for request in dist.batch_isend_irecv(ops):
                 request.wait()
-        if got:
-            # the shift replaces (position i starts from summary i - 1); later rounds fold the earlier part in
-            held = received.clone() if index == 0 else combine(received, held)
+        if got:  # the received fold covers positions before both of ours
+            exclusive = received.clone() if exclusive is None else combine(received, exclusive)
+            if not inclusive_done:
+                inclusive = combine(received, inclusive)
     if schedule.empty[position]:
         return _in_form_of(summary, mine.new_empty((0, *mine.shape)))
-    return _in_form_of(summary, held.unsqueeze(0))
+    return _in_form_of(summary, exclusive.unsqueeze(0))
 
 
 def summary_bytes(summary) -> int:
