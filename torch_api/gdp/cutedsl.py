@@ -367,8 +367,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
 
     def cp_forward_prepare(self, inputs: GDPInputs) -> tuple[CPForwardPackedSummary, CuTeDSLForwardContext]:
         """Chunk prep, the summary pass and the fold of the trailing sequence's segments -> its packed
-        ``[E | M]``. A trailing sequence that starts inside the shard has M = 0; one that starts from
-        ``inputs.initial_state`` S0 carries it in E (E + M S0)."""
+        ``[E | M]``. A trailing sequence that starts inside the shard has M = 0 and carries its
+        ``inputs.initial_state`` row S0 in E (E + M S0)."""
         if not self._use_kernels(inputs):
             return self._fallback.cp_forward_prepare(inputs)
         initial = _initial_states(inputs)
@@ -382,7 +382,9 @@ class CuTeDSLGatedDeltaProductCPBackend:
                    first_sequence=first, final=stacked_rows)
         summary = stacked_rows[first:].transpose(-1, -2).contiguous()  # [n, H, K, V + K] = [E | M]
         starts_inside = not shard.rows and num_seqs > 1
-        if initial is not None:
+        if initial is not None and starts_inside:
+            # the trailing sequence starts here from its S0: E + M S0. A leading sequence's S0 stays out of
+            # the summary: under CP the ranks it continues on fold the summaries from it (GDPInputs)
             summary[..., :value_dim] += summary[..., value_dim:] @ initial[first:]
         if starts_inside:
             summary[..., value_dim:].zero_()
@@ -401,9 +403,14 @@ class CuTeDSLGatedDeltaProductCPBackend:
         leading_count = summary.shape[0] if shard.rows else 1
         state_shape = (leading_count, shard.heads, shard.key_dim, value_dim)
         if stacked is not None and stacked.shape[0]:
-            kl.check_preceding_summaries(stacked.shape, summary.shape, rows=shard.rows, has_initial=initial is not None)
-            leading_state = compose_forward(stacked.reshape(stacked.shape[0], *summary.shape))  # [n, H, K, V]
-            init, init_count = leading_state.transpose(-1, -2).contiguous(), leading_count
+            kl.check_preceding_summaries(stacked.shape, summary.shape, rows=shard.rows)
+            start = None if initial is None else initial[:leading_count]  # the leading sequence's S0
+            leading_state = compose_forward(stacked.reshape(stacked.shape[0], *summary.shape), start)  # [n, H, K, V]
+            if initial is None:
+                init, init_count = leading_state.transpose(-1, -2).contiguous(), leading_count
+            else:  # the other local sequences start from their own initial states
+                init = torch.cat([leading_state, initial[leading_count:]]).transpose(-1, -2).contiguous()
+                init_count = initial.shape[0]
         elif initial is not None:
             leading_state = initial[:leading_count]
             init, init_count = initial.transpose(-1, -2).contiguous(), initial.shape[0]
