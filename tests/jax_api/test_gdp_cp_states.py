@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from cp_linear import reference as ref
@@ -26,11 +27,11 @@ from tests.tolerance import assert_close, gdp_length, tolerance
 TOKENS, HEADS, KEY_DIM, VALUE_DIM = 24, 2, 7, 5
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 
+# three sequences each, so that one compiled program (ids and states are data) serves every packing
 PACKINGS = {
     "sequence-spans-every-rank": [1, 22, 1],
-    "one-token-sequences": [1, 1, 5, 1, 15, 1],
-    "rank-holds-many-sequences": [3, 1, 1, 2, 1, 1, 1, 14],
-    "rows": None,
+    "short-sequences-at-rank-boundaries": [8, 1, 15],
+    "rank-holds-many-sequences": [2, 1, 21],
 }
 
 
@@ -47,12 +48,12 @@ def case_data(seed, lengths, num_householder):
 
 
 @functools.lru_cache(maxsize=None)
-def cp_grads(cp_size, num_householder, lengths):
+def cp_grads(cp_size, num_householder, packed):
+    """jit(value_and_grad) of sum(o * do) + sum(final * dfinal) through the global CP function."""
     mesh = jax.make_mesh((cp_size,), ("cp",))
-    seq_idx = None if lengths is None else jnp.asarray(seq_idx_from_lengths(lengths), jnp.int32)
 
-    def loss(q, k, v, g, beta, initial, output_grad, final_grad):
-        o, final = gdp_chunkwise_context_parallel(q, k, v, g, beta, mesh=mesh, global_seq_idx=seq_idx,
+    def loss(q, k, v, g, beta, initial, output_grad, final_grad, seq_idx):
+        o, final = gdp_chunkwise_context_parallel(q, k, v, g, beta, mesh=mesh, global_seq_idx=seq_idx if packed else None,
                                                   num_householder=num_householder, backend=JaxGDPBackend(8),
                                                   initial_state=initial, output_final_state=True)
         return jnp.sum(o * output_grad) + jnp.sum(final * final_grad), (o, final)
@@ -60,44 +61,40 @@ def cp_grads(cp_size, num_householder, lengths):
     return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True))
 
 
-def one_device(inputs, initial, output_grad, final_grad, num_householder, lengths):
-    cu = None if lengths is None else jnp.asarray(np.r_[0, np.cumsum(lengths)], jnp.int32)
-
-    def loss(q, k, v, g, beta, init):
-        o, final = gated_delta_product(q, k, v, g, beta, num_householder=num_householder, cu_seqlens=cu,
-                                       initial_state=init, backend=JaxGDPBackend(8))
+@functools.lru_cache(maxsize=None)
+def one_device_grads(num_householder, packed):
+    def loss(q, k, v, g, beta, init, output_grad, final_grad, cu):
+        o, final = gated_delta_product(q, k, v, g, beta, num_householder=num_householder,
+                                       cu_seqlens=cu if packed else None, initial_state=init,
+                                       backend=JaxGDPBackend(8), check_inputs=False)
         return jnp.sum(o * output_grad) + jnp.sum(final * final_grad), (o, final)
 
-    f32 = [jnp.asarray(x, jnp.float32) for x in (*inputs, initial)]
-    (_, (o, final)), grads = jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True)(*f32)
-    return o, final, grads
+    return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True))
 
 
-# each case compiles its own program (~1 min on 2 CPU cores): the packings that matter per mesh size
-CASES = [(1, "one-token-sequences"), (2, "sequence-spans-every-rank"), (2, "rank-holds-many-sequences"),
-         (3, "sequence-spans-every-rank"), (3, "one-token-sequences"), (3, "rows")]
-
-
-@pytest.mark.parametrize("cp_size, name", CASES)
-def test_states_and_all_gradients_match_float64_and_one_device(cp_size, name):
-    lengths = PACKINGS[name]
-    n_h = 1 + (len(name) + cp_size) % 3
-    inputs, initial, output_grad, final_grad = case_data(7 * cp_size + len(name), lengths, n_h)
-    f32 = [jnp.asarray(x, jnp.float32) for x in (*inputs, initial, output_grad, final_grad)]
-    (_, (o, final)), grads = cp_grads(cp_size, n_h, None if lengths is None else tuple(lengths))(*f32)
-    cu = None if lengths is None else np.r_[0, np.cumsum(lengths)]
-    o_ref, final_ref = ref.naive_gated_delta_product(*inputs, num_householder=n_h, cu_seqlens=cu, initial_state=initial)
-    grads_ref = float64_reference_grads(inputs, output_grad, num_householder=n_h, lengths=lengths,
-                                        initial_state=initial, final_grad=final_grad)
-    o_one, final_one, grads_one = one_device(inputs, initial, f32[6], f32[7], n_h, lengths)
-    length = gdp_length(TOKENS, n_h, KEY_DIM)
-    for label, o_exp, final_exp, grads_exp, tol in (
-            ("float64", o_ref, final_ref, grads_ref, tolerance(length)),
-            ("one-device", o_one, final_one, grads_one, tolerance(length, compared_with="rounded"))):
-        assert_close(f"{name} cp {cp_size} o vs {label}", o_exp, o, tol)
-        assert_close(f"{name} cp {cp_size} final vs {label}", final_exp, final, tol)
-        for grad_name, expected, got in zip(NAMES, grads_exp, grads):
-            assert_close(f"{name} cp {cp_size} d{grad_name} vs {label}", expected, got, tol)
+@pytest.mark.parametrize("cp_size, packed", [(1, True), (2, True), (3, True), (3, False)])
+def test_states_and_all_gradients_match_float64_and_one_device(cp_size, packed):
+    n_h = 1 + cp_size % 3
+    for name, lengths in (PACKINGS.items() if packed else [("rows", None)]):
+        inputs, initial, output_grad, final_grad = case_data(7 * cp_size + len(name), lengths, n_h)
+        f32 = [jnp.asarray(x, jnp.float32) for x in (*inputs, initial, output_grad, final_grad)]
+        ids = jnp.asarray(seq_idx_from_lengths(lengths) if packed else np.zeros((1, TOKENS)), jnp.int32)
+        (_, (o, final)), grads = cp_grads(cp_size, n_h, packed)(*f32, ids)
+        cu = None if lengths is None else np.r_[0, np.cumsum(lengths)]
+        o_ref, final_ref = ref.naive_gated_delta_product(*inputs, num_householder=n_h, cu_seqlens=cu,
+                                                         initial_state=initial)
+        grads_ref = float64_reference_grads(inputs, output_grad, num_householder=n_h, lengths=lengths,
+                                            initial_state=initial, final_grad=final_grad)
+        cu_dev = jnp.asarray(cu if packed else [0, TOKENS], jnp.int32)
+        (_, (o_one, final_one)), grads_one = one_device_grads(n_h, packed)(*f32, cu_dev)
+        length = gdp_length(TOKENS, n_h, KEY_DIM)
+        for label, o_exp, final_exp, grads_exp, tol in (
+                ("float64", o_ref, final_ref, grads_ref, tolerance(length)),
+                ("one-device", o_one, final_one, grads_one, tolerance(length, compared_with="rounded"))):
+            assert_close(f"{name} cp {cp_size} o vs {label}", o_exp, o, tol)
+            assert_close(f"{name} cp {cp_size} final vs {label}", final_exp, final, tol)
+            for grad_name, expected, got in zip(NAMES, grads_exp, grads):
+                assert_close(f"{name} cp {cp_size} d{grad_name} vs {label}", expected, got, tol)
 
 
 def test_per_shard_final_rows_are_zero_where_a_sequence_does_not_end():
@@ -113,8 +110,9 @@ def test_per_shard_final_rows_are_zero_where_a_sequence_does_not_end():
 
     run = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=(P(None, "cp"),) * 5 + (P(), P()),
                                 out_specs=P("cp")))
-    per_rank = np.asarray(run(*(jnp.asarray(x, jnp.float32) for x in inputs), seq_idx,
-                              jnp.asarray(initial, jnp.float32)))
+    sharded = [jax.device_put(jnp.asarray(x, jnp.float32), NamedSharding(mesh, P(None, "cp"))) for x in inputs]
+    replicated = [jax.device_put(x, NamedSharding(mesh, P())) for x in (seq_idx, jnp.asarray(initial, jnp.float32))]
+    per_rank = np.asarray(run(*sharded, *replicated))
     _, final_ref = ref.naive_gated_delta_product(*inputs, cu_seqlens=np.r_[0, np.cumsum(lengths)],
                                                  initial_state=initial)
     end_rank = [0, 2, 2]
