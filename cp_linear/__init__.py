@@ -12,6 +12,7 @@ from cp_linear.plan import (
     ExchangeRouting,
     ExchangeShape,
     PackedSequenceCPMetadata,
+    SequenceStateRouting,
     build_blockdiag_plan,
     build_packed_sequence_cp_metadata,
     exchange_bytes,
@@ -20,6 +21,7 @@ from cp_linear.plan import (
     exchange_tokens_received,
     needed_kv_a2a_splits,
     resolve_exchange_mode,
+    sequence_state_routing,
 )
 from cp_linear.protocol import CPForwardResult, CPSavedContext, LinearAttentionCPBackend
 from cp_linear.summary import (
@@ -52,8 +54,10 @@ __all__ = [
     "ExchangeShape",
     "LinearAttentionCPBackend",
     "PackedSequenceCPMetadata",
+    "SequenceStateRouting",
     "build_blockdiag_plan",
     "build_packed_sequence_cp_metadata",
+    "sequence_state_routing",
     "combine",
     "compose_backward",
     "compose_forward",

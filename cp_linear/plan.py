@@ -198,6 +198,70 @@ def sequence_rank_range(ids, rank, local_len: int):
     return first_index // local_len, last_index // local_len + 1
 
 
+@dataclass(frozen=True)
+class SequenceStateRouting:
+    """Where each global sequence's initial state enters and its final state leaves (host ints).
+
+    Sequence n (a row of ``initial_state`` / ``final_state`` [N, H, K, V]) is the n-th run of equal
+    ids of ``global_seq_idx`` in order, or batch row n when every row is one sequence spanning all
+    ranks (``rows=True``). Both frontends derive the same routing from the replicated ids::
+
+        ids   0 0 0 0 | 0 1 1 1 | 1 2 2 2 | 2 2 2 2      (lengths [5, 4, 7], cp 4, L 4)
+        seq 0: start_rank 0, end_rank 1;  seq 1: 1 -> 2;  seq 2: 2 -> 3
+        rank 1: local_rows (0, 1), first row continues (its state comes from rank 0), row 0 ends here
+
+    start_rank[n], end_rank[n]  ranks holding the first and last token of sequence n
+    local_rows[r]               global rows of rank r's local sequences, in order
+    """
+
+    cp_size: int
+    rows: bool
+    start_rank: tuple[int, ...]
+    end_rank: tuple[int, ...]
+    local_rows: tuple[tuple[int, ...], ...]
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.start_rank)
+
+    def first_row_continues(self, rank: int) -> bool:
+        """The rank's first local sequence began on an earlier rank (its initial state enters there)."""
+        return self.start_rank[self.local_rows[rank][0]] < rank
+
+    def ends_here(self, rank: int) -> tuple[bool, ...]:
+        """Per local sequence: its last token lies on this rank (its final state is produced here)."""
+        return tuple(self.end_rank[row] == rank for row in self.local_rows[rank])
+
+    def trailing_starts_here(self, rank: int) -> bool:
+        """The rank's forward summary ignores its incoming state (M = 0 or a fresh start): a prefix
+        scan of summaries may stop at this rank."""
+        return self.start_rank[self.local_rows[rank][-1]] == rank
+
+    def leading_ends_here(self, rank: int) -> bool:
+        """The rank's backward summary ignores its outgoing state-gradient: a suffix scan may stop here."""
+        return self.end_rank[self.local_rows[rank][0]] == rank
+
+
+def sequence_state_routing(global_seq_idx, cp_size: int, *, rows: int | None = None) -> SequenceStateRouting:
+    """``SequenceStateRouting`` from the replicated ids int [1, T] (T divisible by cp_size), or, with
+    ``global_seq_idx=None``, for ``rows`` batch rows that each span every rank in order."""
+    _check_cp(None, cp_size)
+    if global_seq_idx is None:
+        if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
+            raise ValueError(f"without global_seq_idx, rows must be a positive int; received {rows!r}")
+        every = tuple(range(rows))
+        return SequenceStateRouting(int(cp_size), True, (0,) * rows, (cp_size - 1,) * rows, (every,) * cp_size)
+    ids = validate_global_seq_idx(global_seq_idx, cp_size)
+    local_len = ids.shape[0] // cp_size
+    run = np.concatenate([[0], np.cumsum(np.diff(ids) != 0)])  # sequence (run) index of every token
+    starts = np.concatenate([[0], np.nonzero(np.diff(run))[0] + 1])
+    stops = np.concatenate([starts[1:], [ids.shape[0]]])
+    local_rows = tuple(tuple(int(x) for x in np.unique(run[r * local_len:(r + 1) * local_len]))
+                       for r in range(cp_size))
+    return SequenceStateRouting(int(cp_size), False, tuple(int(x) for x in starts // local_len),
+                                tuple(int(x) for x in (stops - 1) // local_len), local_rows)
+
+
 def cu_seqlens_to_seq_idx(cu_seqlens) -> np.ndarray:
     """int [N + 1] cumulative lengths (nondecreasing: empty sequences own no token) -> int64 [1, T]
     sequence ids, the index of each token's sequence."""

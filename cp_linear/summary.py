@@ -211,6 +211,27 @@ def compose_backward_range(gathered: Array, start, stop) -> Array:
     return _masked_fold(gathered, start, stop, descending=True)
 
 
+def fold_forward_range_summary(gathered: Array, start, stop) -> Array:
+    """The summary ``[E | M]`` of ranks ``[start, stop)`` (ascending) of ``gathered`` [cp, ..., K, V + K]:
+    the identity ``[0 | I]`` when the range is empty; start/stop may be device scalars (masked, static
+    shapes). Unlike ``compose_forward_range`` it keeps M, so the fold can still be applied to an initial
+    state: incoming = M S0 + E."""
+    gathered = as_packed_array(gathered)
+    xp = _xp(gathered)
+    value_dim = gathered.shape[-1] - _key_dim(gathered)
+    eye = xp.eye(_key_dim(gathered), dtype=gathered.dtype, device=array_api_compat.device(gathered))
+    zeros = xp.zeros((*gathered.shape[1:-1], value_dim), dtype=gathered.dtype, device=array_api_compat.device(gathered))
+    acc = xp.concat([zeros, xp.broadcast_to(eye, (*gathered.shape[1:-1], eye.shape[-1]))], axis=-1)
+    for index in range(gathered.shape[0]):
+        stepped = combine(acc, gathered[index, ...])
+        inside = (index >= start) & (index < stop)
+        if isinstance(inside, bool):
+            acc = stepped if inside else acc
+        else:
+            acc = xp.where(inside, stepped, acc)
+    return acc
+
+
 def _masked_fold(gathered: Array, start, stop, *, descending: bool) -> Array:
     gathered = as_packed_array(gathered)
     xp = _xp(gathered)

@@ -367,12 +367,10 @@ def kernels_take(reason: str | None, *, fallback: bool, warned: set, fallback_na
     return False
 
 
-def check_preceding_summaries(stacked_shape, summary_shape, *, rows: bool, has_initial: bool) -> None:
+def check_preceding_summaries(stacked_shape, summary_shape, *, rows: bool) -> None:
     """Raise unless the stacked preceding summaries [n, (B,) H, K, V + K] fit this shard's summary
-    (``summary_shape`` [1 or B, H, K, V + K]) and no initial state competes with them."""
-    if has_initial:
-        raise ValueError("initial_state serves one device (no preceding summaries); under CP the incoming "
-                         "state comes from the preceding ranks")
+    (``summary_shape`` [1 or B, H, K, V + K]). With an initial state they are folded from the leading
+    sequence's S0 (``cp_linear.gdp.GDPInputs``)."""
     expected = (stacked_shape[0], *summary_shape) if rows else (stacked_shape[0], *summary_shape[1:])
     if tuple(stacked_shape) != expected:
         raise ValueError(f"preceding summaries must have shape {expected}; received {tuple(stacked_shape)}")

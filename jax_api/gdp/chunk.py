@@ -379,6 +379,7 @@ class JaxGDPBackwardContext:
     initial_grad: jax.Array | None  # from the outputs and final states (apply), [N, H, K, V]
     incoming_grad: jax.Array  # gamma: d(local loss) / d(incoming state), summary form
     shard: _Shard
+    transition: jax.Array | None = None  # M of the forward summary, recurrence form (CP with initial states)
 
 
 def _initial(inputs: GDPInputs) -> jax.Array | None:
@@ -432,10 +433,9 @@ class JaxGDPBackend:
         the shard's first chunk (``preceding`` folded from the initial state of the sequence that chunk
         belongs to). A backend whose backward is this one saves the same (the CuTeDSL kernels' default)."""
         shard, initial = _Shard(inputs, self.chunk_size), _initial(inputs)
+        # under CP the preceding summaries are folded from the initial state of the sequence chunk 0
+        # continues (summaries never carry it; a frontend passes that sequence's S0 on every rank it spans)
         start = None if initial is None else shard.summary_form(shard.entering(initial, shard.where))
-        if start is not None and _stack_count(preceding) > 0:
-            raise ValueError("initial_state serves one device (no preceding summaries); under CP the incoming "
-                             "state comes from the preceding ranks")
         incoming = compose_forward(preceding, start).astype(jnp.float32)
         return CPSavedContext(
             tensors=(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.cu_seqlens, incoming, initial),
@@ -456,7 +456,7 @@ class JaxGDPBackend:
         terms_grad, incoming_grad, initial_grad = apply_vjp((output_grad.astype(jnp.float32), final_cotangent))
         summary = jnp.concatenate([incoming_grad, shard.summary_form(jnp.swapaxes(transition, -1, -2))], axis=-1)
         context = JaxGDPBackwardContext(terms_vjp, summary_vjp, terms_grad, incoming, initial_grad, incoming_grad,
-                                        shard)
+                                        shard, transition)
         return CPBackwardPackedSummary(summary), context
 
     def cp_backward_apply(self, backward_context: JaxGDPBackwardContext, following) -> GDPInputGradients:
@@ -464,25 +464,30 @@ class JaxGDPBackend:
         shard = ctx.shard
         inputs = shard.inputs
         terms_grad = ctx.terms_grad
+        summary_initial_grad, outgoing = None, None
         if _stack_count(following) > 0:  # static: one device (no rank after) skips the summary's vjp
             outgoing_grad = match_vma(compose_backward(following).astype(jnp.float32), ctx.incoming)
             incoming = shard.recurrence_form(ctx.incoming)
             outgoing = shard.recurrence_form(outgoing_grad)
             # S_out = M S_in + E, so dE = dS_out and dM = dS_out S_in^T.
             transition_grad = _einsum("bhkv,bhlv->bhkl", outgoing, incoming)
-            summary_terms_grad, _ = ctx.summary_vjp((outgoing, transition_grad))  # initial states: one device only
+            summary_terms_grad, summary_initial_grad = ctx.summary_vjp((outgoing, transition_grad))
             terms_grad = jax.tree.map(jnp.add, terms_grad, summary_terms_grad)
         grads = ctx.terms_vjp(terms_grad)
         dtypes = (inputs.q.dtype, inputs.k.dtype, inputs.v.dtype, inputs.g.dtype, inputs.beta.dtype)
         grads = [grad.astype(dtype) for grad, dtype in zip(grads, dtypes)]
         if inputs.initial_state is None:
             return GDPInputGradients(*grads)
-        if _stack_count(following) > 0:
-            raise ValueError("initial_state serves one device (no following summaries)")
-        # the sequence chunk 0 continues starts from the incoming state: gamma is its gradient
+        # the sequence chunk 0 continues starts from the incoming state: its gradient is gamma plus, under
+        # CP, M^T dS_out (S_out = M S_in + E); the summary's own dependence on initial states (sequences
+        # starting inside the shard) comes back through its vjp
         entering_grad = shard.recurrence_form(ctx.incoming_grad)
+        if outgoing is not None:
+            entering_grad = entering_grad + _einsum("bhkl,bhkv->bhlv", ctx.transition, outgoing)
         if inputs.is_packed:
             entering_grad = jnp.zeros(inputs.state_shape, jnp.float32).at[shard.where.chunk_seq[0]].add(
                 entering_grad[0])
         initial_grad = ctx.initial_grad + entering_grad
+        if summary_initial_grad is not None:
+            initial_grad = initial_grad + summary_initial_grad
         return GDPInputGradients(*grads, initial_grad.astype(inputs.initial_state.dtype))

@@ -40,12 +40,18 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from cp_linear.chunking import cu_seqlens_from_seq_idx, max_shard_sequences
 from cp_linear.gdp import GDPInputs
 from cp_linear.plan import sequence_rank_range, validate_global_seq_idx
-from cp_linear.summary import as_packed_array, compose_backward_range, compose_forward_range
+from cp_linear.summary import (
+    as_packed_array,
+    compose_backward_range,
+    compose_forward_range,
+    fold_forward_range_summary,
+)
 from cp_linear.validation import (
     GDP_VALUE_CHECKS,
     gdp_bad_tokens,
@@ -62,7 +68,7 @@ from jax_api._mesh import place, run_mesh
 from jax_api.gdp.chunk import check_gdp_inputs, host_value_or_none
 from jax_api.gdp.ops import Residuals, gate_or_zeros, resolve_backend
 
-_NONDIFF = ("axis_name", "backend", "scale", "num_householder", "use_qk_l2norm_in_kernel")
+_NONDIFF = ("axis_name", "backend", "scale", "num_householder", "use_qk_l2norm_in_kernel", "output_final_state")
 
 
 # --------------------------------------------------------------------------- the custom_vjp core
@@ -76,45 +82,57 @@ def _as_single_summary(state: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnames=_NONDIFF)
-def _context_parallel(q, k, v, g, beta, cu_seqlens, preceding_rank_start, following_rank_stop, trailing_bad,
-                      axis_name, backend, scale, num_householder, use_qk_l2norm_in_kernel):
+def _context_parallel(q, k, v, g, beta, local_initial, cu_seqlens, preceding_rank_start, following_rank_stop,
+                      trailing_bad, axis_name, backend, scale, num_householder, use_qk_l2norm_in_kernel,
+                      output_final_state):
     outputs, _ = _context_parallel_fwd(
-        q, k, v, g, beta, cu_seqlens, preceding_rank_start, following_rank_stop, trailing_bad, axis_name=axis_name,
-        backend=backend, scale=scale, num_householder=num_householder,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        q, k, v, g, beta, local_initial, cu_seqlens, preceding_rank_start, following_rank_stop, trailing_bad,
+        axis_name=axis_name, backend=backend, scale=scale, num_householder=num_householder,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, output_final_state=output_final_state)
     return outputs
 
 
-def _context_parallel_fwd(q, k, v, g, beta, cu_seqlens, preceding_rank_start, following_rank_stop, trailing_bad,
-                          axis_name, backend, scale, num_householder, use_qk_l2norm_in_kernel):
-    """Returns ((output, incoming_bad), residuals). ``trailing_bad`` bool [B or 1, H]: heads whose
-    trailing fragment holds a non-finite input travel as NaN; ``incoming_bad`` (same shape) says
+def _context_parallel_fwd(q, k, v, g, beta, local_initial, cu_seqlens, preceding_rank_start, following_rank_stop,
+                          trailing_bad, axis_name, backend, scale, num_householder, use_qk_l2norm_in_kernel,
+                          output_final_state):
+    """Returns ((output, local final states or None, incoming_bad), residuals). ``local_initial``: the
+    initial states of the local sequences [n, H, K, V] or None. ``trailing_bad`` bool [B or 1, H]: heads
+    whose trailing fragment holds a non-finite input travel as NaN; ``incoming_bad`` (same shape) says
     which heads of the incoming state came in non-finite (they enter the backend as zeros)."""
-    inputs = GDPInputs(q, k, v, g, beta, scale, num_householder, use_qk_l2norm_in_kernel, cu_seqlens)
+    inputs = GDPInputs(q, k, v, g, beta, scale, num_householder, use_qk_l2norm_in_kernel, cu_seqlens,
+                       local_initial, output_final_state)
     summary, local = backend.cp_forward_prepare(inputs)
     packed_summary = as_packed_array(summary)  # [(B,) H, K, V + K]
     marks = trailing_bad.reshape(*trailing_bad.shape[packed_summary.ndim == 3:], 1, 1)
     gathered = jax.lax.all_gather(poison(packed_summary, marks), axis_name)  # [cp, (B,) H, K, V + K]
     rank = jax.lax.axis_index(axis_name)
     with jax.default_matmul_precision("highest"):  # float32 folds on GPUs too (no TF32), as torch
-        incoming = compose_forward_range(gathered, preceding_rank_start, rank)  # [(B,) H, K, V]
-    incoming_bad = nonfinite_rows(incoming, 2)
-    incoming = jnp.where(incoming_bad[..., None, None], 0.0, incoming)
-    output, saved = backend.cp_forward_apply(local, _as_single_summary(incoming))
+        if local_initial is None:  # the folded state travels as [S | 0]
+            incoming = compose_forward_range(gathered, preceding_rank_start, rank)  # [(B,) H, K, V]
+            incoming_bad = nonfinite_rows(incoming, 2)
+            preceding = _as_single_summary(jnp.where(incoming_bad[..., None, None], 0.0, incoming))
+        else:  # keep M: the backend folds it from the continuing sequence's initial state (M S0 + E)
+            folded = fold_forward_range_summary(gathered, preceding_rank_start, rank)  # [(B,) H, K, V + K]
+            incoming_bad = nonfinite_rows(folded, 2)
+            preceding = jnp.where(incoming_bad[..., None, None], 0.0, folded)[None]
+    output, saved = backend.cp_forward_apply(local, preceding)
+    output, final = output if output_final_state else (output, None)
     incoming_bad = incoming_bad.reshape(-1, incoming_bad.shape[-1])
-    return (output, incoming_bad), Residuals.of(saved, following_rank_stop)
+    return (output, final, incoming_bad), Residuals.of(saved, following_rank_stop)
 
 
-def _context_parallel_bwd(axis_name, backend, scale, num_householder, use_qk_l2norm_in_kernel,
+def _context_parallel_bwd(axis_name, backend, scale, num_householder, use_qk_l2norm_in_kernel, output_final_state,
                           residuals: Residuals, cotangents):
-    output_grad, _ = cotangents  # incoming_bad is boolean: no cotangent
-    summary, context = backend.cp_backward_prepare(output_grad, residuals.saved_context())
+    output_grad, final_grad, _ = cotangents  # incoming_bad is boolean: no cotangent
+    grads_in = (output_grad, final_grad) if output_final_state else output_grad
+    summary, context = backend.cp_backward_prepare(grads_in, residuals.saved_context())
     gathered = jax.lax.all_gather(as_packed_array(summary), axis_name)
     rank = jax.lax.axis_index(axis_name)
     with jax.default_matmul_precision("highest"):
         outgoing_grad = compose_backward_range(gathered, rank + 1, residuals.extra)
     grads = backend.cp_backward_apply(context, _as_single_summary(outgoing_grad))
-    return (*grads[:5], None, None, None, None)  # cu_seqlens, rank bounds and poison marks are integer metadata
+    initial_grad = None if len(grads) < 6 else grads[5]
+    return (*grads[:5], initial_grad, None, None, None, None)  # cu_seqlens, rank bounds, poison marks: integers
 
 
 _context_parallel.defvjp(_context_parallel_fwd, _context_parallel_bwd)
@@ -156,6 +174,29 @@ def packed_shard_metadata(global_seq_idx: jax.Array, rank, local_len: int, max_s
     return cu_seqlens_from_seq_idx(local, max_sequences), preceding_rank_start, following_rank_stop
 
 
+def local_sequence_rows(global_seq_idx: jax.Array | None, rank, local_len: int, cp_size: int, local_count: int,
+                        num_sequences: int, preceding_rank_start, following_rank_stop):
+    """Traced counterpart of ``cp_linear.plan.SequenceStateRouting`` for one shard, static shapes.
+
+    Returns (rows int32 [local_count]: the global row of each local sequence, clipped to [0, N) for the
+    empty padding sequences past the shard's last; ends_here bool [local_count]: the sequence is real and
+    its last token lies on this rank; first_continues: bool scalar, the first local sequence began on an
+    earlier rank). Sequence n is the n-th run of equal ids, or batch row n without ids.
+    """
+    if global_seq_idx is None:  # every batch row one sequence over all ranks
+        rows = jnp.arange(local_count, dtype=jnp.int32)
+        return rows, jnp.full((local_count,), rank == cp_size - 1), rank > 0
+    ids = global_seq_idx[0]
+    run = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum((ids[1:] != ids[:-1]).astype(jnp.int32))])
+    first = jax.lax.dynamic_index_in_dim(run, rank * local_len, keepdims=False)
+    last = jax.lax.dynamic_index_in_dim(run, (rank + 1) * local_len - 1, keepdims=False)
+    index = jnp.arange(local_count, dtype=jnp.int32)
+    rows = jnp.minimum(first + index, num_sequences - 1)
+    real = index <= last - first
+    ends_here = real & ((index < last - first) | (following_rank_stop == rank + 1))
+    return rows, ends_here, preceding_rank_start < rank
+
+
 def _resolve(q, k, v, num_householder, backend, scale):
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return resolve_backend(backend, q=q, k=k, v=v, num_householder=num_householder), scale
@@ -167,7 +208,8 @@ def _resolve(q, k, v, num_householder, backend, scale):
 def gdp_chunkwise_context_parallel_shard(q, k, v, g, beta, *, axis_name: str = "cp", global_seq_idx=None,
                                          max_sequences: int | None = None, scale: float | None = None,
                                          num_householder: int = 1, use_qk_l2norm_in_kernel: bool = False,
-                                         backend: Any = None):
+                                         backend: Any = None, initial_state=None, output_final_state: bool = False,
+                                         num_sequences: int | None = None):
     """Chunkwise-CP Gated DeltaProduct on one shard: call it *inside* your own ``jax.shard_map``.
 
     q [B, L, H, K], k [B, L*n_h, H, K], v [B, L*n_h, H, V], g [B, L, H], beta [B, L*n_h, H] are
@@ -184,6 +226,15 @@ def gdp_chunkwise_context_parallel_shard(q, k, v, g, beta, *, axis_name: str = "
     every rank). The global entry point checks concrete ids and values.
     ``backend``: any backend of the four-function protocol; None picks the CuTeDSL kernels on a
     Hopper GPU for bf16/fp16 inputs with K, V in {64, 128}, else ``JaxGDPBackend()``.
+
+    Sequence states (docs/cp_options.md): ``initial_state`` float [N, H, K, V], replicated (in_spec
+    ``P()``), row n for the n-th run of equal ids (batch row n without ids); it enters sequence n on
+    the rank where it starts. With ``output_final_state=True`` returns ``(o, final_state)``, final_state
+    float32 [N, H, K, V] holding this rank's rows (sequences whose last token is here) and zeros
+    elsewhere: ``jax.lax.psum(final_state, axis_name)`` is the one-device final state. JAX sums the
+    cotangents of a replicated input over the axis, so d initial_state is the one-device gradient.
+    N is ``initial_state.shape[0]``, else ``num_sequences`` (required for final states without
+    initial states and with ids; static).
     """
     cp_size = _axis_size(axis_name)
     g = gate_or_zeros(g, q)
@@ -205,11 +256,51 @@ def gdp_chunkwise_context_parallel_shard(q, k, v, g, beta, *, axis_name: str = "
     state_bad, read_bad = gdp_bad_tokens(q, k, v, g, beta, num_householder)
     trailing_bad = gdp_trailing_bad(state_bad, start)
     q, k, v, g, beta = (sanitize(x) for x in (q, k, v, g, beta))
-    output, incoming_bad = _context_parallel(
-        q, k, v, g, beta, cu_seqlens, preceding_rank_start, following_rank_stop, trailing_bad,
+    local_initial = routing = None
+    if initial_state is not None or output_final_state:
+        sequences = _state_rows(initial_state, num_sequences, global_seq_idx, q, v)
+        local_count = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        routing = local_sequence_rows(global_seq_idx, jax.lax.axis_index(axis_name), local_len, cp_size, local_count,
+                                      sequences, preceding_rank_start, following_rank_stop)
+        if initial_state is not None:
+            rows, _, first_continues = routing
+            local_initial = jnp.take(initial_state, rows, axis=0)
+            # a continuing first sequence folds the preceding summaries from its S0; its gradient is
+            # counted where it starts (the backward summaries bring this rank's share there)
+            continuing = (jnp.arange(local_count) < (local_count if cu_seqlens is None else 1)) & first_continues
+            local_initial = jnp.where(continuing[:, None, None, None], jax.lax.stop_gradient(local_initial),
+                                      local_initial)
+    output, local_final, incoming_bad = _context_parallel(
+        q, k, v, g, beta, local_initial, cu_seqlens, preceding_rank_start, following_rank_stop, trailing_bad,
         axis_name=axis_name, backend=backend, scale=scale, num_householder=num_householder,
-        use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel))
-    return poison(output, gdp_token_poison(state_bad, read_bad, start, incoming_bad)[..., None])
+        use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel), output_final_state=bool(output_final_state))
+    output = poison(output, gdp_token_poison(state_bad, read_bad, start, incoming_bad)[..., None])
+    if not output_final_state:
+        return output
+    rows, ends_here, _ = routing
+    kept = jnp.where(ends_here[:, None, None, None], local_final, 0.0)
+    final = jnp.zeros((sequences, *local_final.shape[1:]), jnp.float32).at[rows].add(kept)
+    return output, final
+
+
+def _state_rows(initial_state, num_sequences, global_seq_idx, q, v) -> int:
+    """N of the sequence states (static), with the initial state's shape and dtype checked."""
+    if initial_state is not None:
+        shape = tuple(getattr(initial_state, "shape", ()))
+        expected = (shape[0] if shape else -1, q.shape[2], q.shape[3], v.shape[3])
+        if len(shape) != 4 or shape != expected or (num_sequences is not None and shape[0] != num_sequences):
+            rows = "N" if num_sequences is None else num_sequences
+            raise ValueError(f"initial_state must be [N, H, K, V] = ({rows}, {q.shape[2]}, {q.shape[3]}, "
+                             f"{v.shape[3]}) (one row per global sequence, replicated); received {shape}")
+        if not jnp.issubdtype(initial_state.dtype, jnp.floating):
+            raise ValueError(f"initial_state must be floating point; received {initial_state.dtype}")
+        return shape[0]
+    if global_seq_idx is None:
+        return q.shape[0]
+    if not isinstance(num_sequences, int) or isinstance(num_sequences, bool) or num_sequences < 1:
+        raise ValueError("output_final_state without initial_state needs num_sequences (static N, the runs of "
+                         f"global_seq_idx); received {num_sequences!r}")
+    return num_sequences
 
 
 def _check_max_sequences(max_sequences, local_len: int) -> int:
@@ -221,7 +312,8 @@ def _check_max_sequences(max_sequences, local_len: int) -> int:
 def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, mesh, axis_name: str = "cp", global_seq_idx=None,
                                    max_sequences: int | None = None, scale: float | None = None,
                                    num_householder: int = 1, use_qk_l2norm_in_kernel: bool = False,
-                                   backend: Any = None, check_inputs: bool = True):
+                                   backend: Any = None, check_inputs: bool = True, initial_state=None,
+                                   output_final_state: bool = False):
     """Chunkwise-CP Gated DeltaProduct on *global* arrays split along T over ``mesh[axis_name]``.
 
     q [B, T, H, K], k [B, T*n_h, H, K], v [B, T*n_h, H, V], g [B, T, H], beta [B, T*n_h, H]
@@ -238,6 +330,12 @@ def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, mesh, axis_name: str = "
     ValueError (one host read). Under ``jax.jit`` only the static checks run (shapes, K ≤ 256,
     V ≤ 512, T ≥ 1, concrete ids); non-finite values are then contained, as always
     (docs/failure_modes.md).
+
+    Sequence states, as the one-device ``jax_api.gated_delta_product``: ``initial_state`` float
+    [N, H, K, V] (row n: the n-th run of equal ids, or batch row n without ids; replicated) enters each
+    sequence where it starts; ``output_final_state=True`` returns ``(o, final_state float32 [N, H, K, V])``,
+    replicated (the sum over ranks of each rank's rows, ``gdp_chunkwise_context_parallel_shard``);
+    gradients reach ``initial_state``. N is read from concrete ids (traced ids need an initial_state).
     """
     if axis_name not in getattr(mesh, "axis_names", ()):
         raise ValueError(f"mesh has no axis {axis_name!r}; its axes are {tuple(getattr(mesh, 'axis_names', ()))}")
@@ -252,34 +350,53 @@ def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, mesh, axis_name: str = "
     if check_inputs and is_concrete(*arrays):
         raise_failed_value_checks(GDP_VALUE_CHECKS, gdp_value_flags, *arrays, what="gdp_chunkwise_context_parallel")
     bound = None
+    sequences = batch if initial_state is None else None
     if global_seq_idx is not None:
         _check_seq_idx_shape(global_seq_idx, batch, tokens)
         host_ids = host_value_or_none(global_seq_idx)
+        sequences = None
         if host_ids is not None:  # concrete ids are checked on the host; traced ones cannot be
             ids = validate_global_seq_idx(host_ids, cp_size)
             bound = max_shard_sequences(ids, cp_size)
+            sequences = 1 + int(np.count_nonzero(np.diff(ids)))
         if max_sequences is not None:
             bound = _check_max_sequences(max_sequences, tokens // cp_size)
         arrays += (global_seq_idx,)
+    if initial_state is not None or output_final_state:
+        sequences = _state_rows(initial_state, sequences, global_seq_idx, q, v)
+        if initial_state is not None:
+            if check_inputs and is_concrete(initial_state) and not bool(jnp.all(jnp.isfinite(initial_state))):
+                raise ValueError("gdp_chunkwise_context_parallel: NaN/Inf in initial_state")
+            arrays += (initial_state,)
     program = _global_program(run_mesh(mesh), axis_name, global_seq_idx is not None, bound, scale, num_householder,
-                              bool(use_qk_l2norm_in_kernel), backend)
+                              bool(use_qk_l2norm_in_kernel), backend, initial_state is not None,
+                              bool(output_final_state), sequences)
     return program(*arrays)
 
 
 @functools.lru_cache(maxsize=64)
 def _global_program(mesh, axis_name: str, packed: bool, max_sequences: int | None, scale: float,
-                    num_householder: int, use_qk_l2norm_in_kernel: bool, backend):
+                    num_householder: int, use_qk_l2norm_in_kernel: bool, backend, has_initial: bool = False,
+                    output_final_state: bool = False, num_sequences: int | None = None):
     """jit(place inputs, then shard_map the per-shard function), built once per configuration so
     that eager calls reuse their compiled program too."""
     options = dict(axis_name=axis_name, scale=scale, num_householder=num_householder,
-                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, backend=backend, max_sequences=max_sequences)
+                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, backend=backend, max_sequences=max_sequences,
+                   output_final_state=output_final_state, num_sequences=num_sequences)
 
-    def per_shard(q, k, v, g, beta, *seq_idx):
-        return gdp_chunkwise_context_parallel_shard(
-            q, k, v, g, beta, global_seq_idx=seq_idx[0] if seq_idx else None, **options)
+    def per_shard(q, k, v, g, beta, *extra):
+        seq_idx = extra[0] if packed else None
+        initial = extra[-1] if has_initial else None
+        result = gdp_chunkwise_context_parallel_shard(q, k, v, g, beta, global_seq_idx=seq_idx,
+                                                      initial_state=initial, **options)
+        if not output_final_state:
+            return result
+        output, final = result
+        return output, jax.lax.psum(final, axis_name)  # each rank holds the rows ending on it
 
-    in_specs = (P(None, axis_name),) * 5 + ((P(),) if packed else ())
-    run = jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs, out_specs=P(None, axis_name))
+    in_specs = (P(None, axis_name),) * 5 + ((P(),) if packed else ()) + ((P(),) if has_initial else ())
+    out_specs = (P(None, axis_name), P()) if output_final_state else P(None, axis_name)
+    run = jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
 
     def program(*arrays):
         placed = [place(x, mesh, P(None, axis_name)) for x in arrays[:5]]

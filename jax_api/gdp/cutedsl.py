@@ -306,8 +306,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
 
     def cp_forward_prepare(self, inputs: GDPInputs):
         """Chunk prep, the summary pass and the fold of every sequence's segments (each segment's prefix
-        map, kept for apply) -> the trailing sequence's packed ``[E | M]`` (M = 0 when it starts inside
-        the shard; E + M S0 when it starts from ``inputs.initial_state`` S0)."""
+        map, kept for apply) -> the trailing sequence's packed ``[E | M]`` (M = 0 and E + M S0 for its
+        ``inputs.initial_state`` row S0 when the trailing sequence starts inside the shard)."""
         if not self._use_kernels(inputs):
             return self._fallback.cp_forward_prepare(inputs)
         initial = _initial_states(inputs)
@@ -321,8 +321,11 @@ class CuTeDSLGatedDeltaProductCPBackend:
                                                    descending=False)
         trailing = slice(None) if shard.rows else shard.trailing[None]
         summary = jnp.swapaxes(stacked_rows[trailing], -1, -2)  # [n, H, K, V + K] = [E | M]
-        if initial is not None:
-            summary = summary.at[..., :value_dim].add(_matmul(summary[..., value_dim:], initial[trailing]))
+        if initial is not None and not shard.rows:
+            # a trailing sequence starting here carries its S0 in E (E + M S0); a leading one's S0 stays
+            # out: under CP the ranks it continues on fold the summaries from it (GDPInputs)
+            carried = _matmul(summary[..., value_dim:], initial[trailing])
+            summary = summary.at[..., :value_dim].add(jnp.where(shard.trailing > 0, carried, 0.0))
         if not shard.rows:  # M = 0 when the trailing sequence starts inside the shard
             summary = summary.at[..., value_dim:].set(jnp.where(shard.trailing > 0, 0.0, summary[..., value_dim:]))
         packed = summary if shard.rows else summary[0]
@@ -339,10 +342,15 @@ class CuTeDSLGatedDeltaProductCPBackend:
         stacked = _packed_stack(preceding)
         leading_count = summary.shape[0] if shard.rows else 1
         if stacked is not None and stacked.shape[0]:
-            kl.check_preceding_summaries(stacked.shape, summary.shape, rows=shard.rows, has_initial=initial is not None)
+            kl.check_preceding_summaries(stacked.shape, summary.shape, rows=shard.rows)
+            start = None if initial is None else initial[:leading_count]  # the leading sequence's S0
             with jax.default_matmul_precision("highest"):
-                leading_state = compose_forward(stacked.reshape(stacked.shape[0], *summary.shape))  # [n, H, K, V]
-            init, init_count = jnp.swapaxes(leading_state, -1, -2), leading_count
+                leading_state = compose_forward(stacked.reshape(stacked.shape[0], *summary.shape), start)
+            if initial is None:
+                init, init_count = jnp.swapaxes(leading_state, -1, -2), leading_count
+            else:  # the other local sequences start from their own initial states
+                init = jnp.swapaxes(jnp.concatenate([leading_state, initial[leading_count:]]), -1, -2)
+                init_count = initial.shape[0]
         elif initial is not None:
             init, init_count = jnp.swapaxes(initial, -1, -2), initial.shape[0]
         else:

@@ -243,3 +243,33 @@ def test_ragged_tables_deliver_each_rank_exactly_its_needed_range():
 def test_blockdiag_plan_rejects_bad_input(doc_ids, cp, match):
     with pytest.raises(ValueError, match=match):
         build_blockdiag_plan(doc_ids, cp)
+
+
+@pytest.mark.parametrize("lengths, cp", [([5, 4, 7], 4), ([16], 4), ([1, 1, 14], 2), ([4, 4, 4, 4], 4), ([3, 10, 3], 4)])
+def test_sequence_state_routing_names_the_ranks_of_each_sequence_start_and_end(lengths, cp):
+    from cp_linear import sequence_state_routing
+
+    ids = np.repeat(np.arange(len(lengths)), lengths).reshape(1, -1)
+    local_len = sum(lengths) // cp
+    routing = sequence_state_routing(ids, cp)
+    offsets = np.cumsum([0] + lengths)
+    for n in range(len(lengths)):  # token-by-token oracle
+        assert routing.start_rank[n] == offsets[n] // local_len
+        assert routing.end_rank[n] == (offsets[n + 1] - 1) // local_len
+    for rank in range(cp):
+        owned = sorted({int(ids[0, t]) for t in range(rank * local_len, (rank + 1) * local_len)})
+        assert list(routing.local_rows[rank]) == owned
+        metadata = build_packed_sequence_cp_metadata(ids, rank, cp)
+        assert routing.first_row_continues(rank) == (metadata.preceding_rank_start < rank)
+        assert routing.ends_here(rank)[-1] == (metadata.following_rank_stop == rank + 1)
+
+
+def test_sequence_state_routing_of_batch_rows_spans_every_rank():
+    from cp_linear import sequence_state_routing
+
+    routing = sequence_state_routing(None, 3, rows=2)
+    assert routing.start_rank == (0, 0) and routing.end_rank == (2, 2)
+    assert [routing.first_row_continues(r) for r in range(3)] == [False, True, True]
+    assert [routing.ends_here(r) for r in range(3)] == [(False, False), (False, False), (True, True)]
+    with pytest.raises(ValueError, match="rows must be a positive int"):
+        sequence_state_routing(None, 3)

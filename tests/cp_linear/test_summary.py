@@ -127,3 +127,16 @@ def test_validate_rejects_bad_summaries(bad, match):
 def test_validate_checks_expected_sizes():
     with pytest.raises(ValueError, match="expected H = 3"):
         S.validate_packed_summary(np.zeros((2, 4, 7), np.float32), heads=3)
+
+
+@pytest.mark.parametrize("start, stop", [(0, 0), (0, 3), (1, 4), (2, 3), (4, 4)])
+def test_fold_forward_range_summary_keeps_M_for_an_initial_state(start, stop):
+    """The folded [E | M] of ranks [start, stop) applied to any S0 is the sequential fold from S0."""
+    rng = np.random.default_rng(start * 10 + stop)
+    gathered = rng.normal(size=(4, 2, 3, 5 + 3))
+    state = rng.normal(size=(2, 3, 5))
+    folded = S.fold_forward_range_summary(gathered, start, stop)
+    expected = state
+    for index in range(start, stop):  # S <- M S + E, written out
+        expected = gathered[index, ..., 5:] @ expected + gathered[index, ..., :5]
+    np.testing.assert_allclose(S.apply_summary(folded, state), expected, rtol=1e-12, atol=1e-12)

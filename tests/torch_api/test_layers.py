@@ -354,6 +354,11 @@ def layer_cp_cases(rank, world):
     seq_idx = torch.from_numpy(np.repeat([0, 1, 2], [5, total - 7, 2])).view(1, -1)
     errors["gdp-seq_idx"] = _run_cp_case(rank, world, module, x_full, cotangent, lambda m, x: m(x, seq_idx=seq_idx),
                                          lambda m, x: m(x, seq_idx=seq_idx, cp_group=group)), module.config
+    # the log-depth summary scan in place of the all-gather (docs/cp_options.md)
+    module = seeded(GatedDeltaProduct, 1, cp_summary_exchange="scan", **GDP_VARIANTS["default"])
+    errors["gdp-summary-scan"] = _run_cp_case(rank, world, module, x_full, cotangent,
+                                              lambda m, x: m(x, seq_idx=seq_idx),
+                                              lambda m, x: m(x, seq_idx=seq_idx, cp_group=group)), module.config
     return errors
 
 

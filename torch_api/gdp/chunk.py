@@ -27,7 +27,10 @@ Contexts (stable: the CuTeDSL backend reuses this backend's backward)
 Sequence states (``GDPInputs.initial_state`` / ``output_final_state``, cp_linear.gdp): the one-device
 op ``torch_api.gated_delta_product`` runs through the same four functions with empty neighbour
 stacks; every local sequence starts from its initial state, ``cp_forward_apply`` returns
-``(o, final_state)`` and ``cp_backward_prepare`` takes ``(do, d_final_state)``.
+``(o, final_state)`` and ``cp_backward_prepare`` takes ``(do, d_final_state)``. Under CP (the
+frontends' ``initial_state``) the preceding summaries are folded starting from the first local
+sequence's initial state (summaries never carry it: E is computed from a zero incoming state), and
+its ``dinitial_state`` row is the gradient of the shard's incoming state.
 """
 
 from __future__ import annotations
@@ -279,9 +282,6 @@ class TorchGDPBackend:
     def cp_forward_apply(self, local_context: TorchGDPForwardContext, preceding) -> CPForwardResult:
         problem, initial = local_context.problem, local_context.initial
         inputs = problem.inputs
-        if initial is not None and _stacked_count(preceding) > 0:
-            raise ValueError("initial_state serves one device (no preceding summaries); under CP the incoming "
-                             "state comes from the preceding ranks")
         with ieee_fp32_matmul(inputs.q.device), torch.no_grad():
             incoming = self._fold(compose_forward, preceding, problem, start=problem.entering_state(initial))
             terms = problem.terms

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from cp_linear.plan import PackedSequenceCPMetadata, build_packed_sequence_cp_metadata
+from cp_linear.plan import PackedSequenceCPMetadata, build_packed_sequence_cp_metadata, sequence_state_routing
 from cp_linear.protocol import CPForwardResult, CPSavedContext
 from cp_linear.summary import (
     CPBackwardPackedSummary,
@@ -41,6 +41,7 @@ from cp_linear.summary import (
 )
 from cp_linear.validation import GDP_VALUE_CHECKS, NONFINITE, poison
 from torch_api._dist import agree_or_raise, all_gather_single, group_rank_and_size, resolve_group
+from torch_api.gdp.summary_exchange import ScanSchedule, resolve_summary_exchange, scan_exchange, scan_schedule
 from torch_api.gdp.isolation import (
     bad_tokens,
     incoming_bad_and_clean,
@@ -55,6 +56,7 @@ from torch_api.gdp.validation import dtype_code, float_bits, gdp_input_error, gd
 
 
 _OUTPUT_GRAD_CHECKS = (("output_grad", NONFINITE + " in output_grad"),)
+_INITIAL_STATE_CHECKS = (("initial_state", NONFINITE + " in initial_state"),)
 _PACKED_FORMS = (CPForwardPackedSummary, CPBackwardPackedSummary)
 _UNPACKED_FORMS = (CPForwardUnpackedSummary, CPBackwardUnpackedSummary)
 
@@ -174,16 +176,23 @@ def _input_signature(inputs: GDPInputs, check_inputs: bool) -> list[int]:
 
 def _forward(backend, inputs: GDPInputs, group, preceding_slice: slice, *, check_inputs: bool,
              error: str | None, signature: list[int], trailing_bad: torch.Tensor | None = None,
-             agreed: bool = False):
+             agreed: bool = False, schedule: ScanSchedule | None = None):
     """prepare -> agreement -> all-gather -> slice -> apply. Returns (CPForwardResult, incoming_bad).
+
+    ``schedule``: exchange by the log-depth scan (``torch_api.gdp.summary_exchange``) instead of the
+    all-gather; the backend then receives one folded summary.
 
     ``trailing_bad`` (isolation, ``torch_api.gdp.isolation``): bool [B or 1, H] heads whose trailing
     fragment is poisoned; their summary travels as NaN, and ``incoming_bad`` says which heads of
     this rank's incoming state were poisoned (None without isolation).
     """
     cause = summary = local = flags = None
+    value_checks = GDP_VALUE_CHECKS
     if error is None and check_inputs:
         flags = gdp_value_flags(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)
+        if inputs.initial_state is not None:  # every row is local on some rank, which flags it
+            flags = torch.cat([flags, nonfinite_flags(inputs.initial_state)])
+            value_checks = value_checks + _INITIAL_STATE_CHECKS
     if error is None:
         try:
             summary, local = backend.cp_forward_prepare(inputs)
@@ -199,8 +208,11 @@ def _forward(backend, inputs: GDPInputs, group, preceding_slice: slice, *, check
         if trailing_bad is not None:
             summary = poison_summary(summary, trailing_bad)
     _agree(group, error, signature, what="GDP context-parallel forward", cause=cause, value_flags=flags,
-           value_checks=GDP_VALUE_CHECKS, agreed=agreed)
-    preceding = _slice_summary(_all_gather_summary(summary, group), preceding_slice)
+           value_checks=value_checks, agreed=agreed)
+    if schedule is None:
+        preceding = _slice_summary(_all_gather_summary(summary, group), preceding_slice)
+    else:
+        preceding = scan_exchange(summary, group, schedule)
     incoming_bad = None
     if trailing_bad is not None:
         incoming_bad, preceding = incoming_bad_and_clean(preceding)
@@ -229,12 +241,17 @@ def chunkwise_cp_forward(backend, inputs: GDPInputs, cp_group, preceding_slice, 
 
 
 def chunkwise_cp_backward(backend, output_grad: torch.Tensor, saved_context: CPSavedContext, cp_group,
-                          following_slice, *, check_inputs: bool = True, agreed: bool = False) -> GDPInputGradients:
+                          following_slice, *, check_inputs: bool = True, agreed: bool = False,
+                          final_state_grad: torch.Tensor | None = None,
+                          schedule: ScanSchedule | None = None) -> GDPInputGradients:
     """Backward of one rank: ``cp_backward_prepare`` -> all-gather -> slice -> ``cp_backward_apply``.
 
     output_grad [B, T, H, V]; following_slice: ``slice(rank + 1, following_rank_stop)``
     (``slice(rank + 1, cp_size)`` for rows). One agreement collective runs before the all-gather
-    (``check_inputs`` adds the NaN/Inf check of ``output_grad``). Returns the five input gradients.
+    (``check_inputs`` adds the NaN/Inf check of ``output_grad``). ``final_state_grad`` (local
+    sequences' final states, when the forward asked for them) goes to the backend with
+    ``output_grad``; ``schedule``: the scan exchange instead of the all-gather. Returns the input
+    gradients (``dinitial_state`` for the local initial states when the forward had them).
     """
     group = resolve_group(cp_group)
     following_slice = _rank_slice(following_slice, dist.get_world_size(group), "following_slice")
@@ -245,7 +262,8 @@ def chunkwise_cp_backward(backend, output_grad: torch.Tensor, saved_context: CPS
         flags = nonfinite_flags(output_grad)
     if error is None:
         try:
-            summary, local = backend.cp_backward_prepare(output_grad, saved_context)
+            grads_in = output_grad if final_state_grad is None else (output_grad, final_state_grad)
+            summary, local = backend.cp_backward_prepare(grads_in, saved_context)
         except Exception as err:
             error, cause = f"{type(backend).__name__}.cp_backward_prepare raised {type(err).__name__}: {err}", err
     if error is None:
@@ -255,7 +273,10 @@ def chunkwise_cp_backward(backend, output_grad: torch.Tensor, saved_context: CPS
                                   *_summary_signature(summary)]
     _agree(group, error, signature, what="GDP context-parallel backward", cause=cause, value_flags=flags,
            value_checks=_OUTPUT_GRAD_CHECKS, agreed=agreed)
-    following = _slice_summary(_all_gather_summary(summary, group), following_slice)
+    if schedule is None:
+        following = _slice_summary(_all_gather_summary(summary, group), following_slice)
+    else:
+        following = scan_exchange(summary, group, schedule)
     return backend.cp_backward_apply(local, following)
 
 
@@ -276,33 +297,46 @@ class _CPCall:
     error: str | None
     signature: tuple[int, ...]
     agreed: bool = False  # a wider agreement covered this call: no header of its own
+    output_final_state: bool = False  # the backend returns the local sequences' final states too
+    forward_schedule: ScanSchedule | None = None  # None: the summaries travel by all-gather
+    backward_schedule: ScanSchedule | None = None
 
 
 class _ContextParallelGDP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, call: _CPCall, trailing_bad, q, k, v, g, beta):
+    def forward(ctx, call: _CPCall, trailing_bad, q, k, v, g, beta, local_initial):
+        """-> (o, local final states [n, H, K, V] or [0], incoming_bad); ``local_initial``: the initial
+        states of the local sequences or None (``_local_initial_states``)."""
         inputs = GDPInputs(q, k, v, g, beta, call.scale, call.num_householder, call.use_qk_l2norm_in_kernel,
-                           call.cu_seqlens)
+                           call.cu_seqlens, local_initial, call.output_final_state)
         with float32_region(q.device):
             (output, saved), incoming_bad = _forward(
                 call.backend, inputs, call.group, call.preceding, check_inputs=call.check_inputs, error=call.error,
-                signature=list(call.signature), trailing_bad=trailing_bad, agreed=call.agreed)
+                signature=list(call.signature), trailing_bad=trailing_bad, agreed=call.agreed,
+                schedule=call.forward_schedule)
+        output, final = output if call.output_final_state else (output, output.new_zeros(0))
         ctx.call = call
         ctx.saved_metadata = saved.metadata
+        ctx.initial_dtype = None if local_initial is None else local_initial.dtype
         ctx.save_for_backward(*saved.tensors)
         if incoming_bad is None:
             incoming_bad = torch.zeros(0, dtype=torch.bool, device=output.device)
         ctx.mark_non_differentiable(incoming_bad)
-        return output, incoming_bad
+        return output, final, incoming_bad
 
     @staticmethod
-    def backward(ctx, output_grad, _incoming_bad_grad):
+    def backward(ctx, output_grad, final_grad, _incoming_bad_grad):
         call = ctx.call
         saved = CPSavedContext(tuple(ctx.saved_tensors), ctx.saved_metadata)
         with float32_region(output_grad.device):
             grads = chunkwise_cp_backward(call.backend, output_grad, saved, call.group, call.following,
-                                          check_inputs=call.check_inputs, agreed=call.agreed)
-        return None, None, grads.dq, grads.dk, grads.dv, grads.dg, grads.dbeta
+                                          check_inputs=call.check_inputs, agreed=call.agreed,
+                                          final_state_grad=final_grad if call.output_final_state else None,
+                                          schedule=call.backward_schedule)
+        initial_grad = None
+        if ctx.initial_dtype is not None:
+            initial_grad = grads.dinitial_state.to(ctx.initial_dtype)
+        return None, None, grads.dq, grads.dk, grads.dv, grads.dg, grads.dbeta, initial_grad
 
 
 def _metadata_error(metadata, rank: int, world: int, q: torch.Tensor) -> str | None:
@@ -353,7 +387,9 @@ def run_cp_op(q, k, v, g, beta, *, cu_seqlens, rank_range, group_name: str, back
 
 def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, cp_group, global_seq_idx=None,
                                    metadata: PackedSequenceCPMetadata | None = None, scale=None, num_householder=1,
-                                   use_qk_l2norm_in_kernel=False, backend=None, check_inputs: bool = True):
+                                   use_qk_l2norm_in_kernel=False, backend=None, check_inputs: bool = True,
+                                   initial_state=None, output_final_state: bool = False,
+                                   summary_exchange: str = "all_gather"):
     """GDP over a sequence split contiguously across the ranks of ``cp_group``; differentiable.
 
     Local shards in, local output out (docs/design.md §2 layouts):
@@ -365,27 +401,84 @@ def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, cp_group, global_seq_idx
     batch row is one sequence spanning all ranks in order.
     cp_group: ProcessGroup or 1-D DeviceMesh (gloo or NCCL).
 
-    check_inputs: the value checks (NaN/Inf, g > 0, beta outside [0, 2] in the inputs; NaN/Inf in
-    the output gradient). Whatever it says, one small agreement collective per direction makes every
-    rank raise the same ValueError for any local failure (bad shapes, metadata for another rank or
-    cp_size or edited after it was built, K > 256, a backend error, a non-float32 summary) or any
-    cross-rank disagreement (shapes, dtypes, flags, check_inputs itself, the packed ids' fingerprint).
+    Sequence states (docs/cp_options.md), in the one-device op's layout [N, H, K, V]: sequence n is
+    the n-th run of equal ids (batch row n without ids). ``initial_state`` float [N, H, K, V] (None:
+    zeros), the same on every rank, enters each sequence where it starts. With
+    ``output_final_state=True`` the op returns ``(o, final_state)``: float32 [N, H, K, V] whose row n
+    is sequence n's final state on the rank holding its last token and zeros on every other rank, so
+    that the sum over the group is the one-device final state. Gradients follow the same rule: each
+    rank's ``initial_state.grad`` holds the rows of the sequences that start on it (zeros elsewhere);
+    summed over the group (as weight gradients are) they give the one-device gradient.
+
+    summary_exchange: "all_gather" (one collective, cp summaries of memory), "scan" (a log-depth
+    prefix fold over point-to-point sends, ``torch_api.gdp.summary_exchange``), or "auto" (scan from
+    ``SCAN_MIN_WORLD`` ranks); same results up to float32 reassociation.
+
+    check_inputs: the value checks (NaN/Inf, g > 0, beta outside [0, 2] in the inputs, NaN/Inf in
+    initial_state; NaN/Inf in the output gradient). Whatever it says, one small agreement collective
+    per direction makes every rank raise the same ValueError for any local failure (bad shapes,
+    metadata for another rank or cp_size or edited after it was built, K > 256, a backend error, a
+    non-float32 summary, an initial_state of the wrong shape, dtype or device) or any cross-rank
+    disagreement (shapes, dtypes, flags, check_inputs itself, the packed ids' fingerprint).
     With False, non-finite inputs are contained instead of reported: outputs that depend on them are
-    NaN, every other output is exact (``torch_api.gdp.isolation``). docs/failure_modes.md lists every
-    check and its cost. backend: an instance, or None / "auto" (the CuTeDSL kernels on a Hopper GPU for
-    a configuration they take, else ``TorchGDPBackend``), "reference", "cutedsl"
-    (``torch_api.gdp.ops.resolve_backend``). The layers run a call that a model agreement covered,
-    with checks off, as the ``cp_linear::gdp_cp_forward`` custom op instead (``run_cp_op``).
+    NaN, every other output is exact (``torch_api.gdp.isolation``; a non-finite initial_state is not
+    contained). docs/failure_modes.md lists every check and its cost. backend: an instance, or None /
+    "auto" (the CuTeDSL kernels on a Hopper GPU for a configuration they take, else
+    ``TorchGDPBackend``), "reference", "cutedsl" (``torch_api.gdp.ops.resolve_backend``). The layers
+    run a call that a model agreement covered, with checks off, as the ``cp_linear::gdp_cp_forward``
+    custom op instead (``run_cp_op``).
     """
     return context_parallel_gdp(q, k, v, g, beta, cp_group=cp_group, global_seq_idx=global_seq_idx, metadata=metadata,
                                 scale=scale, num_householder=num_householder,
                                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, backend=backend,
-                                check_inputs=check_inputs)
+                                check_inputs=check_inputs, initial_state=initial_state,
+                                output_final_state=output_final_state, summary_exchange=summary_exchange)
+
+
+def _initial_state_error(initial_state, routing, q, v) -> str | None:
+    expected = (routing.num_sequences, q.shape[2], q.shape[3], v.shape[3])
+    if not isinstance(initial_state, torch.Tensor) or tuple(initial_state.shape) != expected:
+        shape = tuple(getattr(initial_state, "shape", ()))
+        return (f"initial_state must be a tensor [N, H, K, V] = {expected} (one row per global sequence, the same "
+                f"on every rank); received {type(initial_state).__name__} of shape {shape}")
+    if not initial_state.is_floating_point() or initial_state.device != q.device:
+        return (f"initial_state must be floating point on {q.device}; received {initial_state.dtype} on "
+                f"{initial_state.device}")
+    return None
+
+
+def _local_initial_states(initial_state: torch.Tensor, routing, rank: int) -> torch.Tensor:
+    """The initial states of this rank's local sequences [n, H, K, V]. A first sequence that began on an
+    earlier rank keeps its row as the state the preceding summaries are folded from, with no gradient:
+    that is counted on the rank where it starts (the backward summaries carry this rank's share there)."""
+    rows = routing.local_rows[rank]
+    local = initial_state.index_select(0, torch.tensor(rows, dtype=torch.int64).to(initial_state.device))
+    if not routing.first_row_continues(rank):
+        return local
+    # torch.where rather than detach: initial_state still gets a gradient tensor (zero rows) on every rank
+    continuing = torch.zeros(len(rows), 1, 1, 1, dtype=torch.bool)
+    continuing[: len(rows) if routing.rows else 1] = True  # without ids every row continues from rank 0
+    return torch.where(continuing.to(local.device), local.detach(), local)
+
+
+def _replicated_final_states(local_final: torch.Tensor, routing, rank: int) -> torch.Tensor:
+    """Local final states [n, H, K, V] -> [N, H, K, V]: the rows of sequences ending on this rank, zeros
+    elsewhere (differentiable; rows continuing past this rank are partial states and dropped)."""
+    ends = routing.ends_here(rank)
+    positions = [i for i, end in enumerate(ends) if end]
+    final = local_final.new_zeros((routing.num_sequences, *local_final.shape[1:]))
+    # no shortcut when nothing ends here: the result stays attached to the op, so a loss on final_state
+    # alone still runs this rank's backward (and its collectives) with zero cotangents
+    rows = [routing.local_rows[rank][i] for i in positions]
+    device = local_final.device
+    return final.index_copy(0, torch.tensor(rows, dtype=torch.int64).to(device),
+                            local_final.index_select(0, torch.tensor(positions, dtype=torch.int64).to(device)))
 
 
 def context_parallel_gdp(q, k, v, g, beta, *, cp_group, global_seq_idx=None, metadata=None, scale=None,
                          num_householder=1, use_qk_l2norm_in_kernel=False, backend=None, check_inputs: bool = True,
-                         agreed: bool = False):
+                         agreed: bool = False, initial_state=None, output_final_state: bool = False,
+                         summary_exchange: str = "all_gather"):
     """``gdp_chunkwise_context_parallel`` for the layers: ``agreed=True`` (a model agreement covered the
     call's shapes, flags and ids, and ``check_inputs`` is False) sends no header in either direction."""
     from torch_api.gdp.ops import gate_or_zeros, resolve_backend
@@ -398,6 +491,9 @@ def context_parallel_gdp(q, k, v, g, beta, *, cp_group, global_seq_idx=None, met
     gate_given = g is not None
     g = gate_or_zeros(g, q)
     error = gdp_input_error(q, k, v, g, beta, num_householder=num_householder, scale=scale)
+    exchange = resolve_summary_exchange(summary_exchange, world)
+    if error is None and exchange is None:
+        error = f"summary_exchange must be one of ('all_gather', 'scan', 'auto'); received {summary_exchange!r}"
     if error is None and global_seq_idx is not None:
         if metadata is not None:
             error = "pass global_seq_idx or metadata, not both"
@@ -408,6 +504,21 @@ def context_parallel_gdp(q, k, v, g, beta, *, cp_group, global_seq_idx=None, met
                 error = str(err)
     if error is None and metadata is not None:
         error = _metadata_error(metadata, rank, world, q)
+    with_states = initial_state is not None or bool(output_final_state)
+    routing = None
+    if error is None and (with_states or exchange == "scan"):
+        if metadata is not None:
+            routing = sequence_state_routing(metadata.global_seq_idx.reshape(1, -1), world)
+        else:
+            routing = sequence_state_routing(None, world, rows=q.shape[0])
+    if error is None and initial_state is not None:
+        error = _initial_state_error(initial_state, routing, q, v)
+    if error is None and with_states and not check_inputs:
+        error = ("initial_state / output_final_state need check_inputs=True: containment of non-finite inputs "
+                 "(check_inputs=False) does not cover the sequence states")
+    if error is None and with_states and not getattr(backend, "supports_sequence_states", False):
+        error = (f"backend {type(backend).__name__} does not declare supports_sequence_states: initial_state / "
+                 "output_final_state need per-sequence states (cp_linear.gdp.GDPInputs)")
     cu_seqlens = None
     if metadata is not None and error is None:
         cu_seqlens = torch.tensor(metadata.local_cu_seqlens, dtype=torch.int32).to(q.device, non_blocking=True)
@@ -419,13 +530,21 @@ def context_parallel_gdp(q, k, v, g, beta, *, cp_group, global_seq_idx=None, met
         fingerprint = metadata.fingerprint if metadata is not None else 0
         signature = [*q.shape, v.shape[-1], num_householder, dtype_code(q.dtype), dtype_code(g.dtype),
                      dtype_code(beta.dtype), int(bool(use_qk_l2norm_in_kernel)), float_bits(scale),
-                     int(metadata is not None), world, int(bool(check_inputs)), fingerprint]
+                     int(metadata is not None), world, int(bool(check_inputs)), fingerprint,
+                     int(initial_state is not None), int(bool(output_final_state)), int(exchange == "scan")]
+    schedules = (None, None)
+    if error is None and exchange == "scan":
+        schedules = (scan_schedule(routing, descending=False), scan_schedule(routing, descending=True))
     call = _CPCall(backend, group, preceding, following, float(scale) if error is None else 0.0, num_householder,
                    bool(use_qk_l2norm_in_kernel), cu_seqlens, bool(check_inputs), error, tuple(signature),
-                   bool(agreed) and not check_inputs)
-    if error is not None and not all(isinstance(x, torch.Tensor) for x in (q, k, v, g, beta)):
+                   bool(agreed) and not check_inputs, bool(output_final_state), *schedules)
+    tensors = (q, k, v, g, beta) + (() if initial_state is None else (initial_state,))
+    if error is not None and not all(isinstance(x, torch.Tensor) for x in tensors):
         # autograd.Function needs tensors; agree (and raise) here instead
         _agree(group, error, [], what="GDP context-parallel forward", cause=None)
+    local_initial = None
+    if initial_state is not None and error is None:
+        local_initial = _local_initial_states(initial_state, routing, rank)
     contain = error is None and not check_inputs
     trailing = None
     if contain:
@@ -434,8 +553,10 @@ def context_parallel_gdp(q, k, v, g, beta, *, cp_group, global_seq_idx=None, met
         trailing = trailing_bad(state_bad, start)
         q, k, v, g, beta = sanitized(q, k, v, g, beta)
     g = g if gate_given else g.detach()
-    output, incoming_bad = _ContextParallelGDP.apply(call, trailing, q, k, v, g, beta)
+    output, local_final, incoming_bad = _ContextParallelGDP.apply(call, trailing, q, k, v, g, beta, local_initial)
     if contain:
         mask = token_poison(state_bad, read_bad, start, incoming_bad)
         output = poison(output, mask[..., None])
-    return output
+    if not output_final_state:
+        return output
+    return output, _replicated_final_states(local_final, routing, rank)

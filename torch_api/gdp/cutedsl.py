@@ -395,8 +395,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
     def cp_forward_prepare(self, inputs: GDPInputs) -> tuple[CPForwardPackedSummary, CuTeDSLForwardContext]:
         """Chunk prep, the summary pass and the fold of every sequence's segments (each segment's
         prefix map, kept for apply) -> the trailing sequence's packed ``[E | M]``. A trailing sequence
-        that starts inside the shard has M = 0; one that starts from ``inputs.initial_state`` S0
-        carries it in E (E + M S0)."""
+        that starts inside the shard has M = 0 and carries its ``inputs.initial_state`` row S0 in E
+        (E + M S0)."""
         if not self._use_kernels(inputs):
             return self._fallback.cp_forward_prepare(inputs)
         initial = _initial_states(inputs)
@@ -410,10 +410,14 @@ class CuTeDSLGatedDeltaProductCPBackend:
         # (FINAL_TRAILING writes every sequence whose segments end at the last one)
         picked = slice(None) if shard.rows else shard.trailing.view(1)
         summary = stacked_rows[picked].transpose(-1, -2).contiguous()  # [n, H, K, V + K] = [E | M]
-        if initial is not None:
-            summary[..., :value_dim] += summary[..., value_dim:] @ initial[picked]
-        if not shard.rows:  # M = 0 when the trailing sequence starts inside the shard
-            summary[..., value_dim:] = torch.where(shard.trailing > 0, 0.0, summary[..., value_dim:])
+        if not shard.rows:  # rows: every row is a leading sequence, whose S0 the next ranks fold from
+            starts_inside = shard.trailing > 0
+            if initial is not None:
+                # the trailing sequence starts here from its S0: E + M S0. A leading sequence's S0 stays out of
+                # the summary: under CP the ranks it continues on fold the summaries from it (GDPInputs)
+                with_start = summary[..., :value_dim] + summary[..., value_dim:] @ initial[picked]
+                summary[..., :value_dim] = torch.where(starts_inside, with_start, summary[..., :value_dim])
+            summary[..., value_dim:] = torch.where(starts_inside, 0.0, summary[..., value_dim:])
         packed = summary if shard.rows else summary[0]
         return CPForwardPackedSummary(packed), CuTeDSLForwardContext(shard, summary, initial, incoming_affine)
 
@@ -429,9 +433,14 @@ class CuTeDSLGatedDeltaProductCPBackend:
         leading_count = summary.shape[0] if shard.rows else 1
         state_shape = (leading_count, shard.heads, shard.key_dim, value_dim)
         if stacked is not None and stacked.shape[0]:
-            kl.check_preceding_summaries(stacked.shape, summary.shape, rows=shard.rows, has_initial=initial is not None)
-            leading_state = compose_forward(stacked.reshape(stacked.shape[0], *summary.shape))  # [n, H, K, V]
-            init, init_count = leading_state.transpose(-1, -2).contiguous(), leading_count
+            kl.check_preceding_summaries(stacked.shape, summary.shape, rows=shard.rows)
+            start = None if initial is None else initial[:leading_count]  # the leading sequence's S0
+            leading_state = compose_forward(stacked.reshape(stacked.shape[0], *summary.shape), start)  # [n, H, K, V]
+            if initial is None:
+                init, init_count = leading_state.transpose(-1, -2).contiguous(), leading_count
+            else:  # the other local sequences start from their own initial states
+                init = torch.cat([leading_state, initial[leading_count:]]).transpose(-1, -2).contiguous()
+                init_count = initial.shape[0]
         elif initial is not None:
             leading_state = initial[:leading_count]
             init, init_count = initial.transpose(-1, -2).contiguous(), initial.shape[0]

@@ -54,6 +54,8 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
     configuration they take, else ``TorchGDPBackend`` (``torch_api.gdp.ops.resolve_backend``).
     ``cp_check_inputs`` is handed to the GDP op (``check_inputs``, on one device too): value checks
     with a ValueError, or containment of non-finite values when False (docs/failure_modes.md).
+    ``cp_summary_exchange``: how the CP op exchanges its summaries, "all_gather" | "scan" | "auto"
+    (docs/cp_options.md); a call that scans runs the op's autograd.Function rather than the custom op.
     Under CP the layer agrees with the other ranks (fixed-size header) on its input, its layout and
     ``cp_signature`` before its first exchange (the conv halo), unless a ``HybridDecoder`` covered it;
     a covered call with ``cp_check_inputs=False`` runs the GDP custom op with no header at all
@@ -62,14 +64,20 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
 
     AGREEMENT = "GatedDeltaProduct inputs"
 
-    def __init__(self, config: GDPConfig | None = None, *, backend=None, cp_check_inputs: bool = True, **kwargs):
+    def __init__(self, config: GDPConfig | None = None, *, backend=None, cp_check_inputs: bool = True,
+                 cp_summary_exchange: str = "all_gather", **kwargs):
         super().__init__()
+        from torch_api.gdp.summary_exchange import SUMMARY_EXCHANGES
+
+        if cp_summary_exchange not in SUMMARY_EXCHANGES:
+            raise ValueError(f"cp_summary_exchange must be one of {SUMMARY_EXCHANGES}; received {cp_summary_exchange!r}")
         self.config = config = resolve_config(GDPConfig, config, kwargs)
         self.backend = backend
         from torch_api.gdp.library import register_backend
 
         register_backend(backend)  # its op name exists before any torch.compile trace reads it
         self.cp_check_inputs = cp_check_inputs
+        self.cp_summary_exchange = cp_summary_exchange
         c, n = config, config.num_householder
         self.q_proj = nn.Linear(c.hidden_size, c.key_dim, bias=False)
         self.k_proj = nn.Linear(c.hidden_size, c.key_dim * n, bias=False)
@@ -111,7 +119,8 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
         """Configuration, flags, backend and grad requirement: what the ranks must share."""
         needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
         backend = "default" if self.backend is None else type(self.backend).__name__
-        return (*config_fingerprint(self.config), int(bool(self.cp_check_inputs)), digest([backend]), int(needs_grad))
+        return (*config_fingerprint(self.config), int(bool(self.cp_check_inputs)), digest([backend]), int(needs_grad),
+                digest([self.cp_summary_exchange]))
 
     def _gated_delta_product(self, q, k, v, g, beta, layout, agreed: bool = False):
         """The GDP op (CP or one device); it keeps its own math float32 under autocast, and q/k/v/beta
@@ -126,12 +135,19 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
         n = self.config.num_householder
         backend = resolve_backend(self.backend, q, k, v, n)
         checks = self.cp_check_inputs
-        if layout.is_cp and (checks or not agreed or not has_op_layout(backend)):
+        scan = False
+        if layout.is_cp:
+            from torch_api.gdp.summary_exchange import resolve_summary_exchange
+
+            scan = resolve_summary_exchange(self.cp_summary_exchange, layout.cp_size) == "scan"
+        # the custom op gathers its summaries: the scan runs through the autograd.Function path
+        if layout.is_cp and (checks or not agreed or not has_op_layout(backend) or scan):
             from torch_api.gdp.cp import context_parallel_gdp
 
             return context_parallel_gdp(
                 q, k, v, g, beta, cp_group=layout.group, metadata=layout.gdp_metadata, num_householder=n,
-                use_qk_l2norm_in_kernel=True, backend=backend, check_inputs=checks, agreed=agreed)
+                use_qk_l2norm_in_kernel=True, backend=backend, check_inputs=checks, agreed=agreed,
+                summary_exchange=self.cp_summary_exchange)
         if checks:
             o, _ = gated_delta_product(q, k, v, g, beta, num_householder=n, cu_seqlens=layout.cu_seqlens(q.device),
                                        use_qk_l2norm_in_kernel=True, backend=backend, check_inputs=True)
