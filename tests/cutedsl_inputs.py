@@ -69,3 +69,22 @@ def fold_both_ways(summaries, seq_first_segment, init, init_count, value_dim):
                          init_count=init_count, value_rows=value_dim, identity_row=value_dim, first_sequence=0,
                          write_final=0, descending=0).run()
     return sequential, via_prefix, prefix
+
+
+def check_trailing_final_rows(device):
+    """write_final=FINAL_TRAILING (prepare's CP summary): the last sequence with segments and the empty
+    ones after it write their final rows ([0 ; I] for an empty one), bit for bit as with FINAL_EVERY;
+    the other sequences' final rows are not written (their last map is skipped); the prefix maps are
+    the same bits either way. Shared by the emulated and the GPU test."""
+    from cp_linear.kernels import launch as kl
+
+    heads, dim = 2, 64
+    summaries, starts = fold_summaries([3, 0, 9, 1, 0], 2, heads, dim, dim, seed=53, device=device)
+    every = prefix_fold(summaries, starts, dim, kl.FINAL_EVERY)
+    trailing = prefix_fold(summaries, starts, dim, kl.FINAL_TRAILING)
+    real = int(starts[-1])
+    assert torch.equal(every[0][:real], trailing[0][:real])
+    assert torch.equal(every[1][3:], trailing[1][3:])
+    assert torch.isnan(trailing[1][:3]).all()
+    identity = torch.cat([torch.zeros(dim, dim), torch.eye(dim)]).to(summaries.device)
+    assert torch.equal(trailing[1][4], identity.expand(heads, -1, -1))

@@ -273,8 +273,9 @@ class ChunkPrepBackwardKernel:
             if tidx < C:
                 s_m1[tidx, tidx] = -zero_unless(use_l2 != 0, s_df[tidx] * s_f[tidx] * s_f[tidx] * s_f[tidx])
             cute.arch.sync_threads()
-            self.key_products(tidx, tiled_mma, split_mma, s_m1, s_a, s_k, s_q, dk_scan, dk, first, steps, head)
-            self.query_products(tidx, tiled_mma, split_mma, s_a, s_t, s_k, s_q, dq_scan, dq, first_token, tokens, head)
+            self.product_rows(tidx, tiled_mma, split_mma, s_m1, s_k, float_transposed(s_a), s_q, dk_scan, dk, first,
+                              steps, head)
+            self.product_rows(tidx, tiled_mma, split_mma, s_a, s_k, s_t, s_q, dq_scan, dq, first_token, tokens, head)
 
     @cute.jit
     def raw_product(self, tiled_mma, tidx, s_left, s_k):
@@ -300,34 +301,21 @@ class ChunkPrepBackwardKernel:
                                 operand="B", transpose=True)
 
     @cute.jit
-    def key_products(self, tidx, tiled_mma, split_mma, s_gsym, s_dqk, s_k, s_q, dk_scan, dk, first, steps, head):
-        """dk = dk_scan + G k + dQK^T q (G: dGram + dGram^T - diag(df f^3)), 64 x K on the bf16 tensor cores
-        (split operands)."""
-        K = self.key_dim
+    def product_rows(self, tidx, tiled_mma, split_mma, first_left, first_right, second_left, second_right,
+                     scan: cute.Tensor, out: cute.Tensor, row0, rows, head):
+        """out = scan + first_left first_right^T + second_left second_right^T for 64 rows x K (float32 left
+        squares, input-dtype [64, K] right tiles read transposed), on the bf16 tensor cores:
+            dk = dk_scan + G k + dQK^T q        (G = dGram + dGram^T - diag(df f^3))
+            dq = dq_scan + dQK k + D q          (D = -diag(dfq fq^3); rows past the chunk's tokens are zero)"""
         thr = split_mma.get_slice(tidx)
-        acc = cute.make_rmem_tensor(thr.partition_shape_C((C, K)), Float32)
-        coords = thr.partition_C(cute.make_identity_tensor((C, K)))
-        load_rows(acc, coords, dk_scan, first, steps, head)
-        _mma.gemm_f32_by_16bit(split_mma, tidx, acc, s_gsym, self.transposed_operand(tiled_mma, tidx, s_k),
+        acc = cute.make_rmem_tensor(thr.partition_shape_C((C, self.key_dim)), Float32)
+        coords = thr.partition_C(cute.make_identity_tensor((C, self.key_dim)))
+        load_rows(acc, coords, scan, row0, rows, head)
+        _mma.gemm_f32_by_16bit(split_mma, tidx, acc, first_left, self.transposed_operand(tiled_mma, tidx, first_right),
                                self.inputs_bf16)
-        _mma.gemm_f32_by_16bit(split_mma, tidx, acc, float_transposed(s_dqk),
-                               self.transposed_operand(tiled_mma, tidx, s_q), self.inputs_bf16)
-        store_rows(acc, coords, dk, first, steps, head)
-
-    @cute.jit
-    def query_products(self, tidx, tiled_mma, split_mma, s_dqk, s_qdiag, s_k, s_q, dq_scan, dq, first_token, tokens,
-                       head):
-        """dq = dq_scan + dQK k + D q (D = -diag(dfq fq^3)): 64 (rows past the chunk's tokens are zero) x K."""
-        K = self.key_dim
-        thr = split_mma.get_slice(tidx)
-        acc = cute.make_rmem_tensor(thr.partition_shape_C((C, K)), Float32)
-        coords = thr.partition_C(cute.make_identity_tensor((C, K)))
-        load_rows(acc, coords, dq_scan, first_token, tokens, head)
-        _mma.gemm_f32_by_16bit(split_mma, tidx, acc, s_dqk, self.transposed_operand(tiled_mma, tidx, s_k),
-                               self.inputs_bf16)
-        _mma.gemm_f32_by_16bit(split_mma, tidx, acc, s_qdiag, self.transposed_operand(tiled_mma, tidx, s_q),
-                               self.inputs_bf16)
-        store_rows(acc, coords, dq, first_token, tokens, head)
+        _mma.gemm_f32_by_16bit(split_mma, tidx, acc, second_left,
+                               self.transposed_operand(tiled_mma, tidx, second_right), self.inputs_bf16)
+        store_rows(acc, coords, out, row0, rows, head)
 
 
 @cute.jit

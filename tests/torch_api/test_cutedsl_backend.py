@@ -405,20 +405,7 @@ def test_saved_segment_states_are_the_incoming_states(initial):
 
 @pytest.mark.gpu
 def test_prefix_fold_writes_only_the_trailing_sequences_final_rows():
-    """write_final=FINAL_TRAILING (prepare's CP summary): the last sequence with segments and the empty
-    ones after it write their final rows ([0 ; I] for an empty one), bit for bit as with FINAL_EVERY;
-    the other sequences' final rows are not written (their last map is skipped); the prefix maps
-    are the same bits either way."""
-    from cp_linear.kernels import launch as kl
-    from tests.cutedsl_inputs import fold_summaries, prefix_fold
+    """FINAL_TRAILING writes only the trailing sequences' final rows (``check_trailing_final_rows``)."""
+    from tests.cutedsl_inputs import check_trailing_final_rows
 
-    heads, dim = 2, 64
-    summaries, starts = fold_summaries([3, 0, 9, 1, 0], 2, heads, dim, dim, seed=53, device="cuda")
-    every = prefix_fold(summaries, starts, dim, kl.FINAL_EVERY)
-    trailing = prefix_fold(summaries, starts, dim, kl.FINAL_TRAILING)
-    real = int(starts[-1])
-    assert torch.equal(every[0][:real], trailing[0][:real])
-    assert torch.equal(every[1][3:], trailing[1][3:])
-    assert torch.isnan(trailing[1][:3]).all()
-    identity = torch.cat([torch.zeros(dim, dim), torch.eye(dim)]).to(summaries.device)
-    assert torch.equal(trailing[1][4], identity.expand(heads, -1, -1))
+    check_trailing_final_rows("cuda")
