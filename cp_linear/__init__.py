@@ -20,6 +20,7 @@ from cp_linear.plan import (
     exchange_tokens_received,
     needed_kv_a2a_splits,
     resolve_exchange_mode,
+    widest_exchange_shape,
 )
 from cp_linear.protocol import CPForwardResult, CPSavedContext, LinearAttentionCPBackend
 from cp_linear.summary import (
@@ -67,4 +68,5 @@ __all__ = [
     "resolve_exchange_mode",
     "unpack",
     "validate_packed_summary",
+    "widest_exchange_shape",
 ]
