@@ -22,6 +22,7 @@ from cp_linear.plan import (
     needed_kv_a2a_splits,
     resolve_exchange_mode,
     sequence_state_routing,
+    widest_exchange_shape,
 )
 from cp_linear.protocol import CPForwardResult, CPSavedContext, LinearAttentionCPBackend
 from cp_linear.summary import (
@@ -71,4 +72,5 @@ __all__ = [
     "resolve_exchange_mode",
     "unpack",
     "validate_packed_summary",
+    "widest_exchange_shape",
 ]

@@ -552,6 +552,29 @@ def exchange_shape(plan: BlockDiagPlan, mode: str, *, a2a_impl: str = "exact", b
     return ExchangeShape(resolved, a2a_impl)
 
 
+def widest_exchange_shape(mode: str, cp_size: int, local_len: int, *, a2a_impl: str = "exact") -> ExchangeShape:
+    """The static sizes of ``mode`` that serve *every* packing of ``cp_size`` shards of ``local_len``
+    tokens that the mode can serve: halo ``L`` rows; ppermute a2a ``L`` rows per rank distance;
+    ragged a2a buffers of ``(cp - 1) * L`` rows. A program compiled for it never needs another
+    (no retrace for a new packing), at the price of moving the widest pieces every time: halo L
+    rows from the neighbour, ppermute a2a ``cp (cp - 1) L / 2`` rows in all, half the all-gather's.
+    """
+    if mode not in EXCHANGE_MODES:
+        raise ValueError(f"mode must be one of {EXCHANGE_MODES} (a resolved mode, not 'auto'); received {mode!r}")
+    if mode == "allgather":
+        return ExchangeShape(mode)
+    if mode == "halo":
+        return ExchangeShape(mode, halo_len=local_len if cp_size > 1 else 0)
+    if a2a_impl == "ppermute":
+        return ExchangeShape(mode, a2a_impl, piece_lens=(local_len,) * (cp_size - 1))
+    if a2a_impl == "ragged":
+        rows = (cp_size - 1) * local_len
+        return ExchangeShape(mode, a2a_impl, recv_len=rows, send_len=rows)
+    if a2a_impl != "exact":
+        raise ValueError(f"a2a_impl must be one of {A2A_IMPLEMENTATIONS}; received {a2a_impl!r}")
+    return ExchangeShape(mode, a2a_impl)
+
+
 def exchange_shape_error(plan: BlockDiagPlan, shape: ExchangeShape) -> str | None:
     """Why ``shape`` cannot serve ``plan``, or None: every static size must cover what each rank needs
     and stay within the shard (a larger size is fine: the extra rows belong to other documents and

@@ -104,7 +104,8 @@ def default_a2a_impl(platform: str) -> str:
 
 
 def plan_blockdiag_exchange(doc_ids, cp_size: int, *, mode: str = "auto", platform: str | None = None,
-                            a2a_impl: str = "auto", bucket_sizes: bool = True) -> BlockDiagExchangePlan:
+                            a2a_impl: str = "auto", bucket_sizes: bool = True,
+                            shape: ExchangeShape | None = None) -> BlockDiagExchangePlan:
     """Build the exchange plan from concrete replicated ``doc_ids`` int [T] (0 = padding).
 
     Identical on every host (host ints, no communication). ``platform`` ("cpu", "gpu", ...;
@@ -112,6 +113,10 @@ def plan_blockdiag_exchange(doc_ids, cp_size: int, *, mode: str = "auto", platfo
     ragged all-to-all where XLA implements it, per-distance ppermutes elsewhere.
     ``bucket_sizes`` rounds static exchange sizes up to powers of two (fewer recompilations,
     at most twice the exact bytes); False keeps them exact.
+    ``shape`` fixes the static sizes instead (a ``cp_linear.plan.ExchangeShape`` of a resolved mode,
+    e.g. ``cp_linear.plan.widest_exchange_shape("a2a", cp_size, L, a2a_impl="ppermute")``): every
+    plan built with it has one shape class, so a jitted caller never retraces for a new packing;
+    ValueError when this packing needs more than it holds.
     Raises ValueError for bad ids (reappearing documents, T not divisible by cp_size, ...) and
     for ``mode="halo"`` when a document spans more than two ranks.
     """
@@ -133,10 +138,28 @@ def plan_blockdiag_exchange(doc_ids, cp_size: int, *, mode: str = "auto", platfo
     impl = a2a_impl
     if impl == "auto":
         impl = default_a2a_impl(platform or jax.default_backend())
-    shape = exchange_shape(host_plan, mode, a2a_impl=impl, bucket=bucket_sizes)  # ValueError: impossible halo
+    if shape is None:
+        shape = exchange_shape(host_plan, mode, a2a_impl=impl, bucket=bucket_sizes)  # ValueError: impossible halo
+    else:
+        _check_fixed_shape(host_plan, shape, mode, a2a_impl)
     routing = ragged_routing(host_plan, shape) if shape.a2a_impl == "ragged" else ()
     return BlockDiagExchangePlan(doc_ids=ids.astype(np.int32), routing=routing, cp_size=int(cp_size),
                                  local_len=host_plan.local_len, shape=shape)
+
+
+def _check_fixed_shape(host_plan, shape: ExchangeShape, mode: str, a2a_impl: str) -> None:
+    """``shape`` (the caller's fixed sizes) must be of the requested mode and cover this packing."""
+    if not isinstance(shape, ExchangeShape):
+        raise ValueError(f"shape must be a cp_linear.plan.ExchangeShape; received {type(shape).__name__}")
+    if mode not in ("auto", shape.mode):
+        raise ValueError(f"mode={mode!r} was requested with a fixed shape of mode {shape.mode!r}")
+    runs_as = ("ragged", "ppermute")
+    if shape.mode == "a2a" and (shape.a2a_impl not in runs_as or a2a_impl not in ("auto", shape.a2a_impl)):
+        raise ValueError(f"a fixed a2a shape runs as 'ragged' or 'ppermute' (a2a_impl={a2a_impl!r}); "
+                         f"received a2a_impl {shape.a2a_impl!r}")
+    problem = exchange_shape_error(host_plan, shape)
+    if problem:
+        raise ValueError(f"this packing does not fit the fixed exchange shape: {problem}")
 
 
 def check_exchange_plan(plan: BlockDiagExchangePlan) -> None:

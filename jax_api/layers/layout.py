@@ -8,9 +8,11 @@ part by ``lax.axis_index``, so one compiled program serves every packing of the 
     seq_idx     int32 [1, T]  GDP sequences (``jax_api.gdp_chunkwise_context_parallel_shard``)
     doc_ids     int32 [T]     attention documents, 0 = padding
     position    int32 [T]     index within the sequence (conv reach, RoPE angle)
+    cu_seqlens  int32 [N + 1] GDP sequence offsets on one device, N the static bound below (runs
+                past the last are empty sequences at T), so a new packing keeps the shape
     attention_plan            ``BlockDiagExchangePlan`` for the attention exchange (CP only)
-    max_shard_sequences       static bound on the GDP sequences of one shard (CP only): sizes the
-                              chunk layout (``cp_linear.chunking.max_shard_sequences``)
+    max_shard_sequences       static bound on the GDP sequences of one shard: sizes the chunk
+                              layout (``cp_linear.chunking.max_shard_sequences``)
 
 ``cp_linear.packing.PackedLayout`` (numpy, shared with torch) derives the arrays.
 """
@@ -32,7 +34,8 @@ class TokenLayout:
     """Global per-token arrays (data) and static facts (meta: ``packed``, ``cp_size``).
 
     ``cu_seqlens`` int32 [N + 1] serves the one-device GDP (cp_size 1, packed; else None); its
-    length N is part of the compiled shape, its values are not.
+    length is the static bound ``max_shard_sequences`` + 1 (part of the compiled shape, like the
+    bound under CP), its values are not: the real sequences, then empty ones at T.
     """
 
     seq_idx: jax.Array
@@ -66,21 +69,27 @@ jax.tree_util.register_dataclass(TokenLayout,
 
 
 def layout_from_packed(packed: PackedLayout, *, cp_size: int = 1, attention_mode: str = "auto",
-                       platform: str | None = None, min_halo_len: int = 0, min_shard_sequences: int = 1) -> TokenLayout:
+                       platform: str | None = None, min_halo_len: int = 0, min_shard_sequences: int = 1,
+                       attention_shape=None) -> TokenLayout:
     packed.check_cp_size(cp_size)
-    plan = bound = None
-    if cp_size > 1 and packed.packed:
+    plan = bound = cu = None
+    if packed.packed:
         bound = max_shard_sequences(packed.seq_idx, cp_size, floor=min_shard_sequences)
+    if cp_size == 1 and packed.packed:
+        # padded with empty sequences to the static bound: the number of documents of a packing is
+        # not a shape (an [N + 1] array would retrace the one-device program for every new N)
+        real = packed.cu_seqlens()
+        cu = jnp.asarray(np.pad(real, (0, bound + 1 - real.shape[0]), constant_values=packed.total_len), jnp.int32)
     if cp_size > 1:
         from jax_api.attention.blockdiag import plan_blockdiag_exchange
 
-        plan = plan_blockdiag_exchange(packed.doc_ids, cp_size, mode=attention_mode, platform=platform)
+        plan = plan_blockdiag_exchange(packed.doc_ids, cp_size, mode=attention_mode, platform=platform,
+                                       shape=attention_shape)
         if plan.mode == "halo" and plan.halo_len < min_halo_len:
             # extra halo rows hold other documents' tokens, which the doc mask drops; a fixed
             # halo keeps the plan's static shape (and so the compiled program) across packings
             plan = dataclasses.replace(plan, shape=dataclasses.replace(plan.shape, halo_len=min(min_halo_len,
                                                                                               plan.local_len)))
-    cu = jnp.asarray(packed.cu_seqlens(), jnp.int32) if (packed.packed and cp_size == 1) else None
     return TokenLayout(seq_idx=jnp.asarray(packed.seq_idx.reshape(1, -1), jnp.int32),
                        doc_ids=jnp.asarray(packed.doc_ids, jnp.int32),
                        position=jnp.asarray(packed.position, jnp.int32),
@@ -90,7 +99,7 @@ def layout_from_packed(packed: PackedLayout, *, cp_size: int = 1, attention_mode
 
 def build_layout(*, total_len: int, doc_ids=None, seq_idx=None, cu_seqlens=None, cp_size: int = 1,
                  attention_mode: str = "auto", platform: str | None = None, min_halo_len: int = 0,
-                 min_shard_sequences: int = 1) -> TokenLayout:
+                 min_shard_sequences: int = 1, attention_shape=None) -> TokenLayout:
     """A ``TokenLayout`` from concrete *global* ids (host-read; call outside ``jax.jit``).
 
     At most one of ``doc_ids`` (int [T], 0 = padding), ``seq_idx`` (int [1, T] nondecreasing),
@@ -101,8 +110,11 @@ def build_layout(*, total_len: int, doc_ids=None, seq_idx=None, cu_seqlens=None,
     The attention plan's exchange sizes are static (``jax.jit`` recompiles when they change).
     ``min_halo_len`` pads a halo plan to at least that many tokens: when documents are shorter
     than it, every packing then shares one compiled program (the examples use this).
-    Likewise the GDP chunk layout is sized for the most sequences a shard holds, rounded up to a
-    power of two and at least ``min_shard_sequences``.
+    ``attention_shape`` fixes the exchange sizes outright (``plan_blockdiag_exchange``'s ``shape``,
+    e.g. ``cp_linear.plan.widest_exchange_shape(...)``, which serves every packing).
+    Likewise the GDP chunk layout (and the one-device ``cu_seqlens``) is sized for the most
+    sequences a shard holds, rounded up to a power of two and at least ``min_shard_sequences``.
+    Layouts with the same T, cp_size and static bounds share one compiled program.
     """
     for name, value in (("doc_ids", doc_ids), ("seq_idx", seq_idx), ("cu_seqlens", cu_seqlens)):
         if isinstance(value, jax.core.Tracer):
@@ -111,7 +123,8 @@ def build_layout(*, total_len: int, doc_ids=None, seq_idx=None, cu_seqlens=None,
             for name, value in (("doc_ids", doc_ids), ("seq_idx", seq_idx), ("cu_seqlens", cu_seqlens))}
     packed = layout_from_ids(total_len=total_len, **host)
     return layout_from_packed(packed, cp_size=cp_size, attention_mode=attention_mode, platform=platform,
-                              min_halo_len=min_halo_len, min_shard_sequences=min_shard_sequences)
+                              min_halo_len=min_halo_len, min_shard_sequences=min_shard_sequences,
+                              attention_shape=attention_shape)
 
 
 def resolve_layout(x, *, layout, axis_name, doc_ids=None, seq_idx=None, cu_seqlens=None) -> TokenLayout:
