@@ -11,6 +11,10 @@ mkdir -p "$out" .kernel_lib
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export CP_LINEAR_KERNEL_LIBRARY=$PWD/.kernel_lib
 nvidia-smi -L | tee "$out/gpu.log"
+# seen once: array_api_compat missing from the wheel directory after a reinstall; put it back when carried
+if ! python3 -c "import array_api_compat" 2>/dev/null && ls .gpuwheels/b/array_api_compat-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target "$HOME/gpusite" .gpuwheels/b/array_api_compat-*.whl
+fi
 only_bf16="--dtype bfloat16"  # the float16 kernels compile on first use (FULL_COMPILE=1: all now)
 [ -n "${FULL_COMPILE:-}" ] && only_bf16=""
 timeout 300 python3 -m cp_linear.kernels --compile --library .kernel_lib --jobs 16 $only_bf16 2>&1 | tail -3 | tee "$out/compile.log"
@@ -30,8 +34,10 @@ fi
 if [ -n "${NCU:-}" ]; then
   timeout 150 ncu --kernel-name regex:"ChunkScan|ChunkPrep|SegmentFold" --launch-skip 4 --launch-count 4 \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-    --section MemoryWorkloadAnalysis \
-    python3 benchmarks/bench_gdp_fwd.py --out "$out/ncu" --repeat 1 --no-fla --cases 1x32768:2 > "$out/ncu.log" 2>&1
+    --section MemoryWorkloadAnalysis --clock-control none \
+    bash -c "export PYTHONPATH=$PYTHONPATH CP_LINEAR_KERNEL_LIBRARY=$CP_LINEAR_KERNEL_LIBRARY; \
+      python3 benchmarks/bench_gdp_fwd.py --out $out/ncu --repeat 1 --no-fla --cases 1x32768:2" > "$out/ncu.log" 2>&1
+  # (ncu does not pass PYTHONPATH on to the profiled process: hence the bash -c)
 fi
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   timeout 250 python3 benchmarks/cp_gdp_nccl.py --tokens 65536 --timeout 240 --backward 2>&1 | tee "$out/cp_nccl.log"
