@@ -207,6 +207,6 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
 
 
 # help() and inspect.signature list every keyword argument (a metaclass hides __init__ from them)
-document_layer_signature(GatedDeltaProduct, GDPConfig, backend=None, cp_check_inputs=True)
+document_layer_signature(GatedDeltaProduct, GDPConfig, backend=None, cp_check_inputs=True, cp_summary_exchange="all_gather")
 
 __all__ = ["GatedDeltaProduct"]
