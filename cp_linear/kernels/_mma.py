@@ -250,7 +250,7 @@ def gemm_f32_by_16bit(tiled_mma, tidx, acc: cute.Tensor, a_tile: cute.Tensor, b:
     part_a = thr.partition_A(a_tile)
     a_big = _fragment(part_a[None, None, 0], cutlass.BFloat16)
     a_small = _fragment(part_a[None, None, 0], cutlass.BFloat16)
-    # in the ldmatrix fragment's own register order (it is not the compact one of its shape)
+    # laid out like the ldmatrix fragment they replace, in the MMA's type (bf16 even for an fp16 B)
     b_big = cute.make_fragment_like(b.fragment[None, None, 0], cutlass.BFloat16)
     b_small = cute.make_fragment_like(b.fragment[None, None, 0], cutlass.BFloat16)
     # rolled, as in gemm_f32_split; the operand's pieces as plain tensors (a Python object cannot be

@@ -278,21 +278,16 @@ class ChunkPrepBackwardKernel:
             self.product_rows(tidx, tiled_mma, split_mma, s_a, s_k, s_t, s_q, dq_scan, dq, first_token, tokens, head)
 
     @cute.jit
-    def raw_product(self, tiled_mma, tidx, s_left, s_k):
-        """left k^T (64 x 64, float32 accumulator) of two 16-bit tiles on ``mma.sync``."""
+    def store_raw_product(self, tiled_mma, tidx, s_left, s_k, out: cute.Tensor):
+        """out = left k^T (64 x 64) of two 16-bit tiles on ``mma.sync``, as a float32 square (Gram = k k^T,
+        QK = q k^T, recomputed where needed)."""
         thr = tiled_mma.get_slice(tidx)
         acc = cute.make_rmem_tensor(thr.partition_shape_C((C, C)), Float32)
         acc.fill(0.0)
         _mma.gemm_smem_ab_rolled(tiled_mma, acc,
                                  _mma.SmemOperand(tiled_mma, tidx, s_left, self.dtype, operand="A", transpose=False),
                                  _mma.SmemOperand(tiled_mma, tidx, s_k, self.dtype, operand="B", transpose=False))
-        return acc
-
-    @cute.jit
-    def store_raw_product(self, tiled_mma, tidx, s_left, s_k, out: cute.Tensor):
-        """out = left k^T as a float32 square (Gram = k k^T, QK = q k^T, recomputed where needed)."""
-        acc = self.raw_product(tiled_mma, tidx, s_left, s_k)
-        tiled_mma.get_slice(tidx).partition_C(out).store(acc.load())
+        thr.partition_C(out).store(acc.load())
 
     def transposed_operand(self, tiled_mma, tidx, s_tile):
         """The [K, 64] transpose of a [64, K] input-dtype tile as the B operand (ldmatrix.trans), partitioned
