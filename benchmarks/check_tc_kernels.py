@@ -304,6 +304,15 @@ def cp_case(layout: str, n_h: int, dtype):
     check(f"[CP 2 shards {layout} nh{n_h}] o vs float64", rel(o, torch.from_numpy(o_ref)), 8e-3)
 
 
+def _guarded(label: str, check, *args) -> None:
+    """Run one check; an exception is printed and counted as a failure, and the next check runs."""
+    try:
+        check(*args)
+    except Exception:
+        traceback.print_exc()
+        FAILURES.append(f"exception in {label}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one configuration per stage check")
@@ -327,32 +336,16 @@ def main() -> int:
     if args.cases is not None:
         cases = [cases[i] for i in args.cases]
     for fold in ((128, 128, 0), (128, 128, 1), (128, 128, 4), (64, 64, 4), (64, 128, 1), (128, 64, 4)):
-        try:
-            fold_case(*fold)
-        except Exception:
-            traceback.print_exc()
-            FAILURES.append(f"exception in fold {fold}")
+        _guarded(f"fold {fold}", fold_case, *fold)
     if args.fold_only:
         cases, args.backward, args.no_cp = [], False, True
     for case in cases:
-        try:
-            one_device_case(*case)
-        except Exception:
-            traceback.print_exc()
-            FAILURES.append(f"exception in {case}")
+        _guarded(f"{case}", one_device_case, *case)
     if args.backward:
         for case in (([700, 1300, 64], 2, 128, 2, 4), ([1024], 2, 128, 1, None), ([500, 548], 2, 64, 3, 3)):
-            try:
-                backward_case(*case)
-            except Exception:
-                traceback.print_exc()
-                FAILURES.append(f"exception in backward {case}")
+            _guarded(f"backward {case}", backward_case, *case)
     for layout in () if args.no_cp else ("spanning", "packed", "rows"):
-        try:
-            cp_case(layout, 2, torch.bfloat16)
-        except Exception:
-            traceback.print_exc()
-            FAILURES.append(f"exception in CP {layout}")
+        _guarded(f"CP {layout}", cp_case, layout, 2, torch.bfloat16)
     print(f"\n{len(FAILURES)} failed checks" + (": " + "; ".join(FAILURES) if FAILURES else ""), flush=True)
     return 1 if FAILURES else 0
 
