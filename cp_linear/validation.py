@@ -20,6 +20,7 @@ Glossary
 
 from __future__ import annotations
 
+import math
 import zlib
 from typing import Any, Sequence
 
@@ -85,15 +86,41 @@ def describe_failed(checks: Sequence[tuple[str, str]], failed: Sequence[bool]) -
     return "; ".join(parts) if parts else None
 
 
-def gdp_value_flags(q, k, v, g, beta) -> list:
-    """The ``GDP_VALUE_CHECKS`` as 0-d boolean arrays (True = failed), computed where the inputs live.
+def value_bounds(x, extrema=None):
+    """(min, max) of ``x`` as 0-d arrays, or None when ``x`` is empty. NaN propagates through min and
+    max (torch, JAX, numpy), so both bounds are finite exactly when every value is: a check reads
+    each input once and writes nothing, where ``all(isfinite(x))`` also writes and rereads a mask.
+    ``extrema``: a one-pass (min, max) of the frontend (torch.aminmax); default two reductions."""
+    if math.prod(x.shape) == 0:
+        return None
+    if extrema is not None:
+        return extrema(x)
+    xp = array_api_compat.array_namespace(x)
+    return xp.min(x), xp.max(x)
+
+
+def nonfinite_flag(x, bounds):
+    """0-d bool: ``x`` holds NaN/Inf, from its ``value_bounds`` (None: empty, nothing to flag)."""
+    xp = array_api_compat.array_namespace(x)
+    if bounds is None:
+        return ~xp.all(xp.isfinite(x))
+    low, high = bounds
+    return ~(xp.isfinite(low) & xp.isfinite(high))
+
+
+def gdp_value_flags(q, k, v, g, beta, *, extrema=None) -> list:
+    """The ``GDP_VALUE_CHECKS`` as 0-d boolean arrays (True = failed), computed where the inputs live
+    from each input's min and max (``value_bounds``: one read per input with ``extrema``).
 
     No host read here: the caller stacks them and reads them once (or ships them in an agreement).
     """
     xp = array_api_compat.array_namespace(q)
-    flags = [~xp.all(xp.isfinite(x)) for x in (q, k, v, g, beta)]
-    flags.append(xp.any(g > 0))
-    flags.append(xp.any((beta < 0) | (beta > BETA_MAX)))
+    bounds = [value_bounds(x, extrema) for x in (q, k, v, g, beta)]
+    flags = [nonfinite_flag(x, b) for x, b in zip((q, k, v, g, beta), bounds)]
+    g_bounds, beta_bounds = bounds[3], bounds[4]
+    flags.append(xp.any(g > 0) if g_bounds is None else g_bounds[1] > 0)
+    flags.append(xp.any((beta < 0) | (beta > BETA_MAX)) if beta_bounds is None
+                 else (beta_bounds[0] < 0) | (beta_bounds[1] > BETA_MAX))
     return flags
 
 
@@ -199,6 +226,6 @@ def gdp_sequence_bad(state_bad: Array, cu_seqlens: Array | None) -> Array:
 __all__ = [
     "BETA_MAX", "GDP_VALUE_CHECKS", "MAX_KEY_DIM", "MAX_VALUE_DIM", "NONFINITE", "any_in_ranges",
     "attention_dims_error", "describe_failed", "digest", "gdp_bad_tokens", "gdp_dims_error", "gdp_sequence_bad",
-    "gdp_token_poison", "gdp_trailing_bad", "gdp_value_flags", "nonfinite_message", "nonfinite_rows", "poison",
-    "sanitize", "sequence_start_index",
+    "gdp_token_poison", "gdp_trailing_bad", "gdp_value_flags", "nonfinite_flag", "nonfinite_message", "nonfinite_rows",
+    "poison", "sanitize", "sequence_start_index", "value_bounds",
 ]

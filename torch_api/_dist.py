@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from cp_linear.validation import describe_failed, digest
+from cp_linear.validation import describe_failed, digest, nonfinite_flag, value_bounds
 
 HEADER_LEN = 32  # int64 per rank in every agreement header, whatever the call site
 HEADER_MAGIC = 0x63706C696E  # "cplin": a header, not a stray data buffer of the same size
@@ -55,8 +55,8 @@ def value_flags_tensor(flags) -> torch.Tensor:
 
 
 def nonfinite_flags(*tensors: torch.Tensor) -> torch.Tensor:
-    """bool [n] on the tensors' device: True where a tensor holds NaN/Inf (no host read)."""
-    return value_flags_tensor([~torch.isfinite(x).all() for x in tensors])
+    """bool [n] on the tensors' device: True where a tensor holds NaN/Inf (no host read; one aminmax per tensor)."""
+    return value_flags_tensor([nonfinite_flag(x, value_bounds(x, torch.aminmax)) for x in tensors])
 
 
 def read_value_flags(flags: torch.Tensor) -> list[bool]:

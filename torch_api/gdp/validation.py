@@ -68,7 +68,7 @@ def gdp_input_error(q, k, v, g, beta, *, num_householder, scale, cu_seqlens=None
 
 def gdp_value_flags(q, k, v, g, beta) -> torch.Tensor:
     """bool [7] on the inputs' device, in ``cp_linear.validation.GDP_VALUE_CHECKS`` order (no host read)."""
-    return value_flags_tensor(core_gdp_value_flags(q, k, v, g, beta))
+    return value_flags_tensor(core_gdp_value_flags(q, k, v, g, beta, extrema=torch.aminmax))
 
 
 def raise_failed_checks(checks, flags: torch.Tensor, what: str) -> None:

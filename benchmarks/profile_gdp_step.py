@@ -1,0 +1,98 @@
+"""Where a GDP training step's time goes beyond the kernels: aten ops by GPU time, host syncs with
+the Python line that caused them, and wall vs kernel time with and without ``check_inputs``.
+
+    python benchmarks/profile_gdp_step.py [--tokens 8192 32768] [--out DIR]
+
+Same step as bench_gdp_train.py (one sequence, H = 16, K = V = 128, n_h = 2, bf16, l2norm, loss
+<o, dO> + <S_T, dS>) on the CuTeDSL backend. Writes a Chrome trace per size to DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from torch_api import gated_delta_product
+from torch_api.gdp.cutedsl import CuTeDSLGatedDeltaProductCPBackend
+
+# host calls that wait for the GPU (a sync leaves the GPU idle while Python catches up)
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense",
+               "aten::item", "aten::nonzero")
+
+
+def make_step(tokens: int, nh: int, heads: int, check_inputs: bool):
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    rand = lambda *shape: torch.randn(*shape, device="cuda", generator=gen)  # noqa: E731
+    q = rand(1, tokens, heads, 128).bfloat16()
+    k = rand(1, tokens * nh, heads, 128).bfloat16()
+    v = rand(1, tokens * nh, heads, 128).bfloat16()
+    g = torch.nn.functional.logsigmoid(rand(1, tokens, heads) + 3.0)
+    beta = torch.sigmoid(rand(1, tokens * nh, heads))
+    do, dfinal = rand(1, tokens, heads, 128).bfloat16(), rand(1, heads, 128, 128)
+    backend = CuTeDSLGatedDeltaProductCPBackend(backward="kernels")
+
+    def step():
+        leaves = [x.detach().requires_grad_() for x in (q, k, v, g, beta)]
+        o, final = gated_delta_product(*leaves, num_householder=nh, use_qk_l2norm_in_kernel=True, backend=backend,
+                                       check_inputs=check_inputs)
+        torch.autograd.backward([o, final], [do, dfinal])
+    return step
+
+
+def wall_ms(step, repeat: int = 10) -> float:
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def profile_step(step, tokens: int, out: str) -> None:
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        step()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(os.path.join(out, f"trace_{tokens}.json"))
+    averages = prof.key_averages()
+    kernel_ms = sum(e.self_device_time_total for e in averages if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
+    print(f"\n== T={tokens}: kernel time {kernel_ms:.3f} ms; aten ops by GPU time (incl. children)")
+    ops = [e for e in averages if e.key.startswith("aten::") and e.device_time_total > 0]
+    for e in sorted(ops, key=lambda e: -e.device_time_total)[:25]:
+        print(f"  {e.key:<40} calls {e.count:>4}  gpu {e.device_time_total / 1e3:8.3f} ms  cpu {e.cpu_time_total / 1e3:8.3f} ms")
+    print(f"== T={tokens}: host syncs (with the Python lines that issued them)")
+    for e in prof.key_averages(group_by_stack_n=6):
+        if e.key in SYNC_EVENTS:
+            stack = " <- ".join(line for line in e.stack if "cp_linear" in line or "torch_api" in line or "bench" in line)
+            print(f"  {e.key:<28} x{e.count:<3} cpu {e.cpu_time_total / 1e3:7.3f} ms  {stack[:400]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
+    parser.add_argument("--nh", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--out", default="out/profile_gdp_step")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    for tokens in args.tokens:
+        for check in (True, False):
+            step = make_step(tokens, args.nh, args.heads, check)
+            print(f"T={tokens} check_inputs={check}: wall {wall_ms(step):.3f} ms per fwd+bwd", flush=True)
+        profile_step(make_step(tokens, args.nh, args.heads, True), tokens, args.out)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
