@@ -53,7 +53,7 @@ class ChunkPrepBackwardKernel:
                  d_p: cute.Tensor,  # [C_max, H, NQ, 64] float32
                  d_scalars: cute.Tensor,  # [C_max, H, 4, 64] float32: db, dc, dd
                  dq_scan: cute.Tensor, dk_scan: cute.Tensor,  # [T_all, H, K], [S_all, H, K] float32
-                 dq: cute.Tensor, dk: cute.Tensor,  # (out) float32, like dq_scan / dk_scan
+                 dq: cute.Tensor, dk: cute.Tensor,  # (out) input dtype: the final gradients
                  dg: cute.Tensor, dbeta: cute.Tensor,  # (out) [T_all, H], [S_all, H] float32
                  scale: Float32, use_l2: Int32, num_householder: Int32, stream):
         tiled_mma = _mma.make_tiled_mma(self.dtype, WARPS)
@@ -324,11 +324,11 @@ def load_rows(acc: cute.Tensor, coords: cute.Tensor, scan: cute.Tensor, row0, ro
 
 @cute.jit
 def store_rows(acc: cute.Tensor, coords: cute.Tensor, out: cute.Tensor, row0, rows, head):
-    """out[row0 + r, head, c] = acc for rows r < ``rows``."""
+    """out[row0 + r, head, c] = acc (rounded to out's dtype) for rows r < ``rows``."""
     for e in cutlass.range_constexpr(cute.size(acc)):
         r, c = coords[e]
         if r < rows:
-            out[row0 + r, head, c] = acc[e]
+            out[row0 + r, head, c] = acc[e].to(out.element_type)
 
 
 def float_transposed(tile: cute.Tensor) -> cute.Tensor:

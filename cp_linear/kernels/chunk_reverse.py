@@ -272,7 +272,7 @@ class ChunkReverseKernel:
                  grad_out: cute.Tensor,  # [S_max, H, V, K] float32: each segment's outgoing state gradient
                  chunk_states: cute.Tensor,  # [C_max, H, V, K] input dtype (workspace)
                  grad_in: cute.Tensor,  # [S_max, H, V, K] float32 (out): gradient at each segment's start
-                 dv: cute.Tensor,  # [S_all, H, V] float32 (out)
+                 dv: cute.Tensor,  # [S_all, H, V] input dtype (out)
                  dq_scan: cute.Tensor,  # [T_all, H, K] float32 (out)
                  dk_scan: cute.Tensor,  # [S_all, H, K] float32 (out)
                  d_ta: cute.Tensor, d_tb: cute.Tensor,  # [C_max, H, 64, 64] float32 (out)
@@ -417,7 +417,7 @@ class ChunkReverseKernel:
         for e in cutlass.range_constexpr(cute.size(dv_t)):
             r, j = step_coords[e]
             if j < steps:
-                dv[first + j, head, r] = dv_t[e]
+                dv[first + j, head, r] = dv_t[e].to(dtype)
         z = cute.make_rmem_tensor(thr.partition_shape_C((V, C)), Float32)
         z.fill(0.0)
         _mma.gemm_smem_b(rows_mma, z, dd_a, _b_operand(rows_mma, tidx, _mma.transposed_view(s_ta, C, C), dtype, True))

@@ -575,7 +575,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         f32 = dict(dtype=torch.float32, device=device)
         tokens_all, steps_all = shard.q.shape[0], shard.k.shape[0]
         grad_in = torch.empty_like(grad_out)
-        dv = torch.empty(steps_all, heads, value_dim, **f32)
+        dv = torch.empty(steps_all, heads, value_dim, dtype=shard.q.dtype, device=device)  # final: input dtype
         dq_scan = torch.empty(tokens_all, heads, key_dim, **f32)
         dk_scan = torch.empty(steps_all, heads, key_dim, **f32)
         d_ta = torch.empty(chunks, heads, 64, 64, **f32)
@@ -591,7 +591,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             chunk_states=torch.empty(chunks, heads, value_dim, key_dim, dtype=shard.q.dtype, device=device),
             grad_in=grad_in, dv=dv, dq_scan=dq_scan, dk_scan=dk_scan, d_ta=d_ta, d_tb=d_tb, d_p=d_p,
             d_scalars=d_scalars, num_householder=inputs.num_householder).run()
-        dq, dk = torch.empty_like(dq_scan), torch.empty_like(dk_scan)
+        dq, dk = torch.empty_like(dq_scan, dtype=shard.q.dtype), torch.empty_like(dk_scan, dtype=shard.q.dtype)
         dg = torch.empty(tokens_all, heads, **f32)
         dbeta = torch.empty(steps_all, heads, **f32)
         kl.ChunkPrepBackwardLaunch(
