@@ -124,3 +124,88 @@ def test_gdp_zigzag_matches_contiguous_one_device_and_float64(gloo_pools, world)
                         tolerance(length, compared_with="rounded"))
             check_close(f"{label} zigzag vs contiguous", zigzag[key], contiguous[key],
                         tolerance(length, compared_with="rounded"))
+
+
+# --------------------------------------------------------------------------- block-diagonal attention
+
+
+def attention_cases(world):
+    total, chunk = world * LOCAL_LEN, LOCAL_LEN // 2
+    return {
+        "one-document": np.ones(total, np.int64),
+        "documents-and-padding": np.repeat([1, 0, 2, 3, 0, 4], [chunk + 1, 2, chunk + 2, 3, 1, total - 2 * chunk - 9]),
+        "documents-end-on-chunk-boundaries": np.repeat(np.arange(1, 2 * world + 1), chunk),
+        "padding-chunk-in-the-middle": np.repeat([1, 0, 2], [chunk * world - chunk, 2 * chunk, chunk * world - chunk]),
+    }
+
+
+def attention_inputs(seed, total):
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(1, total, 4, 8))
+    k, v = rng.normal(size=(2, 1, total, 2, 8))
+    return q, k, v, rng.normal(size=q.shape)
+
+
+def run_attention_layouts(rank, world, cases):
+    from torch_api.attention.blockdiag import blockdiag_attention
+
+    results = []
+    for index, doc_ids in enumerate(cases.values()):
+        q, k, v, grad_out = attention_inputs(index, world * LOCAL_LEN)
+        per_layout = {}
+        for layout in ("contiguous", "zigzag"):
+            positions = local_positions(world * LOCAL_LEN, world, rank, layout)
+            leaves = [torch.tensor(x[:, positions], dtype=torch.float32, requires_grad=True) for x in (q, k, v)]
+            out = blockdiag_attention(*leaves, doc_ids, cp_group=dist.group.WORLD, mode="auto", kernel="sdpa",
+                                      layout=layout)
+            (out * torch.tensor(grad_out[:, positions], dtype=torch.float32)).sum().backward()
+            per_layout[layout] = {"o": out.detach().double().numpy(),
+                                  **{f"d{n}": t.grad.double().numpy() for n, t in zip("qkv", leaves)}}
+        results.append(per_layout)
+    return results
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_attention_zigzag_matches_contiguous_and_full_sequence(gloo_pools, world):
+    from tests.tolerance import attention_length
+    from torch_api.attention.naive import naive_blockdiag_attention
+
+    cases = attention_cases(world)
+    results = gloo_pools(world).run(run_attention_layouts, cases)
+    tol = tolerance(attention_length(world * LOCAL_LEN, 8))
+    for index, (name, doc_ids) in enumerate(cases.items()):
+        q, k, v, grad_out = attention_inputs(index, world * LOCAL_LEN)
+        leaves = [torch.tensor(x, requires_grad=True) for x in (q, k, v)]
+        out = naive_blockdiag_attention(*leaves, torch.from_numpy(doc_ids))
+        out.backward(torch.tensor(grad_out))
+        expected = {"o": out.detach().numpy(), **{f"d{n}": t.grad.numpy() for n, t in zip("qkv", leaves)}}
+        zigzag = scatter_to_global([r[index]["zigzag"] for r in results], world, "zigzag", 1)
+        contiguous = scatter_to_global([r[index]["contiguous"] for r in results], world, "contiguous", 1)
+        padding = doc_ids == 0
+        for key in expected:
+            label = f"{name} (world {world}) {key}"
+            check_close(f"{label} zigzag vs float64", zigzag[key], expected[key], tol)
+            check_close(f"{label} zigzag vs contiguous", zigzag[key], contiguous[key], 2 * tol)
+            assert not np.any(zigzag[key][:, padding]), f"{label}: padding rows must be exactly 0"
+
+
+def attention_errors(rank, world, mode, layout):
+    from torch_api.attention.blockdiag import blockdiag_attention
+
+    q = torch.zeros(1, LOCAL_LEN, 2, 8)
+    try:
+        blockdiag_attention(q, q, q, np.ones(world * LOCAL_LEN, np.int64), cp_group=dist.group.WORLD, mode=mode,
+                            layout=layout)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("mode, layout, expected", [
+    pytest.param("halo", "zigzag", "layout='zigzag' exchanges K/V by all-gather; mode='halo'", id="zigzag-halo"),
+    pytest.param("a2a", "zigzag", "mode='a2a' is not supported", id="zigzag-a2a"),
+    pytest.param("auto", "diagonal", "layout must be one of", id="unknown-layout"),
+])
+def test_attention_unsupported_zigzag_option_raises_on_every_rank(gloo_pools, mode, layout, expected):
+    messages = gloo_pools(2).run(attention_errors, mode, layout)
+    assert all(m is not None and expected in m for m in messages), messages
