@@ -89,10 +89,11 @@ def inverse_permutation(perm: np.ndarray) -> np.ndarray:
     return inverse
 
 
-def summary_order(cp_size: int, layout: str) -> np.ndarray:
-    """int64 [virtual shards]: entry c is where virtual shard c's summary sits in the rank-major
-    gathered stack ``[cp · shards_per_rank]`` (rank r's summaries in local order): the index that puts
-    the gathered summaries in sequence order, so the contiguous layout's slices apply to it."""
+def gathered_chunk_order(cp_size: int, layout: str) -> np.ndarray:
+    """int64 [virtual shards]: entry c is where chunk (virtual shard) c sits in a rank-major gathered
+    stack ``[cp · chunks_per_rank]`` (rank r's per-chunk items in local order): the index that puts
+    gathered per-chunk items (GDP summaries, the conv's chunk tails) in sequence order, so that the
+    contiguous layout's slices apply to them."""
     per_rank = virtual_shard_count(cp_size, layout) // cp_size
     order = np.empty(cp_size * per_rank, np.int64)
     for rank in range(cp_size):
@@ -223,7 +224,7 @@ __all__ = [
     "layout_permutation",
     "local_positions",
     "rank_chunks",
-    "summary_order",
+    "gathered_chunk_order",
     "virtual_rank_ranges",
     "virtual_shard_count",
 ]

@@ -209,3 +209,77 @@ def attention_errors(rank, world, mode, layout):
 def test_attention_unsupported_zigzag_option_raises_on_every_rank(gloo_pools, mode, layout, expected):
     messages = gloo_pools(2).run(attention_errors, mode, layout)
     assert all(m is not None and expected in m for m in messages), messages
+
+
+# --------------------------------------------------------------------------- HybridDecoder
+
+
+def decoder_doc_ids(world):
+    total, chunk = world * LOCAL_LEN, LOCAL_LEN // 2
+    # document 2 crosses several chunk boundaries (conv taps and RoPE positions reach across them)
+    return {"packed": np.repeat([1, 2, 0, 3], [chunk - 2, total - 2 * chunk, 3, chunk - 1]), "rows": None}
+
+
+def decoder_model():
+    from cp_linear.model_config import DecoderConfig
+    from torch_api.layers import HybridDecoder
+
+    torch.manual_seed(0)  # the same weights on every rank and on the host
+    config = DecoderConfig(vocab_size=13, hidden_size=16, num_layers=4, num_heads=2, head_dim=8, num_kv_heads=1)
+    return HybridDecoder(config)
+
+
+def decoder_inputs(world):
+    rng = np.random.default_rng(world)
+    tokens = rng.integers(0, 13, size=(1, world * LOCAL_LEN))
+    return tokens, rng.normal(size=(1, world * LOCAL_LEN, 13))
+
+
+def run_decoder_layouts(rank, world, cases):
+    from torch_api.layers import build_shard_layout
+
+    tokens, cotangent = decoder_inputs(world)
+    results = []
+    for doc_ids in cases.values():
+        per_layout = {}
+        for name in ("contiguous", "zigzag"):
+            model = decoder_model()
+            layout = build_shard_layout(total_len=world * LOCAL_LEN, doc_ids=doc_ids, cp_group=dist.group.WORLD,
+                                        layout=name)
+            positions = layout.global_positions
+            logits = model(torch.from_numpy(tokens[:, positions]), layout=layout)
+            (logits * torch.tensor(cotangent[:, positions], dtype=torch.float32)).sum().backward()
+            per_layout[name] = {"o": logits.detach().double().numpy(),
+                                "grads": {n: p.grad.double().numpy() for n, p in model.named_parameters()}}
+        results.append(per_layout)
+    return results
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_decoder_zigzag_matches_contiguous_and_one_device(gloo_pools, world):
+    from tests.tolerance import decoder_length
+
+    cases = decoder_doc_ids(world)
+    results = gloo_pools(world).run(run_decoder_layouts, cases)
+    tokens, cotangent = decoder_inputs(world)
+    total = world * LOCAL_LEN
+    for index, (name, doc_ids) in enumerate(cases.items()):
+        model = decoder_model()
+        logits = model(torch.from_numpy(tokens), doc_ids=None if doc_ids is None else torch.from_numpy(doc_ids))
+        (logits * torch.tensor(cotangent, dtype=torch.float32)).sum().backward()
+        one_device = {"o": logits.detach().double().numpy(), "grads": {n: p.grad.numpy() for n, p in
+                                                                       model.named_parameters()}}
+        tol = tolerance(decoder_length(model.config, total) + model.config.vocab_size * total,
+                        compared_with="rounded")
+        by_layout = {}
+        for layout in ("contiguous", "zigzag"):
+            per_rank = [r[index][layout] for r in results]
+            logits = scatter_to_global([{"o": got["o"]} for got in per_rank], world, layout, 1)["o"]
+            grads = {n: sum(got["grads"][n] for got in per_rank) for n in per_rank[0]["grads"]}  # the all-reduce
+            by_layout[layout] = (logits, grads)
+        for reference_name, (logits, grads) in (("one-device", (one_device["o"], one_device["grads"])),
+                                                ("contiguous", by_layout["contiguous"])):
+            label = f"{name} (world {world}) zigzag vs {reference_name}"
+            check_close(f"{label} logits", by_layout["zigzag"][0], logits, tol)
+            for param, grad in grads.items():
+                check_close(f"{label} d{param}", by_layout["zigzag"][1][param], grad, tol)

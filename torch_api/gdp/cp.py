@@ -36,7 +36,7 @@ from cp_linear.zigzag import (
     LAYOUTS,
     ZigzagCPMetadata,
     build_zigzag_cp_metadata,
-    summary_order,
+    gathered_chunk_order,
     virtual_rank_ranges,
 )
 from cp_linear.summary import (
@@ -477,7 +477,7 @@ def _zigzag_gdp(q, k, v, g, beta, backend, group, rank, world, metadata, scale, 
         if metadata is not None:
             cu_seqlens = tuple(torch.tensor(shard.local_cu_seqlens, dtype=torch.int32).to(q.device)
                                for shard in metadata.shards)
-    call = ZigzagCall(backend, group, ranges, torch.from_numpy(summary_order(world, "zigzag")),
+    call = ZigzagCall(backend, group, ranges, torch.from_numpy(gathered_chunk_order(world, "zigzag")),
                       float(scale) if error is None else 0.0, num_householder, bool(l2norm), cu_seqlens, error,
                       tuple(signature))
     if error is not None and not all(isinstance(x, torch.Tensor) for x in (q, k, v, g, beta)):

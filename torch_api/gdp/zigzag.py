@@ -6,7 +6,7 @@ per chunk, unchanged; the exchange is the contiguous layout's over 2·cp virtual
 
     rank r:  prepare chunk r, prepare chunk 2cp-1-r   (zero incoming state)
              -> agreement -> one all-gather of the pair [2, H, K, V + K]    -> [cp, 2, ...]
-             -> sequence order (cp_linear.zigzag.summary_order)             -> [s_0, ..., s_{2cp-1}]
+             -> sequence order (cp_linear.zigzag.gathered_chunk_order)             -> [s_0, ..., s_{2cp-1}]
              -> per chunk c: apply with [s_start .. s_{c-1}]                 (start from its metadata)
 
 The backward is the same with ``[gamma | M^T]`` and the following slices ``[c + 1, stop)``. The fold
@@ -46,7 +46,7 @@ def zigzag_option_error(summary_exchange: str, with_states: bool, check_inputs: 
 class ZigzagCall:
     """One zig-zag GDP call: ``ranges`` per local chunk ``(chunk, preceding_start, following_stop)``
     (``cp_linear.zigzag.virtual_rank_ranges``), ``cu_seqlens`` per chunk (None for batch rows) and
-    ``order`` int64 [2·cp] (``cp_linear.zigzag.summary_order``)."""
+    ``order`` int64 [2·cp] (``cp_linear.zigzag.gathered_chunk_order``)."""
 
     backend: object
     group: dist.ProcessGroup
