@@ -162,7 +162,8 @@ def build_zigzag_cp_metadata(global_seq_idx, cp_rank: int, cp_size: int) -> Zigz
     """``ZigzagCPMetadata`` of ``cp_rank`` from the replicated ids int [1, T] in *global* (sequence)
     order, T divisible by ``2·cp_size``."""
     _check_cp(cp_rank, cp_size)
-    ids = validate_global_seq_idx(global_seq_idx, 2 * cp_size).reshape(1, -1)
+    ids = validate_global_seq_idx(global_seq_idx, cp_size).reshape(1, -1)
+    _chunk_len(ids.shape[1], cp_size, "zigzag")  # names the zig-zag's own divisibility rule
     shards = tuple(build_packed_sequence_cp_metadata(ids, chunk, 2 * cp_size)
                    for chunk in rank_chunks(cp_rank, cp_size, "zigzag"))
     return ZigzagCPMetadata(shards, cp_rank, cp_size)
