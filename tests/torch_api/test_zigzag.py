@@ -283,3 +283,45 @@ def test_decoder_zigzag_matches_contiguous_and_one_device(gloo_pools, world):
             check_close(f"{label} logits", by_layout["zigzag"][0], logits, tol)
             for param, grad in grads.items():
                 check_close(f"{label} d{param}", by_layout["zigzag"][1][param], grad, tol)
+
+
+# --------------------------------------------------------------------------- unsupported options
+
+
+def gdp_errors(rank, world, scenario):
+    from cp_linear import build_packed_sequence_cp_metadata
+
+    total = world * LOCAL_LEN
+    positions = local_positions(total, world, rank, "zigzag")
+    arrays = gdp_arrays(0, tokens=total, heads=HEADS, key_dim=KEY_DIM, value_dim=VALUE_DIM)
+    leaves = [x[:, positions].contiguous() for x in to_torch(arrays)]
+    ids = seq_idx_from_lengths([5, total - 5])
+    options = dict(cp_group=dist.group.WORLD, global_seq_idx=ids, layout="zigzag", backend=TorchGDPBackend(4))
+    if scenario == "scan":
+        options["summary_exchange"] = "scan"
+    elif scenario == "states":
+        options["output_final_state"] = True
+    elif scenario == "unchecked":
+        options["check_inputs"] = False
+    elif scenario == "contiguous-metadata":
+        options.pop("global_seq_idx")
+        options["metadata"] = build_packed_sequence_cp_metadata(ids, rank, world)
+    elif scenario == "one-rank-contiguous" and rank == 1:
+        options["layout"] = "contiguous"
+    try:
+        gdp_chunkwise_context_parallel(*leaves, **options)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("scenario, expected", [
+    pytest.param("scan", "summary_exchange='scan' is not supported", id="scan"),
+    pytest.param("states", "does not support initial_state / output_final_state", id="states"),
+    pytest.param("unchecked", "needs check_inputs=True", id="unchecked"),
+    pytest.param("contiguous-metadata", "needs a cp_linear.zigzag.ZigzagCPMetadata", id="contiguous-metadata"),
+    pytest.param("one-rank-contiguous", "disagree", id="ranks-disagree-on-layout"),
+])
+def test_gdp_unsupported_zigzag_option_raises_on_every_rank(gloo_pools, scenario, expected):
+    messages = gloo_pools(2).run(gdp_errors, scenario)
+    assert all(m is not None and expected in m for m in messages), messages
