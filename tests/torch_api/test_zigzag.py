@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cp_linear import reference as ref
 from cp_linear.zigzag import local_positions
 from tests.cp_linear.gdp_cases import seq_idx_from_lengths
 from tests.tolerance import gdp_length, tolerance
