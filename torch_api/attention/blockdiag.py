@@ -23,6 +23,12 @@ instead of a routing looks the routing up in a small cache keyed by the tensor's
 version, so an in-place edit builds a new routing (and a new fingerprint, which the header compares).
 The layers (``torch_api.layers``) fold their own checks into this header; under a ``HybridDecoder``,
 whose one agreement per step covers every layer, they skip it when ``check_inputs=False``.
+
+Zig-zag layout (``layout="zigzag"``, ``cp_linear.zigzag``): rank r holds chunks r and 2·cp−1−r. The
+plan is the contiguous one over 2·cp virtual shards (one per chunk, global positions), each local
+chunk is one *query piece* attending its own key range; K/V travel by all-gather and are put back in
+global order (the backward: reduce-scatter after the reverse permutation). The halo and a2a modes
+are contiguous-only: asking for them under zig-zag is an error on every rank ("auto" all-gathers).
 """
 
 from __future__ import annotations
@@ -50,9 +56,25 @@ from cp_linear.validation import NONFINITE, attention_dims_error, digest
 from torch_api._dist import agree_or_raise, nonfinite_flags, resolve_group
 from torch_api.attention.exchange import all_gather_kv, left_halo_kv, needed_kv_all_to_all
 from torch_api.attention.kernel import KERNELS, DocCausalLayout, resolve_kernel
+from cp_linear.zigzag import LAYOUTS, inverse_permutation, layout_permutation, rank_chunks
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _CACHE_SIZE = 8
+
+
+@dataclass(frozen=True)
+class QueryPiece:
+    """Local queries ``[query_lo, query_hi)`` attend the global keys ``[key_start, key_stop)`` under
+    ``layout``: the whole shard (contiguous layout) or one chunk (zig-zag)."""
+
+    query_lo: int
+    query_hi: int
+    key_start: int
+    key_stop: int
+    layout: DocCausalLayout
+
+    def fingerprint(self) -> tuple:
+        return (self.query_lo, self.query_hi, self.key_start, self.key_stop, self.layout.fingerprint())
 
 
 @dataclass
@@ -63,6 +85,9 @@ class BlockDiagRouting:
     exchange        this rank's ``cp_linear.plan.ExchangeRouting`` (the resolved mode, the window
                     it receives, the key range it attends to, the a2a splits); None on error
     error           a local problem found while preparing; raised on every rank by the first call
+    shard_layout    "contiguous" or "zigzag" (``cp_linear.zigzag``); under zig-zag ``plan`` is the plan
+                    of the 2·cp chunks and ``pieces`` has one entry per local chunk
+    pieces          the ``QueryPiece`` s of the local queries, in local order
     """
 
     group: dist.ProcessGroup
@@ -74,6 +99,8 @@ class BlockDiagRouting:
     exchange: ExchangeRouting | None = None
     layout: DocCausalLayout | None = None
     error: str | None = None
+    shard_layout: str = "contiguous"
+    pieces: tuple[QueryPiece, ...] = ()
     _send_index: dict = field(default_factory=dict, repr=False)
     _seal: int = field(default=-1, repr=False)
 
@@ -84,7 +111,8 @@ class BlockDiagRouting:
             exchange.halo_len, exchange.in_splits, exchange.out_splits,
             None if exchange.send_index is None else exchange.send_index.tobytes())
         return (self.rank, self.cp_size, self.requested_mode, self.doc_fingerprint, self.plan, routed, self.error,
-                None if self.layout is None else self.layout.fingerprint())
+                None if self.layout is None else self.layout.fingerprint(), self.shard_layout,
+                tuple(piece.fingerprint() for piece in self.pieces))
 
     def seal(self) -> None:
         """Record a digest of every derived field (``prepare_blockdiag`` does this once)."""
@@ -102,14 +130,29 @@ class BlockDiagRouting:
         """The exchange actually used: "allgather", "halo" or "a2a" (None on error)."""
         return None if self.exchange is None else self.exchange.mode
 
+    @property
+    def local_len(self) -> int:
+        """L, the local query rows (under zig-zag the plan's shards are chunks of L / 2)."""
+        return self.plan.local_len * (2 if self.shard_layout == "zigzag" else 1)
+
     def send_index(self, device: torch.device) -> torch.Tensor:
         if device not in self._send_index:
             self._send_index[device] = torch.from_numpy(self.exchange.send_index).to(device)
         return self._send_index[device]
 
+    def global_order(self, device: torch.device) -> torch.Tensor:
+        """int64 [T] (zig-zag): the rows of the rank-ordered gathered shards in global order."""
+        key = ("global_order", device)
+        if key not in self._send_index:
+            total = self.plan.local_len * self.plan.cp_size
+            order = inverse_permutation(layout_permutation(total, self.cp_size, self.shard_layout))
+            self._send_index[key] = torch.from_numpy(order).to(device)
+        return self._send_index[key]
+
     def signature(self) -> list[int]:
         mode_id = EXCHANGE_MODES.index(self.mode) if self.mode in EXCHANGE_MODES else -1
-        return [mode_id, self.cp_size, *self.doc_fingerprint]
+        layout_id = LAYOUTS.index(self.shard_layout) if self.shard_layout in LAYOUTS else -1
+        return [mode_id, self.cp_size, *self.doc_fingerprint, layout_id]
 
 
 def _fingerprint(ids: np.ndarray | None) -> tuple[int, int]:
@@ -118,17 +161,46 @@ def _fingerprint(ids: np.ndarray | None) -> tuple[int, int]:
     return (int(ids.shape[0]), ids_fingerprint(ids))
 
 
-def prepare_blockdiag(doc_ids, cp_group, mode: str = "auto") -> BlockDiagRouting:
+def prepare_blockdiag(doc_ids, cp_group, mode: str = "auto", layout: str = "contiguous") -> BlockDiagRouting:
     """Build this rank's routing from the replicated ``doc_ids`` int [T]; local, no communication.
 
-    Problems (bad ids, a forced halo that cannot work, an unknown mode) are recorded, not raised:
-    the first ``blockdiag_attention`` call raises them on every rank at once.
+    ``layout``: "contiguous" or "zigzag" (``cp_linear.zigzag``; all-gather only). Problems (bad ids,
+    a forced halo that cannot work, an unknown mode or layout) are recorded, not raised: the first
+    ``blockdiag_attention`` call raises them on every rank at once.
     """
     group = resolve_group(cp_group)
     rank, cp_size = dist.get_rank(group), dist.get_world_size(group)
-    routing = _build_routing(doc_ids, group, rank, cp_size, mode)
+    if layout == "zigzag":
+        routing = _build_zigzag_routing(doc_ids, group, rank, cp_size, mode)
+    elif layout == "contiguous":
+        routing = _build_routing(doc_ids, group, rank, cp_size, mode)
+    else:
+        routing = BlockDiagRouting(group, rank, cp_size, mode, (-1, -1), shard_layout=str(layout),
+                                   error=f"layout must be one of {LAYOUTS}; received {layout!r}")
     routing.seal()
     return routing
+
+
+def _build_zigzag_routing(doc_ids, group, rank: int, cp_size: int, mode: str) -> BlockDiagRouting:
+    """The zig-zag routing: the contiguous plan of the 2·cp chunks, one query piece per local chunk."""
+    ids = plan = None
+    try:
+        if mode not in ("auto", "allgather"):
+            raise ValueError(f"layout='zigzag' exchanges K/V by all-gather; mode={mode!r} is not supported "
+                             "(use 'auto' or 'allgather')")
+        ids = validate_doc_ids(doc_ids, 2 * cp_size)
+        plan = build_blockdiag_plan(ids, 2 * cp_size)
+        chunk = plan.local_len
+        pieces = tuple(
+            QueryPiece(slot * chunk, (slot + 1) * chunk, plan.s_first[c], plan.real_end[c],
+                       DocCausalLayout.from_doc_ids(ids, c * chunk, chunk, plan.s_first[c], plan.real_end[c]))
+            for slot, c in enumerate(rank_chunks(rank, cp_size, "zigzag")))
+    except ValueError as err:
+        return BlockDiagRouting(group, rank, cp_size, mode, _fingerprint(ids), plan=plan, error=str(err),
+                                shard_layout="zigzag")
+    exchange = ExchangeRouting("allgather", rank, 0, min(p.key_start for p in pieces), max(p.key_stop for p in pieces))
+    return BlockDiagRouting(group, rank, cp_size, mode, _fingerprint(ids), plan=plan, exchange=exchange,
+                            shard_layout="zigzag", pieces=pieces)
 
 
 def _build_routing(doc_ids, group, rank: int, cp_size: int, mode: str) -> BlockDiagRouting:
@@ -143,7 +215,8 @@ def _build_routing(doc_ids, group, rank: int, cp_size: int, mode: str) -> BlockD
         return BlockDiagRouting(group, rank, cp_size, mode, _fingerprint(ids), plan=plan, error=str(err))
     local_len = plan.local_len
     layout = DocCausalLayout.from_doc_ids(ids, rank * local_len, local_len, exchange.key_start, exchange.key_stop)
-    return BlockDiagRouting(group, rank, cp_size, mode, _fingerprint(ids), plan=plan, exchange=exchange, layout=layout)
+    return BlockDiagRouting(group, rank, cp_size, mode, _fingerprint(ids), plan=plan, exchange=exchange, layout=layout,
+                            pieces=(QueryPiece(0, local_len, exchange.key_start, exchange.key_stop, layout),))
 
 
 # --------------------------------------------------------------------------- routing cache
@@ -152,17 +225,17 @@ def _build_routing(doc_ids, group, rank: int, cp_size: int, mode: str) -> BlockD
 _ROUTINGS: OrderedDict = OrderedDict()
 
 
-def _cached_routing(doc_ids, cp_group, mode: str) -> BlockDiagRouting:
+def _cached_routing(doc_ids, cp_group, mode: str, layout: str = "contiguous") -> BlockDiagRouting:
     """Reuse the routing of the same live ``doc_ids`` tensor (same version) within a step."""
     if not isinstance(doc_ids, torch.Tensor):
-        return prepare_blockdiag(doc_ids, cp_group, mode)
+        return prepare_blockdiag(doc_ids, cp_group, mode, layout)
     group = resolve_group(cp_group)
-    key = (id(doc_ids), doc_ids._version, id(group), mode)
+    key = (id(doc_ids), doc_ids._version, id(group), mode, layout)
     hit = _ROUTINGS.get(key)
     if hit is not None and hit[0]() is doc_ids:
         _ROUTINGS.move_to_end(key)
         return hit[1]
-    routing = prepare_blockdiag(doc_ids, group, mode)
+    routing = prepare_blockdiag(doc_ids, group, mode, layout)
     _ROUTINGS[key] = (weakref.ref(doc_ids), routing)
     while len(_ROUTINGS) > _CACHE_SIZE:
         _ROUTINGS.popitem(last=False)
@@ -172,7 +245,7 @@ def _cached_routing(doc_ids, cp_group, mode: str) -> BlockDiagRouting:
 # --------------------------------------------------------------------------- the public op
 
 
-def _check_call(routing: BlockDiagRouting, q, k, v, cp_group, mode, scale) -> str | None:
+def _check_call(routing: BlockDiagRouting, q, k, v, cp_group, mode, scale, layout="contiguous") -> str | None:
     """This call's local problem, or None. Runs on host metadata only."""
     if not isinstance(routing, BlockDiagRouting):
         return f"doc_ids must be ids or a BlockDiagRouting; received {type(routing).__name__}"
@@ -188,6 +261,8 @@ def _check_call(routing: BlockDiagRouting, q, k, v, cp_group, mode, scale) -> st
         return str(err)
     if mode not in ("auto", routing.requested_mode):
         return f"mode={mode!r} differs from the routing's mode={routing.requested_mode!r}"
+    if layout != routing.shard_layout:
+        return f"layout={layout!r} differs from the routing's layout={routing.shard_layout!r}"
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             return f"{name} must be a torch.Tensor; received {type(t).__name__}"
@@ -195,7 +270,7 @@ def _check_call(routing: BlockDiagRouting, q, k, v, cp_group, mode, scale) -> st
             return f"{name} must have shape [B, L, H, D]; received shape {tuple(t.shape)}"
     if k.shape != v.shape:
         return f"k and v must have the same shape; received {tuple(k.shape)} and {tuple(v.shape)}"
-    local_len = routing.plan.local_len
+    local_len = routing.local_len
     if q.shape[0] != k.shape[0] or q.shape[1] != local_len or k.shape[1] != local_len or q.shape[3] != k.shape[3]:
         return (f"expected q [B, L={local_len}, Hq, D] and k/v [B, L={local_len}, Hkv, D] with equal B and D; "
                 f"received q {tuple(q.shape)}, k/v {tuple(k.shape)}")
@@ -225,7 +300,9 @@ def exchange_window(routing: BlockDiagRouting, kv: torch.Tensor) -> torch.Tensor
     only for callers that already went through ``blockdiag_attention`` with this routing, e.g. benchmarks)."""
     exchange = routing.exchange
     if exchange.mode == "allgather":
-        return all_gather_kv(kv, routing.group)
+        window = all_gather_kv(kv, routing.group)
+        # zig-zag: the gathered shards hold chunks out of order; the window is global [0, T)
+        return window if routing.shard_layout == "contiguous" else window.index_select(0, routing.global_order(kv.device))
     if exchange.mode == "halo":
         return left_halo_kv(kv, exchange.halo_len, routing.group)
     return needed_kv_all_to_all(kv, routing.send_index(kv.device), list(exchange.in_splits),
@@ -237,7 +314,7 @@ QKV_CHECKS = tuple((name, f"{NONFINITE} in {name}") for name in ("q", "k", "v"))
 
 def blockdiag_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids, *, cp_group,
                         mode: str = "auto", scale: float | None = None, kernel: str = "auto",
-                        check_inputs: bool = True) -> torch.Tensor:
+                        check_inputs: bool = True, layout: str = "contiguous") -> torch.Tensor:
     """Block-diagonal causal attention of this rank's shard under CP (differentiable).
 
     q [B, L, Hq, D], k/v [B, L, Hkv, D]: the local shards (Hq a multiple of Hkv); ``doc_ids`` int [T]
@@ -250,20 +327,23 @@ def blockdiag_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_i
     check_inputs: NaN/Inf in q, k or v is an error (checked in the same agreement). With False the
     values are not read; a non-finite input is contained instead: outputs that attend to it are NaN,
     every other output (other documents, earlier tokens, padding) is exact.
+
+    layout: "contiguous" (rank r holds global tokens [r·L, (r+1)·L)) or "zigzag" (chunks r and
+    2·cp−1−r of 2·cp, ``cp_linear.zigzag``; ``doc_ids`` stay in global order; all-gather only).
     """
     return attend(q, k, v, doc_ids, cp_group=cp_group, mode=mode, scale=scale, kernel=kernel,
-                  check_inputs=check_inputs)
+                  check_inputs=check_inputs, layout=layout)
 
 
 def attend(q, k, v, doc_ids, *, cp_group, mode: str = "auto", scale: float | None = None, kernel: str = "auto",
            check_inputs: bool = True, extra_error: str | None = None, extra_signature=(),
-           what: str = "blockdiag_attention inputs", agreed: bool = False) -> torch.Tensor:
+           what: str = "blockdiag_attention inputs", agreed: bool = False, layout: str = "contiguous") -> torch.Tensor:
     """``blockdiag_attention`` with the layers' hooks: ``extra_error`` / ``extra_signature`` join this
     call's agreement header (one header for layer and op); ``agreed=True`` (only for a call a wider
     agreement already covered, and only without value checks) skips the header."""
-    routing = doc_ids if isinstance(doc_ids, BlockDiagRouting) else _cached_routing(doc_ids, cp_group, mode)
+    routing = doc_ids if isinstance(doc_ids, BlockDiagRouting) else _cached_routing(doc_ids, cp_group, mode, layout)
     group = routing.group if isinstance(routing, BlockDiagRouting) else resolve_group(cp_group)
-    error = extra_error or _check_call(routing, q, k, v, cp_group, mode, scale)
+    error = extra_error or _check_call(routing, q, k, v, cp_group, mode, scale, layout)
     kernel_name, needs_grad = None, -1
     if error is None:
         # a rank without autograd would skip the backward collectives: agree on it too
@@ -291,5 +371,5 @@ def run_blockdiag_op(q, k, v, routing: BlockDiagRouting, *, scale: float | None,
                                                    0.0 if scale is None else float(scale), kernel, contain)
 
 
-__all__ = ["BlockDiagRouting", "QKV_CHECKS", "attend", "blockdiag_attention", "exchange_window", "prepare_blockdiag",
+__all__ = ["BlockDiagRouting", "QKV_CHECKS", "QueryPiece", "attend", "blockdiag_attention", "exchange_window", "prepare_blockdiag",
            "run_blockdiag_op"]

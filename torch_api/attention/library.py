@@ -39,10 +39,13 @@ def _attend(q, k, v, routing, scale, kernel, contain):
     from torch_api.attention.kernel import doc_causal_attention
 
     window = exchange_window(routing, stack_kv(k, v))
-    exchange = routing.exchange
-    keys = window[exchange.key_start - exchange.window_start:exchange.key_stop - exchange.window_start]
-    k_window, v_window = unstack_kv(keys)
-    return doc_causal_attention(q, k_window, v_window, routing.layout, scale=scale, kernel=kernel, contain=contain)
+    start = routing.exchange.window_start
+    outputs = []
+    for piece in routing.pieces:  # the shard, or each zig-zag chunk with its own key range
+        k_window, v_window = unstack_kv(window[piece.key_start - start:piece.key_stop - start])
+        outputs.append(doc_causal_attention(q[:, piece.query_lo:piece.query_hi], k_window, v_window, piece.layout,
+                                            scale=scale, kernel=kernel, contain=contain))
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
 
 def _scale(scale: float, q: torch.Tensor) -> float:

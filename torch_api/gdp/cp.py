@@ -32,6 +32,13 @@ import torch.distributed as dist
 
 from cp_linear.plan import PackedSequenceCPMetadata, build_packed_sequence_cp_metadata, sequence_state_routing
 from cp_linear.protocol import CPForwardResult, CPSavedContext
+from cp_linear.zigzag import (
+    LAYOUTS,
+    ZigzagCPMetadata,
+    build_zigzag_cp_metadata,
+    gathered_chunk_order,
+    virtual_rank_ranges,
+)
 from cp_linear.summary import (
     CPBackwardPackedSummary,
     CPBackwardUnpackedSummary,
@@ -52,6 +59,7 @@ from torch_api.gdp.isolation import (
     trailing_bad,
 )
 from torch_api.gdp.types import GDPInputGradients, GDPInputs, float32_region
+from torch_api.gdp.zigzag import zigzag_option_error
 from torch_api.gdp.validation import dtype_code, float_bits, gdp_input_error, gdp_value_flags, nonfinite_flags
 
 
@@ -389,8 +397,8 @@ def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, cp_group, global_seq_idx
                                    metadata: PackedSequenceCPMetadata | None = None, scale=None, num_householder=1,
                                    use_qk_l2norm_in_kernel=False, backend=None, check_inputs: bool = True,
                                    initial_state=None, output_final_state: bool = False,
-                                   summary_exchange: str = "all_gather"):
-    """GDP over a sequence split contiguously across the ranks of ``cp_group``; differentiable.
+                                   summary_exchange: str = "all_gather", layout: str = "contiguous"):
+    """GDP over a sequence split across the ranks of ``cp_group``; differentiable.
 
     Local shards in, local output out (docs/design.md §2 layouts):
       q [B, L, H, K], k [B, L*n_h, H, K], v [B, L*n_h, H, V], g [B, L, H] (None: no gate),
@@ -414,6 +422,12 @@ def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, cp_group, global_seq_idx
     prefix fold over point-to-point sends, ``torch_api.gdp.summary_exchange``), or "auto" (scan from
     ``SCAN_MIN_WORLD`` ranks); same results up to float32 reassociation.
 
+    layout: "contiguous" (rank r holds global tokens [r·L, (r+1)·L)) or "zigzag" (rank r holds chunks
+    r and 2·cp−1−r of 2·cp equal chunks, in that order: ``cp_linear.zigzag``, load-balanced causal
+    attention). Under "zigzag" the ids stay in global (sequence) order and ``metadata`` is a
+    ``cp_linear.zigzag.ZigzagCPMetadata`` (``build_zigzag_cp_metadata``); sequence states, the scan
+    exchange and ``check_inputs=False`` are not supported there (ValueError on every rank).
+
     check_inputs: the value checks (NaN/Inf, g > 0, beta outside [0, 2] in the inputs, NaN/Inf in
     initial_state; NaN/Inf in the output gradient). Whatever it says, one small agreement collective
     per direction makes every rank raise the same ValueError for any local failure (bad shapes,
@@ -432,7 +446,43 @@ def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, cp_group, global_seq_idx
                                 scale=scale, num_householder=num_householder,
                                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, backend=backend,
                                 check_inputs=check_inputs, initial_state=initial_state,
-                                output_final_state=output_final_state, summary_exchange=summary_exchange)
+                                output_final_state=output_final_state, summary_exchange=summary_exchange,
+                                layout=layout)
+
+
+def _zigzag_metadata_error(metadata, rank: int, world: int, q: torch.Tensor) -> str | None:
+    if not isinstance(metadata, ZigzagCPMetadata):
+        return (f"layout='zigzag' needs a cp_linear.zigzag.ZigzagCPMetadata (build_zigzag_cp_metadata); received "
+                f"{type(metadata).__name__}")
+    if metadata.error:
+        return metadata.error
+    if (metadata.cp_size, metadata.cp_rank) != (world, rank):
+        return (f"metadata was built for cp_rank {metadata.cp_rank} of cp_size {metadata.cp_size}; "
+                f"this is rank {rank} of {world}")
+    if q.shape[0] != 1:
+        return f"a packed batch (metadata given) needs B = 1; received B = {q.shape[0]}"
+    if metadata.local_len != q.shape[1]:
+        return f"metadata describes a local length of {metadata.local_len} tokens; q holds {q.shape[1]}"
+    return None
+
+
+def _zigzag_gdp(q, k, v, g, beta, backend, group, rank, world, metadata, scale, num_householder, l2norm, error,
+                signature):
+    """The zig-zag layout's op (``torch_api.gdp.zigzag``): one backend call per local chunk."""
+    from torch_api.gdp.zigzag import ZigzagCall, ZigzagGDP
+
+    cu_seqlens, ranges = (None, None), ()
+    if error is None:
+        ranges = virtual_rank_ranges(metadata, rank, world, "zigzag")
+        if metadata is not None:
+            cu_seqlens = tuple(torch.tensor(shard.local_cu_seqlens, dtype=torch.int32).to(q.device)
+                               for shard in metadata.shards)
+    call = ZigzagCall(backend, group, ranges, torch.from_numpy(gathered_chunk_order(world, "zigzag")),
+                      float(scale) if error is None else 0.0, num_householder, bool(l2norm), cu_seqlens, error,
+                      tuple(signature))
+    if error is not None and not all(isinstance(x, torch.Tensor) for x in (q, k, v, g, beta)):
+        _agree(group, error, [], what="GDP context-parallel forward", cause=None)
+    return ZigzagGDP.apply(call, q, k, v, g, beta)
 
 
 def _initial_state_error(initial_state, routing, q, v) -> str | None:
@@ -478,7 +528,7 @@ def _replicated_final_states(local_final: torch.Tensor, routing, rank: int) -> t
 def context_parallel_gdp(q, k, v, g, beta, *, cp_group, global_seq_idx=None, metadata=None, scale=None,
                          num_householder=1, use_qk_l2norm_in_kernel=False, backend=None, check_inputs: bool = True,
                          agreed: bool = False, initial_state=None, output_final_state: bool = False,
-                         summary_exchange: str = "all_gather"):
+                         summary_exchange: str = "all_gather", layout: str = "contiguous"):
     """``gdp_chunkwise_context_parallel`` for the layers: ``agreed=True`` (a model agreement covered the
     call's shapes, flags and ids, and ``check_inputs`` is False) sends no header in either direction."""
     from torch_api.gdp.ops import gate_or_zeros, resolve_backend
@@ -494,17 +544,24 @@ def context_parallel_gdp(q, k, v, g, beta, *, cp_group, global_seq_idx=None, met
     exchange = resolve_summary_exchange(summary_exchange, world)
     if error is None and exchange is None:
         error = f"summary_exchange must be one of ('all_gather', 'scan', 'auto'); received {summary_exchange!r}"
+    with_states = initial_state is not None or bool(output_final_state)
+    zigzag = layout == "zigzag"
+    if error is None:
+        error = (f"layout must be one of {LAYOUTS}; received {layout!r}" if layout not in LAYOUTS else
+                 zigzag_option_error(exchange, with_states, check_inputs) if zigzag else None)
     if error is None and global_seq_idx is not None:
         if metadata is not None:
             error = "pass global_seq_idx or metadata, not both"
         else:
             try:
-                metadata = build_packed_sequence_cp_metadata(global_seq_idx, rank, world)
+                build = build_zigzag_cp_metadata if zigzag else build_packed_sequence_cp_metadata
+                metadata = build(global_seq_idx, rank, world)
             except ValueError as err:
                 error = str(err)
     if error is None and metadata is not None:
-        error = _metadata_error(metadata, rank, world, q)
-    with_states = initial_state is not None or bool(output_final_state)
+        error = _zigzag_metadata_error(metadata, rank, world, q) if zigzag else _metadata_error(metadata, rank, world, q)
+    if error is None and zigzag and q.shape[1] % 2:
+        error = f"layout='zigzag' holds two equal chunks per rank: the local length must be even; received {q.shape[1]}"
     routing = None
     if error is None and (with_states or exchange == "scan"):
         if metadata is not None:
@@ -520,7 +577,7 @@ def context_parallel_gdp(q, k, v, g, beta, *, cp_group, global_seq_idx=None, met
         error = (f"backend {type(backend).__name__} does not declare supports_sequence_states: initial_state / "
                  "output_final_state need per-sequence states (cp_linear.gdp.GDPInputs)")
     cu_seqlens = None
-    if metadata is not None and error is None:
+    if metadata is not None and error is None and not zigzag:
         cu_seqlens = torch.tensor(metadata.local_cu_seqlens, dtype=torch.int32).to(q.device, non_blocking=True)
         preceding, following = slice(metadata.preceding_rank_start, rank), slice(rank + 1, metadata.following_rank_stop)
     else:
@@ -531,7 +588,11 @@ def context_parallel_gdp(q, k, v, g, beta, *, cp_group, global_seq_idx=None, met
         signature = [*q.shape, v.shape[-1], num_householder, dtype_code(q.dtype), dtype_code(g.dtype),
                      dtype_code(beta.dtype), int(bool(use_qk_l2norm_in_kernel)), float_bits(scale),
                      int(metadata is not None), world, int(bool(check_inputs)), fingerprint,
-                     int(initial_state is not None), int(bool(output_final_state)), int(exchange == "scan")]
+                     int(initial_state is not None), int(bool(output_final_state)), int(exchange == "scan"),
+                     LAYOUTS.index(layout)]
+    if zigzag:
+        return _zigzag_gdp(q, k, v, g if gate_given else g.detach(), beta, backend, group, rank, world, metadata,
+                           scale, num_householder, use_qk_l2norm_in_kernel, error, signature)
     schedules = (None, None)
     if error is None and exchange == "scan":
         schedules = (scan_schedule(routing, descending=False), scan_schedule(routing, descending=True))

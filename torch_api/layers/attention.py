@@ -99,7 +99,7 @@ class BlockDiagAttention(StateTableMixin, nn.Module):
             else:
                 o = attend(q, k, v, layout.attention_routing(self.mode), cp_group=layout.group, mode=self.mode,
                            kernel=self.kernel, check_inputs=self.check_inputs, extra_signature=signature,
-                           what=self.AGREEMENT, agreed=covered)
+                           what=self.AGREEMENT, agreed=covered, layout=layout.shard_layout)
         else:
             from torch_api.attention.kernel import doc_causal_attention, resolve_kernel
             from torch_api.attention.blockdiag import QKV_CHECKS

@@ -41,6 +41,34 @@ def conv_window(x: torch.Tensor, halo_len: int, group=None, *, gathered: bool = 
     return exchange(token_major, int(halo_len), group_name).transpose(0, 1)
 
 
+def zigzag_conv_windows(x: torch.Tensor, halo_len: int, group, cp_rank: int, cp_size: int) -> list[torch.Tensor]:
+    """x [B, L, C] in the zig-zag layout (chunks r and 2·cp−1−r, ``cp_linear.zigzag``) -> one window
+    [B, halo_len + L / 2, C] per local chunk: the ``halo_len`` tokens before the chunk, then the chunk.
+
+    Chunk c's left context is the tail of chunk c − 1, which lives on rank c − 1 (first chunk), on
+    rank r + 1 (second chunk, r < cp − 1) or on this rank (the second chunk of rank cp − 1); chunk 0
+    gets zeros. Every rank's two tails travel in one differentiable all-gather (backward:
+    reduce-scatter), put in sequence order by ``gathered_chunk_order``. Needs ``halo_len <= L / 2``.
+    """
+    from cp_linear.zigzag import gathered_chunk_order, rank_chunks
+    from torch_api.attention.exchange import all_gather_kv
+
+    chunk = x.shape[1] // 2
+    pieces = (x[:, :chunk], x[:, chunk:])
+    if halo_len == 0:
+        return list(pieces)
+    if not 0 <= halo_len <= chunk:
+        raise ValueError(f"halo_len must be in [0, L / 2 = {chunk}] (zig-zag chunk); received {halo_len}")
+    tails = torch.cat([piece[:, chunk - halo_len:] for piece in pieces], dim=1).transpose(0, 1)  # [2h, B, C]
+    gathered = all_gather_kv(tails.contiguous(), group).view(2 * cp_size, halo_len, *tails.shape[1:])
+    in_order = gathered.index_select(0, torch.from_numpy(gathered_chunk_order(cp_size, "zigzag")).to(x.device))
+    windows = []
+    for piece, c in zip(pieces, rank_chunks(cp_rank, cp_size, "zigzag")):
+        halo = in_order[c - 1].transpose(0, 1) if c > 0 else piece.new_zeros((piece.shape[0], halo_len, piece.shape[2]))
+        windows.append(torch.cat((halo, piece), dim=1))
+    return windows
+
+
 def masked_causal_conv(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        positions: torch.Tensor) -> torch.Tensor:
     """Depthwise causal conv of the last L tokens of ``window`` that never crosses a sequence start.
@@ -76,4 +104,4 @@ def naive_document_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return torch.cat(pieces, dim=1)
 
 
-__all__ = ["conv_window", "masked_causal_conv", "naive_document_conv"]
+__all__ = ["conv_window", "zigzag_conv_windows", "masked_causal_conv", "naive_document_conv"]

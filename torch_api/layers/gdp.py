@@ -29,7 +29,7 @@ from torch_api.layers.blocks import GatedRMSNorm, RMSNorm, ShortConvolution
 from cp_linear.model_config import GDPConfig, config_fingerprint, document_layer_signature, resolve_config
 from cp_linear.validation import digest
 from torch_api.layers.convert import StateTableMixin
-from torch_api.layers.conv import conv_window
+from torch_api.layers.conv import conv_window, zigzag_conv_windows
 from torch_api.layers.layout import compiling, resolve_layout
 
 
@@ -109,11 +109,16 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
         if not c.use_short_conv:
             return F.silu(q), F.silu(k), F.silu(v)
         # one halo exchange for all three projections
-        window = conv_window(torch.cat((q, k, v), dim=-1), c.conv_size - 1, layout.group_name,
-                             gathered=layout.static_shapes)
-        positions = layout.positions(x.device)
-        q_win, k_win, v_win = window.split(c.conv_channels, dim=-1)
-        return self.q_conv1d(q_win, positions), self.k_conv1d(k_win, positions), self.v_conv1d(v_win, positions)
+        qkv, positions = torch.cat((q, k, v), dim=-1), layout.positions(x.device)
+        if layout.zigzag and layout.is_cp:  # one window per chunk, each with its chunk's positions
+            windows = zigzag_conv_windows(qkv, c.conv_size - 1, layout.group, layout.cp_rank, layout.cp_size)
+            pieces = zip(windows, positions.chunk(2))
+        else:
+            pieces = [(conv_window(qkv, c.conv_size - 1, layout.group_name, gathered=layout.static_shapes), positions)]
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        outputs = [[conv(part, piece_positions) for conv, part in zip(convs, window.split(c.conv_channels, dim=-1))]
+                   for window, piece_positions in pieces]
+        return tuple(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0] for parts in zip(*outputs))
 
     def cp_signature(self) -> tuple[int, ...]:
         """Configuration, flags, backend and grad requirement: what the ranks must share."""
@@ -141,13 +146,14 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
 
             scan = resolve_summary_exchange(self.cp_summary_exchange, layout.cp_size) == "scan"
         # the custom op gathers its summaries: the scan runs through the autograd.Function path
-        if layout.is_cp and (checks or not agreed or not has_op_layout(backend) or scan):
+        # the custom op gathers one summary per rank: zig-zag (two per rank) runs the autograd.Function too
+        if layout.is_cp and (checks or not agreed or not has_op_layout(backend) or scan or layout.zigzag):
             from torch_api.gdp.cp import context_parallel_gdp
 
             return context_parallel_gdp(
                 q, k, v, g, beta, cp_group=layout.group, metadata=layout.gdp_metadata, num_householder=n,
                 use_qk_l2norm_in_kernel=True, backend=backend, check_inputs=checks, agreed=agreed,
-                summary_exchange=self.cp_summary_exchange)
+                summary_exchange=self.cp_summary_exchange, layout=layout.shard_layout)
         if checks:
             o, _ = gated_delta_product(q, k, v, g, beta, num_householder=n, cu_seqlens=layout.cu_seqlens(q.device),
                                        use_qk_l2norm_in_kernel=True, backend=backend, check_inputs=True)
@@ -173,8 +179,9 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
         layout = resolve_layout(hidden_states, layout=layout, cp_group=cp_group, seq_idx=seq_idx,
                                 cu_seqlens=cu_seqlens)
         error = layout.hidden_error(hidden_states, c.hidden_size)
-        if error is None and layout.is_cp and c.use_short_conv and c.conv_size - 1 > layout.local_len:
-            error = f"conv_size - 1 = {c.conv_size - 1} exceeds the local length L = {layout.local_len} (halo)"
+        if error is None and layout.is_cp and c.use_short_conv and c.conv_size - 1 > layout.conv_reach:
+            error = (f"conv_size - 1 = {c.conv_size - 1} exceeds the {layout.shard_layout} layout's shard or chunk "
+                     f"length {layout.conv_reach} (halo)")
         # under torch.compile no header runs (the batch agreed eagerly, ``HybridDecoder.agree``)
         signature = layout.signature(hidden_states, self.cp_signature()) if layout.is_cp and not compiling() else ()
         agreed = layout.agree(error, signature, self.AGREEMENT)

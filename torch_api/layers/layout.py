@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from cp_linear.packing import PackedLayout, layout_from_ids
+from cp_linear.zigzag import LAYOUTS, build_zigzag_cp_metadata, check_layout, local_positions
 from cp_linear.validation import digest
 from torch_api._dist import agree_or_raise, resolve_group
 
@@ -49,15 +50,20 @@ _DTYPE_IDS = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float
 
 
 class ShardLayout:
-    """Tokens ``[rank*L, (rank+1)*L)`` of a packed batch of T = cp_size * L tokens.
+    """One rank's L tokens of a packed batch of T = cp_size * L tokens.
 
-    packed        the host ``PackedLayout`` (doc_ids, seq_idx, position; replicated)
+    packed        the host ``PackedLayout`` (doc_ids, seq_idx, position; replicated, global order)
     group         the CP ProcessGroup, or None on one device
     cp_rank/size  this rank and the group size (0 and 1 without CP)
-    gdp_metadata  ``PackedSequenceCPMetadata`` of the rank (None when unpacked)
+    shard_layout  "contiguous": tokens ``[rank*L, (rank+1)*L)``; "zigzag": chunks rank and
+                  2·cp−1−rank of 2·cp (``cp_linear.zigzag``, load-balanced causal attention)
+    global_positions  int64 [L]: the global index of each local token
+    gdp_metadata  ``PackedSequenceCPMetadata`` of the rank (``ZigzagCPMetadata`` under zig-zag;
+                  None when unpacked)
     """
 
-    def __init__(self, packed: PackedLayout, cp_group=None, max_sequences: int | None = None):
+    def __init__(self, packed: PackedLayout, cp_group=None, max_sequences: int | None = None,
+                 shard_layout: str = "contiguous"):
         if not isinstance(packed, PackedLayout):
             raise ValueError(f"packed must be a PackedLayout; received {type(packed).__name__}")
         self.packed = packed
@@ -68,8 +74,18 @@ class ShardLayout:
         else:
             self.cp_rank, self.cp_size = dist.get_rank(self.group), dist.get_world_size(self.group)
         packed.check_cp_size(self.cp_size)
+        self.shard_layout = check_layout(shard_layout)
         self.local_len = packed.total_len // self.cp_size
-        self.gdp_metadata = packed.gdp_metadata(self.cp_rank, self.cp_size) if self.is_cp else None
+        # raises alike on every rank (replicated T): zig-zag needs T divisible by 2·cp
+        self.global_positions = local_positions(packed.total_len, self.cp_size, self.cp_rank, shard_layout)
+        if shard_layout == "zigzag" and max_sequences is not None:
+            raise ValueError("a graph-ready layout (max_sequences) supports the contiguous layout only; "
+                             "received shard_layout='zigzag'")
+        if shard_layout == "zigzag":
+            self.gdp_metadata = (build_zigzag_cp_metadata(packed.seq_idx.reshape(1, -1), self.cp_rank, self.cp_size)
+                                 if self.is_cp and packed.packed else None)
+        else:
+            self.gdp_metadata = packed.gdp_metadata(self.cp_rank, self.cp_size) if self.is_cp else None
         # from replicated ids only, so every rank raises the same error here, before any collective
         self.max_sequences = _check_capacity(packed, self.cp_size, max_sequences)
         self._device_cache: dict = {}
@@ -90,8 +106,21 @@ class ShardLayout:
         return self.group is not None
 
     @property
+    def zigzag(self) -> bool:
+        return self.shard_layout == "zigzag"
+
+    @property
     def shard_start(self) -> int:
         return self.cp_rank * self.local_len
+
+    @property
+    def conv_reach(self) -> int:
+        """Most tokens the conv halo may take from one neighbour: L (contiguous) or L / 2 (zig-zag chunk)."""
+        return self.local_len // 2 if self.zigzag else self.local_len
+
+    def local(self, values: np.ndarray) -> np.ndarray:
+        """This rank's rows of a per-token array in global order [T, ...]."""
+        return np.asarray(values)[self.global_positions]
 
     # ------------------------------------------------------------------ device tensors (cached)
 
@@ -102,7 +131,7 @@ class ShardLayout:
 
     def positions(self, device) -> torch.Tensor:
         """int64 [L]: index of each local token within its sequence (global, across ranks)."""
-        local = self.packed.local(self.packed.position, self.cp_rank, self.cp_size)
+        local = self.local(self.packed.position)
         return self._cached(("position", device), lambda: torch.from_numpy(local.copy()).to(device))
 
     def _padded(self, cu) -> np.ndarray:
@@ -129,6 +158,10 @@ class ShardLayout:
         """(local cu_seqlens int32 [N + 1] or None when unpacked, rank_range int32 [2] =
         (preceding_rank_start, following_rank_stop)) on ``device``, built once: what the GDP CP
         custom op reads (``torch_api.gdp.library``)."""
+        if self.zigzag:
+            raise ValueError("gdp_arrays describe one contiguous shard; a zig-zag layout runs the GDP op with its "
+                             "ZigzagCPMetadata (gdp_metadata) instead")
+
         def build():
             meta = self.gdp_metadata
             if meta is None:
@@ -146,7 +179,7 @@ class ShardLayout:
         Returns self."""
         device = torch.device(device)
         self.positions(device)
-        if self.is_cp:
+        if self.is_cp and not self.zigzag:
             self.gdp_arrays(device)
         else:
             self.cu_seqlens(device)
@@ -186,7 +219,8 @@ class ShardLayout:
         """Helper-built ``BlockDiagRouting`` of this rank (CP only), one per exchange mode."""
         from torch_api.attention.blockdiag import prepare_blockdiag
 
-        return self._cached(("routing", mode), lambda: prepare_blockdiag(self.packed.doc_ids, self.group, mode))
+        return self._cached(("routing", mode),
+                            lambda: prepare_blockdiag(self.packed.doc_ids, self.group, mode, self.shard_layout))
 
     def attention_layout(self):
         """``DocCausalLayout`` of the whole sequence on one device (no CP)."""
@@ -226,7 +260,8 @@ class ShardLayout:
         autocast = torch.is_autocast_enabled(device) if device in ("cpu", "cuda") else False
         autocast_dtype = _DTYPE_IDS.get(torch.get_autocast_dtype(device), 0) if autocast else 0
         return (*shape, _DTYPE_IDS.get(dtype, 0), int(autocast), autocast_dtype, int(torch.is_grad_enabled()),
-                *self.packed.fingerprint(), self.cp_size, digest([device]), *layer_signature)
+                *self.packed.fingerprint(), self.cp_size, LAYOUTS.index(self.shard_layout), digest([device]),
+                *layer_signature)
 
     def covers(self, signature, what: str) -> bool:
         """True when a model agreement (``agree_model``) already covered this layer call."""
@@ -310,7 +345,7 @@ def compiling() -> bool:
 
 
 def build_shard_layout(*, total_len: int, doc_ids=None, seq_idx=None, cu_seqlens=None, cp_group=None,
-                       max_sequences: int | None = None) -> ShardLayout:
+                       max_sequences: int | None = None, layout: str = "contiguous") -> ShardLayout:
     """A ``ShardLayout`` from *global* ids (replicated on every rank; host-read once).
 
     total_len: T, the global length (local length x cp_size). At most one of ``doc_ids`` (int [T],
@@ -318,9 +353,13 @@ def build_shard_layout(*, total_len: int, doc_ids=None, seq_idx=None, cu_seqlens
     them means every batch row is one sequence of T tokens. ``max_sequences``: build a graph-ready
     layout whose shapes do not depend on the packing (module docstring); the most GDP sequences (runs
     of equal doc ids, padding runs included) one shard may hold, else ValueError on every rank.
+    ``layout``: "contiguous" (rank r holds tokens [r·L, (r+1)·L)) or "zigzag" (chunks r and 2·cp−1−r of
+    2·cp, ``cp_linear.zigzag``): the ids stay in global order, the caller feeds each rank the tokens
+    at ``ShardLayout.global_positions``; conv and RoPE positions, the GDP summaries and the attention
+    plan follow. Under zig-zag the GDP layers need their checks on and attention all-gathers K/V.
     """
     return ShardLayout(layout_from_ids(doc_ids=doc_ids, seq_idx=seq_idx, cu_seqlens=cu_seqlens, total_len=total_len),
-                       cp_group, max_sequences)
+                       cp_group, max_sequences, layout)
 
 
 def resolve_layout(hidden_states, *, layout=None, cp_group=None, doc_ids=None, seq_idx=None,
