@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 
 import torch
+from bench_gdp_train import _time as wall_ms  # the same timer (benchmarks/ is the script's directory)
 from torch.profiler import ProfilerActivity, profile
 
 from torch_api import gated_delta_product
@@ -41,21 +41,6 @@ def make_step(tokens: int, nh: int, heads: int, check_inputs: bool):
                                        check_inputs=check_inputs)
         torch.autograd.backward([o, final], [do, dfinal])
     return step
-
-
-def wall_ms(step, repeat: int = 10) -> float:
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
 
 
 def profile_step(step, tokens: int, out: str) -> None:
@@ -89,7 +74,7 @@ def main() -> None:
     for tokens in args.tokens:
         for check in (True, False):
             step = make_step(tokens, args.nh, args.heads, check)
-            print(f"T={tokens} check_inputs={check}: wall {wall_ms(step):.3f} ms per fwd+bwd", flush=True)
+            print(f"T={tokens} check_inputs={check}: wall {wall_ms(step, 10):.3f} ms per fwd+bwd", flush=True)
         profile_step(make_step(tokens, args.nh, args.heads, True), tokens, args.out)
         torch.cuda.empty_cache()
 

@@ -350,15 +350,9 @@ class _ContextParallelGDP(torch.autograd.Function):
 def _metadata_error(metadata, rank: int, world: int, q: torch.Tensor) -> str | None:
     if not isinstance(metadata, PackedSequenceCPMetadata):
         return f"metadata must be a PackedSequenceCPMetadata; received {type(metadata).__name__}"
-    if metadata.error:
-        return metadata.error
-    if (metadata.cp_size, metadata.cp_rank) != (world, rank):
-        return (f"metadata was built for cp_rank {metadata.cp_rank} of cp_size {metadata.cp_size}; "
-                f"this is rank {rank} of {world}")
-    if q.shape[0] != 1:
-        return f"a packed batch (metadata given) needs B = 1; received B = {q.shape[0]}"
-    if metadata.local_len != q.shape[1]:
-        return f"metadata describes a local length of {metadata.local_len} tokens; q holds {q.shape[1]}"
+    error = _metadata_rank_error(metadata, rank, world, q)
+    if error:
+        return error
     cu = np.asarray(metadata.local_cu_seqlens)
     if cu.ndim != 1 or cu.shape[0] < 2 or cu[0] != 0 or cu[-1] != q.shape[1] or np.any(np.diff(cu) <= 0):
         return f"metadata.local_cu_seqlens must rise strictly from 0 to {q.shape[1]}; received {cu.tolist()}"
@@ -454,6 +448,11 @@ def _zigzag_metadata_error(metadata, rank: int, world: int, q: torch.Tensor) -> 
     if not isinstance(metadata, ZigzagCPMetadata):
         return (f"layout='zigzag' needs a cp_linear.zigzag.ZigzagCPMetadata (build_zigzag_cp_metadata); received "
                 f"{type(metadata).__name__}")
+    return _metadata_rank_error(metadata, rank, world, q)
+
+
+def _metadata_rank_error(metadata, rank: int, world: int, q: torch.Tensor) -> str | None:
+    """Checks both layouts' metadata share: built cleanly, for this rank, for q's packed shape."""
     if metadata.error:
         return metadata.error
     if (metadata.cp_size, metadata.cp_rank) != (world, rank):
