@@ -67,7 +67,7 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
     def __init__(self, config: GDPConfig | None = None, *, backend=None, cp_check_inputs: bool = True,
                  cp_summary_exchange: str = "all_gather", **kwargs):
         super().__init__()
-        from torch_api.gdp.summary_exchange import SUMMARY_EXCHANGES
+        from cp_linear.summary_exchange import SUMMARY_EXCHANGES
 
         if cp_summary_exchange not in SUMMARY_EXCHANGES:
             raise ValueError(f"cp_summary_exchange must be one of {SUMMARY_EXCHANGES}; received {cp_summary_exchange!r}")
@@ -137,7 +137,7 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
         checks = self.cp_check_inputs
         scan = False
         if layout.is_cp:
-            from torch_api.gdp.summary_exchange import resolve_summary_exchange
+            from cp_linear.summary_exchange import resolve_summary_exchange
 
             scan = resolve_summary_exchange(self.cp_summary_exchange, layout.cp_size) == "scan"
         # the custom op gathers its summaries: the scan runs through the autograd.Function path
