@@ -35,7 +35,8 @@ def _measure(rank, world, heads, key_dim, value_dim, iters):
 
     from cp_linear import sequence_state_routing
     from torch_api.gdp.cp import _all_gather_summary, _slice_summary
-    from torch_api.gdp.summary_exchange import scan_exchange, scan_schedule
+    from cp_linear.summary_exchange import scan_schedule
+    from torch_api.gdp.summary_exchange import scan_exchange
 
     group = dist.group.WORLD
     summary = torch.randn(heads, key_dim, value_dim + key_dim)

@@ -198,6 +198,19 @@ def sequence_rank_range(ids, rank, local_len: int):
     return first_index // local_len, last_index // local_len + 1
 
 
+def inner_sequence_ranks(ids, rank, local_len: int):
+    """``(trailing_start_rank, leading_end_rank)`` of shard ``rank`` from nondecreasing ids [T]: the rank
+    where the shard's last sequence starts and the rank where its first sequence ends (the log-depth
+    summary scan stops its folds there, ``cp_linear.summary_exchange``). Array-API generic like
+    ``sequence_rank_range``, the traced twin of ``SequenceStateRouting.trailing_starts_here`` /
+    ``leading_ends_here``."""
+    xp = array_api_compat.array_namespace(ids)
+    first_id, last_id = ids[rank * local_len], ids[(rank + 1) * local_len - 1]
+    trailing_start = xp.sum(xp.astype(ids < last_id, xp.int32))
+    leading_end = xp.sum(xp.astype(ids <= first_id, xp.int32)) - 1
+    return trailing_start // local_len, leading_end // local_len
+
+
 @dataclass(frozen=True)
 class SequenceStateRouting:
     """Where each global sequence's initial state enters and its final state leaves (host ints).

@@ -1,7 +1,8 @@
-"""Chunkwise context parallelism for Gated DeltaProduct in JAX: shard_map, all_gather, custom_vjp.
+"""Chunkwise context parallelism for Gated DeltaProduct in JAX: shard_map, all_gather / ppermute, custom_vjp.
 
 The packed sequence is split contiguously along T over one mesh axis (``cp``); rank r owns
-tokens [r L, (r+1) L). One all-gather per direction moves the float32 summaries::
+tokens [r L, (r+1) L). One all-gather per direction moves the float32 summaries (or, with
+``summary_exchange="scan"``, ceil(log2 cp) ppermute rounds fold them: ``jax_api.gdp.summary_exchange``)::
 
     forward:  summary_r = [E | M] of rank r          (backend.cp_forward_prepare, zero state)
               gathered  = all_gather(summary)         [cp, H, K, V + K]
@@ -45,13 +46,15 @@ from jax.sharding import PartitionSpec as P
 
 from cp_linear.chunking import cu_seqlens_from_seq_idx, max_shard_sequences
 from cp_linear.gdp import GDPInputs
-from cp_linear.plan import sequence_rank_range, validate_global_seq_idx
+from cp_linear.plan import inner_sequence_ranks, sequence_rank_range, validate_global_seq_idx
 from cp_linear.summary import (
     as_packed_array,
     compose_backward_range,
     compose_forward_range,
     fold_forward_range_summary,
+    split_packed,
 )
+from cp_linear.summary_exchange import SUMMARY_EXCHANGES, resolve_summary_exchange
 from cp_linear.validation import (
     GDP_VALUE_CHECKS,
     gdp_bad_tokens,
@@ -67,8 +70,10 @@ from jax_api._checks import is_concrete, raise_failed_value_checks
 from jax_api._mesh import place, run_mesh
 from jax_api.gdp.chunk import check_gdp_inputs, host_value_or_none
 from jax_api.gdp.ops import Residuals, gate_or_zeros, resolve_backend
+from jax_api.gdp.summary_exchange import scan_fold
 
-_NONDIFF = ("axis_name", "backend", "scale", "num_householder", "use_qk_l2norm_in_kernel", "output_final_state")
+_NONDIFF = ("axis_name", "backend", "scale", "num_householder", "use_qk_l2norm_in_kernel", "output_final_state",
+            "summary_exchange")
 
 
 # --------------------------------------------------------------------------- the custom_vjp core
@@ -83,56 +88,75 @@ def _as_single_summary(state: jax.Array) -> jax.Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnames=_NONDIFF)
 def _context_parallel(q, k, v, g, beta, local_initial, cu_seqlens, preceding_rank_start, following_rank_stop,
-                      trailing_bad, axis_name, backend, scale, num_householder, use_qk_l2norm_in_kernel,
-                      output_final_state):
+                      trailing_bad, scan_stops, axis_name, backend, scale, num_householder, use_qk_l2norm_in_kernel,
+                      output_final_state, summary_exchange):
     outputs, _ = _context_parallel_fwd(
         q, k, v, g, beta, local_initial, cu_seqlens, preceding_rank_start, following_rank_stop, trailing_bad,
-        axis_name=axis_name, backend=backend, scale=scale, num_householder=num_householder,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, output_final_state=output_final_state)
+        scan_stops, axis_name=axis_name, backend=backend, scale=scale, num_householder=num_householder,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, output_final_state=output_final_state,
+        summary_exchange=summary_exchange)
     return outputs
 
 
 def _context_parallel_fwd(q, k, v, g, beta, local_initial, cu_seqlens, preceding_rank_start, following_rank_stop,
-                          trailing_bad, axis_name, backend, scale, num_householder, use_qk_l2norm_in_kernel,
-                          output_final_state):
+                          trailing_bad, scan_stops, axis_name, backend, scale, num_householder,
+                          use_qk_l2norm_in_kernel, output_final_state, summary_exchange):
     """Returns ((output, local final states or None, incoming_bad), residuals). ``local_initial``: the
     initial states of the local sequences [n, H, K, V] or None. ``trailing_bad`` bool [B or 1, H]: heads
     whose trailing fragment holds a non-finite input travel as NaN; ``incoming_bad`` (same shape) says
-    which heads of the incoming state came in non-finite (they enter the backend as zeros)."""
+    which heads of the incoming state came in non-finite (they enter the backend as zeros).
+    ``summary_exchange`` "all_gather" | "scan" (resolved); ``scan_stops`` bool [2]: the scan's folds
+    stop at this rank (forward, backward; ``jax_api.gdp.summary_exchange``)."""
     inputs = GDPInputs(q, k, v, g, beta, scale, num_householder, use_qk_l2norm_in_kernel, cu_seqlens,
                        local_initial, output_final_state)
     summary, local = backend.cp_forward_prepare(inputs)
     packed_summary = as_packed_array(summary)  # [(B,) H, K, V + K]
     marks = trailing_bad.reshape(*trailing_bad.shape[packed_summary.ndim == 3:], 1, 1)
-    gathered = jax.lax.all_gather(poison(packed_summary, marks), axis_name)  # [cp, (B,) H, K, V + K]
+    packed_summary = poison(packed_summary, marks)
     rank = jax.lax.axis_index(axis_name)
     with jax.default_matmul_precision("highest"):  # float32 folds on GPUs too (no TF32), as torch
-        if local_initial is None:  # the folded state travels as [S | 0]
+        if summary_exchange == "scan":  # the fold of [preceding_rank_start, rank), [0 | I] when empty
+            folded = scan_fold(packed_summary, axis_name, stop=scan_stops[0], empty=preceding_rank_start == rank,
+                               descending=False)
+            incoming_bad = nonfinite_rows(folded, 2)
+            folded = jnp.where(incoming_bad[..., None, None], 0.0, folded)
+            # without initial states the backend needs only the state the fold makes from zero: E
+            preceding = (_as_single_summary(split_packed(folded)[0]) if local_initial is None else folded[None])
+        elif local_initial is None:  # the folded state travels as [S | 0]
+            gathered = jax.lax.all_gather(packed_summary, axis_name)  # [cp, (B,) H, K, V + K]
             incoming = compose_forward_range(gathered, preceding_rank_start, rank)  # [(B,) H, K, V]
             incoming_bad = nonfinite_rows(incoming, 2)
             preceding = _as_single_summary(jnp.where(incoming_bad[..., None, None], 0.0, incoming))
         else:  # keep M: the backend folds it from the continuing sequence's initial state (M S0 + E)
+            gathered = jax.lax.all_gather(packed_summary, axis_name)
             folded = fold_forward_range_summary(gathered, preceding_rank_start, rank)  # [(B,) H, K, V + K]
             incoming_bad = nonfinite_rows(folded, 2)
             preceding = jnp.where(incoming_bad[..., None, None], 0.0, folded)[None]
     output, saved = backend.cp_forward_apply(local, preceding)
     output, final = output if output_final_state else (output, None)
     incoming_bad = incoming_bad.reshape(-1, incoming_bad.shape[-1])
-    return (output, final, incoming_bad), Residuals.of(saved, following_rank_stop)
+    return (output, final, incoming_bad), Residuals.of(saved, (following_rank_stop, scan_stops[1]))
 
 
 def _context_parallel_bwd(axis_name, backend, scale, num_householder, use_qk_l2norm_in_kernel, output_final_state,
-                          residuals: Residuals, cotangents):
+                          summary_exchange, residuals: Residuals, cotangents):
     output_grad, final_grad, _ = cotangents  # incoming_bad is boolean: no cotangent
     grads_in = (output_grad, final_grad) if output_final_state else output_grad
     summary, context = backend.cp_backward_prepare(grads_in, residuals.saved_context())
-    gathered = jax.lax.all_gather(as_packed_array(summary), axis_name)
+    following_rank_stop, backward_stop = residuals.extra
     rank = jax.lax.axis_index(axis_name)
     with jax.default_matmul_precision("highest"):
-        outgoing_grad = compose_backward_range(gathered, rank + 1, residuals.extra)
+        if summary_exchange == "scan":  # fold of [rank + 1, following_rank_stop) descending; its gamma from zero
+            folded = scan_fold(as_packed_array(summary), axis_name, stop=backward_stop,
+                               empty=following_rank_stop == rank + 1, descending=True)
+            outgoing_grad = split_packed(folded)[0]
+        else:
+            gathered = jax.lax.all_gather(as_packed_array(summary), axis_name)
+            outgoing_grad = compose_backward_range(gathered, rank + 1, following_rank_stop)
     grads = backend.cp_backward_apply(context, _as_single_summary(outgoing_grad))
     initial_grad = None if len(grads) < 6 else grads[5]
-    return (*grads[:5], initial_grad, None, None, None, None)  # cu_seqlens, rank bounds, poison marks: integers
+    # cu_seqlens, rank bounds, poison marks, scan stops: integers
+    return (*grads[:5], initial_grad, None, None, None, None, None)
 
 
 _context_parallel.defvjp(_context_parallel_fwd, _context_parallel_bwd)
@@ -209,7 +233,7 @@ def gdp_chunkwise_context_parallel_shard(q, k, v, g, beta, *, axis_name: str = "
                                          max_sequences: int | None = None, scale: float | None = None,
                                          num_householder: int = 1, use_qk_l2norm_in_kernel: bool = False,
                                          backend: Any = None, initial_state=None, output_final_state: bool = False,
-                                         num_sequences: int | None = None):
+                                         num_sequences: int | None = None, summary_exchange: str = "all_gather"):
     """Chunkwise-CP Gated DeltaProduct on one shard: call it *inside* your own ``jax.shard_map``.
 
     q [B, L, H, K], k [B, L*n_h, H, K], v [B, L*n_h, H, V], g [B, L, H], beta [B, L*n_h, H] are
@@ -235,8 +259,14 @@ def gdp_chunkwise_context_parallel_shard(q, k, v, g, beta, *, axis_name: str = "
     cotangents of a replicated input over the axis, so d initial_state is the one-device gradient.
     N is ``initial_state.shape[0]``, else ``num_sequences`` (required for final states without
     initial states and with ids; static).
+
+    ``summary_exchange``: "all_gather" (one all-gather per direction, cp summaries held), "scan" (a
+    log-depth prefix fold over ceil(log2 cp) ``ppermute`` rounds, ``jax_api.gdp.summary_exchange``)
+    or "auto" (scan from ``SCAN_MIN_WORLD`` ranks, as torch); equal results up to float32
+    reassociation (docs/cp_options.md).
     """
     cp_size = _axis_size(axis_name)
+    exchange = _resolve_exchange(summary_exchange, cp_size)
     g = gate_or_zeros(g, q)
     check_gdp_inputs(q, k, v, g, beta, num_householder)
     backend, scale = _resolve(q, k, v, num_householder, backend, scale)
@@ -252,6 +282,14 @@ def gdp_chunkwise_context_parallel_shard(q, k, v, g, beta, *, axis_name: str = "
         cu_seqlens, preceding_rank_start, following_rank_stop = packed_shard_metadata(
             global_seq_idx, rank, local_len, bound)
         start = sequence_start_index(cu_seqlens, local_len)
+    scan_stops = jnp.zeros((2,), bool)  # read by the scan only
+    if exchange == "scan":
+        rank = jax.lax.axis_index(axis_name)
+        if global_seq_idx is None:  # every row starts on rank 0 and ends on the last rank
+            scan_stops = jnp.stack([rank == 0, rank == cp_size - 1])
+        else:
+            trailing_start_rank, leading_end_rank = inner_sequence_ranks(global_seq_idx[0], rank, local_len)
+            scan_stops = jnp.stack([trailing_start_rank == rank, leading_end_rank == rank])
     # containment (cp_linear.validation): sanitised inputs; a poisoned trailing fragment travels as NaN
     state_bad, read_bad = gdp_bad_tokens(q, k, v, g, beta, num_householder)
     trailing_bad = gdp_trailing_bad(state_bad, start)
@@ -272,8 +310,9 @@ def gdp_chunkwise_context_parallel_shard(q, k, v, g, beta, *, axis_name: str = "
                                       local_initial)
     output, local_final, incoming_bad = _context_parallel(
         q, k, v, g, beta, local_initial, cu_seqlens, preceding_rank_start, following_rank_stop, trailing_bad,
-        axis_name=axis_name, backend=backend, scale=scale, num_householder=num_householder,
-        use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel), output_final_state=bool(output_final_state))
+        scan_stops, axis_name=axis_name, backend=backend, scale=scale, num_householder=num_householder,
+        use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel), output_final_state=bool(output_final_state),
+        summary_exchange=exchange)
     output = poison(output, gdp_token_poison(state_bad, read_bad, start, incoming_bad)[..., None])
     if not output_final_state:
         return output
@@ -303,6 +342,13 @@ def _state_rows(initial_state, num_sequences, global_seq_idx, q, v) -> int:
     return num_sequences
 
 
+def _resolve_exchange(summary_exchange, cp_size: int) -> str:
+    exchange = resolve_summary_exchange(summary_exchange, cp_size) if isinstance(summary_exchange, str) else None
+    if exchange is None:
+        raise ValueError(f"summary_exchange must be one of {SUMMARY_EXCHANGES}; received {summary_exchange!r}")
+    return exchange
+
+
 def _check_max_sequences(max_sequences, local_len: int) -> int:
     if not isinstance(max_sequences, int) or isinstance(max_sequences, bool) or max_sequences < 1:
         raise ValueError(f"max_sequences must be a positive int; received {max_sequences!r}")
@@ -313,7 +359,7 @@ def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, mesh, axis_name: str = "
                                    max_sequences: int | None = None, scale: float | None = None,
                                    num_householder: int = 1, use_qk_l2norm_in_kernel: bool = False,
                                    backend: Any = None, check_inputs: bool = True, initial_state=None,
-                                   output_final_state: bool = False):
+                                   output_final_state: bool = False, summary_exchange: str = "all_gather"):
     """Chunkwise-CP Gated DeltaProduct on *global* arrays split along T over ``mesh[axis_name]``.
 
     q [B, T, H, K], k [B, T*n_h, H, K], v [B, T*n_h, H, V], g [B, T, H], beta [B, T*n_h, H]
@@ -336,10 +382,13 @@ def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, mesh, axis_name: str = "
     sequence where it starts; ``output_final_state=True`` returns ``(o, final_state float32 [N, H, K, V])``,
     replicated (the sum over ranks of each rank's rows, ``gdp_chunkwise_context_parallel_shard``);
     gradients reach ``initial_state``. N is read from concrete ids (traced ids need an initial_state).
+
+    ``summary_exchange``: "all_gather" | "scan" | "auto", as ``gdp_chunkwise_context_parallel_shard``.
     """
     if axis_name not in getattr(mesh, "axis_names", ()):
         raise ValueError(f"mesh has no axis {axis_name!r}; its axes are {tuple(getattr(mesh, 'axis_names', ()))}")
     cp_size = mesh.shape[axis_name]
+    exchange = _resolve_exchange(summary_exchange, cp_size)
     g = gate_or_zeros(g, q)
     check_gdp_inputs(q, k, v, g, beta, num_householder)
     backend, scale = _resolve(q, k, v, num_householder, backend, scale)
@@ -370,19 +419,21 @@ def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, mesh, axis_name: str = "
             arrays += (initial_state,)
     program = _global_program(run_mesh(mesh), axis_name, global_seq_idx is not None, bound, scale, num_householder,
                               bool(use_qk_l2norm_in_kernel), backend, initial_state is not None,
-                              bool(output_final_state), sequences)
+                              bool(output_final_state), sequences, exchange)
     return program(*arrays)
 
 
 @functools.lru_cache(maxsize=64)
 def _global_program(mesh, axis_name: str, packed: bool, max_sequences: int | None, scale: float,
                     num_householder: int, use_qk_l2norm_in_kernel: bool, backend, has_initial: bool = False,
-                    output_final_state: bool = False, num_sequences: int | None = None):
+                    output_final_state: bool = False, num_sequences: int | None = None,
+                    summary_exchange: str = "all_gather"):
     """jit(place inputs, then shard_map the per-shard function), built once per configuration so
     that eager calls reuse their compiled program too."""
     options = dict(axis_name=axis_name, scale=scale, num_householder=num_householder,
                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, backend=backend, max_sequences=max_sequences,
-                   output_final_state=output_final_state, num_sequences=num_sequences)
+                   output_final_state=output_final_state, num_sequences=num_sequences,
+                   summary_exchange=summary_exchange)
 
     def per_shard(q, k, v, g, beta, *extra):
         seq_idx = extra[0] if packed else None

@@ -20,7 +20,7 @@ from tests.cp_linear.gdp_cases import rel_err, seq_idx_from_lengths
 from tests.torch_api.test_gdp_chunk import NAMES, gdp_arrays, to_torch
 from torch_api.gdp.chunk import TorchGDPBackend
 from torch_api.gdp.cp import gdp_chunkwise_context_parallel
-from torch_api.gdp.summary_exchange import SCAN_MIN_WORLD, resolve_summary_exchange, scan_schedule
+from cp_linear.summary_exchange import SCAN_MIN_WORLD, resolve_summary_exchange, scan_schedule
 
 LOCAL_LEN = 8
 HEADS, KEY_DIM, VALUE_DIM = 2, 4, 3

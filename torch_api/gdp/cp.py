@@ -48,7 +48,8 @@ from cp_linear.summary import (
 )
 from cp_linear.validation import GDP_VALUE_CHECKS, NONFINITE, poison
 from torch_api._dist import agree_or_raise, all_gather_single, group_rank_and_size, resolve_group
-from torch_api.gdp.summary_exchange import ScanSchedule, resolve_summary_exchange, scan_exchange, scan_schedule
+from cp_linear.summary_exchange import ScanSchedule, resolve_summary_exchange, scan_schedule
+from torch_api.gdp.summary_exchange import scan_exchange
 from torch_api.gdp.isolation import (
     bad_tokens,
     incoming_bad_and_clean,

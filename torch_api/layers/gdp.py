@@ -5,8 +5,11 @@ shapes, so its state dicts load as is), in chunk mode, with three differences:
   * the short conv never crosses a sequence start and, under CP, reads the previous rank's last
     ``conv_size - 1`` tokens (``torch_api.layers.conv``);
   * no inference cache (``past_key_values``) and no ``attention_mask`` unpadding: pass packed
-    sequences (``cu_seqlens`` / ``seq_idx``) instead;
-  * the forward returns the output tensor only (FLA returns ``(o, None, cache)``).
+    sequences (``cu_seqlens`` / ``seq_idx``) instead; the GDP recurrent state can be carried from one
+    training window to the next (``initial_state=`` / ``output_final_state=True``), the conv's
+    ``conv_size - 1`` tokens cannot (docs/cp_options.md "Sequence states in the layers");
+  * the forward returns the output tensor only (FLA returns ``(o, None, cache)``), or
+    ``(o, final_state)`` with ``output_final_state=True``.
 
 Per token (x [B, L, D] -> [B, L, D]), with n = num_householder::
 
@@ -44,7 +47,7 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
     """Gated DeltaProduct mixer; keyword arguments as ``GDPConfig`` (FLA's names and defaults).
 
     ``forward(hidden_states [B, L, D], *, cu_seqlens=None, seq_idx=None, cp_group=None,
-    layout=None) -> [B, L, D]``.
+    layout=None, initial_state=None, output_final_state=False) -> [B, L, D]`` (or ``(out, final_state)``).
 
     One device: ``cu_seqlens`` int [N + 1] or ``seq_idx`` int [1, T] for a packed batch (B = 1), or
     neither (each row one sequence). Under CP (``cp_group``): hidden_states is this rank's shard of
@@ -60,6 +63,18 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
     ``cp_signature`` before its first exchange (the conv halo), unless a ``HybridDecoder`` covered it;
     a covered call with ``cp_check_inputs=False`` runs the GDP custom op with no header at all
     (``torch_api.gdp.cp.run_cp_op``), which ``torch.compile(fullgraph=True)`` traces.
+
+    Sequence states, as the GDP op (docs/cp_options.md): sequence n is the n-th GDP sequence of the
+    layout (the n-th run of equal ids, padding runs included; batch row n when unpacked).
+    ``initial_state`` float [N, Hv, K, V] (Hv = num_v_heads, V = head_v_dim; None: zeros), replicated
+    under CP, enters sequence n where it starts; ``output_final_state=True`` returns
+    ``(out, final_state float32 [N, Hv, K, V])``. One device: every row. CP: row n on the rank holding
+    sequence n's last token, zeros on the others (their sum over the group, e.g. ``dist.all_reduce``,
+    is the one-device final state: what the next window's ``initial_state`` takes). States run the
+    op's autograd.Function (not the custom op) and need ``cp_check_inputs=True`` under CP. Only the
+    recurrent state is carried: the short conv of a continued sequence does not read the previous
+    window's last ``conv_size - 1`` tokens, so a continuation equals one long run exactly only without
+    the conv's reach (``use_short_conv=False`` or ``conv_size=1``).
     """
 
     AGREEMENT = "GatedDeltaProduct inputs"
@@ -67,7 +82,7 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
     def __init__(self, config: GDPConfig | None = None, *, backend=None, cp_check_inputs: bool = True,
                  cp_summary_exchange: str = "all_gather", **kwargs):
         super().__init__()
-        from torch_api.gdp.summary_exchange import SUMMARY_EXCHANGES
+        from cp_linear.summary_exchange import SUMMARY_EXCHANGES
 
         if cp_summary_exchange not in SUMMARY_EXCHANGES:
             raise ValueError(f"cp_summary_exchange must be one of {SUMMARY_EXCHANGES}; received {cp_summary_exchange!r}")
@@ -127,9 +142,10 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
         return (*config_fingerprint(self.config), int(bool(self.cp_check_inputs)), digest([backend]), int(needs_grad),
                 digest([self.cp_summary_exchange]))
 
-    def _gated_delta_product(self, q, k, v, g, beta, layout, agreed: bool = False):
-        """The GDP op (CP or one device); it keeps its own math float32 under autocast, and q/k/v/beta
-        enter in the autocast dtype so that a kernel backend sees one input dtype."""
+    def _gated_delta_product(self, q, k, v, g, beta, layout, agreed: bool = False, initial_state=None,
+                             output_final_state: bool = False):
+        """The GDP op (CP or one device) -> (o, final_state or None); it keeps its own math float32 under
+        autocast, and q/k/v/beta enter in the autocast dtype so that a kernel backend sees one input dtype."""
         device_type = q.device.type
         if torch.is_autocast_enabled(device_type):
             dtype = torch.get_autocast_dtype(device_type)
@@ -142,22 +158,28 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
         checks = self.cp_check_inputs
         scan = False
         if layout.is_cp:
-            from torch_api.gdp.summary_exchange import resolve_summary_exchange
+            from cp_linear.summary_exchange import resolve_summary_exchange
 
             scan = resolve_summary_exchange(self.cp_summary_exchange, layout.cp_size) == "scan"
-        # the custom op gathers its summaries: the scan runs through the autograd.Function path
-        # the custom op gathers one summary per rank: zig-zag (two per rank) runs the autograd.Function too
-        if layout.is_cp and (checks or not agreed or not has_op_layout(backend) or scan or layout.zigzag):
+        with_states = initial_state is not None or output_final_state
+        # the custom op gathers one summary per rank and has no states: the scan, the states and
+        # zig-zag (two summaries per rank) run through the autograd.Function path
+        if layout.is_cp and (checks or not agreed or not has_op_layout(backend) or scan or with_states
+                             or layout.zigzag):
             from torch_api.gdp.cp import context_parallel_gdp
 
-            return context_parallel_gdp(
+            result = context_parallel_gdp(
                 q, k, v, g, beta, cp_group=layout.group, metadata=layout.gdp_metadata, num_householder=n,
                 use_qk_l2norm_in_kernel=True, backend=backend, check_inputs=checks, agreed=agreed,
-                summary_exchange=self.cp_summary_exchange, layout=layout.shard_layout)
+                summary_exchange=self.cp_summary_exchange, initial_state=initial_state,
+                output_final_state=output_final_state, layout=layout.shard_layout)
+            return result if output_final_state else (result, None)
+        if with_states and not layout.is_cp:
+            return self._one_device_with_states(q, k, v, g, beta, layout, backend, initial_state)
         if checks:
             o, _ = gated_delta_product(q, k, v, g, beta, num_householder=n, cu_seqlens=layout.cu_seqlens(q.device),
                                        use_qk_l2norm_in_kernel=True, backend=backend, check_inputs=True)
-            return o
+            return o, None
         # no value checks, and under CP covered by the model's agreement: no host read, no header
         g = g if g is not None else gate_or_zeros(g, q)
         scale = q.shape[-1] ** -0.5
@@ -167,14 +189,38 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
             cu_seqlens, rank_range = layout.gdp_arrays(q.device)
             return run_cp_op(q, k, v, g, beta, cu_seqlens=cu_seqlens, rank_range=rank_range,
                              group_name=layout.group_name, backend=backend, scale=scale, num_householder=n,
-                             use_qk_l2norm_in_kernel=True, contain=True)
+                             use_qk_l2norm_in_kernel=True, contain=True), None
         o, _ = run_gated_delta_product(q, k, v, g, beta, backend=backend, scale=scale, num_householder=n,
                                        cu_seqlens=layout.cu_seqlens(q.device), use_qk_l2norm_in_kernel=True,
                                        contain=True)
-        return o
+        return o, None
+
+    def _one_device_with_states(self, q, k, v, g, beta, layout, backend, initial_state):
+        """One-device GDP with sequence states [N, Hv, K, V]. A graph-ready layout's cu_seqlens ends in
+        empty padding sequences: their rows enter as zeros and leave unread."""
+        from torch_api.gdp.ops import gated_delta_product, gate_or_zeros, run_gated_delta_product
+
+        cu_seqlens = layout.cu_seqlens(q.device)
+        sequences = layout.gdp_sequences(q.shape[0])
+        expected = (sequences, v.shape[2], q.shape[3], v.shape[3])
+        if initial_state is not None:
+            if not isinstance(initial_state, torch.Tensor) or tuple(initial_state.shape) != expected:
+                raise ValueError(f"initial_state must be [N, Hv, K, V] = {expected} (one row per GDP sequence of the "
+                                 f"layout); received {tuple(getattr(initial_state, 'shape', ()))}")
+            padding = (0 if cu_seqlens is None else cu_seqlens.shape[0] - 1) - sequences
+            if padding > 0:
+                initial_state = torch.cat([initial_state, initial_state.new_zeros((padding, *expected[1:]))])
+        options = dict(num_householder=self.config.num_householder, cu_seqlens=cu_seqlens, initial_state=initial_state,
+                       use_qk_l2norm_in_kernel=True, backend=backend)
+        if self.cp_check_inputs:
+            o, final = gated_delta_product(q, k, v, g, beta, check_inputs=True, **options)
+        else:
+            o, final = run_gated_delta_product(q, k, v, gate_or_zeros(g, q), beta, scale=q.shape[-1] ** -0.5,
+                                               contain=True, **options)
+        return o, final[:sequences]
 
     def forward(self, hidden_states: torch.Tensor, *, cu_seqlens=None, seq_idx=None, cp_group=None,
-                layout=None) -> torch.Tensor:
+                layout=None, initial_state=None, output_final_state: bool = False):
         c, n = self.config, self.config.num_householder
         layout = resolve_layout(hidden_states, layout=layout, cp_group=cp_group, seq_idx=seq_idx,
                                 cu_seqlens=cu_seqlens)
@@ -204,13 +250,15 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
         else:
             g = None  # no gate, as flash-linear-attention passes it
 
-        o = self._gated_delta_product(q, k, v, g, beta, layout, agreed)
+        o, final_state = self._gated_delta_product(q, k, v, g, beta, layout, agreed, initial_state,
+                                                   bool(output_final_state))
         if c.use_output_gate:
             gate = self.g_proj(x).view(batch, length, c.value_heads, c.head_v_dim)
             o = self.o_norm(o, gate)
         else:
             o = self.o_norm(o)
-        return self.o_proj(o.reshape(batch, length, c.value_dim))
+        out = self.o_proj(o.reshape(batch, length, c.value_dim))
+        return (out, final_state) if output_final_state else out
 
 
 # help() and inspect.signature list every keyword argument (a metaclass hides __init__ from them)

@@ -148,6 +148,11 @@ class ShardLayout:
             return None
         return self._cached(("cu", device), lambda: torch.from_numpy(self._padded(self.packed.cu_seqlens())).to(device))
 
+    def gdp_sequences(self, batch: int) -> int:
+        """N, the GDP sequences of the layout: runs of equal ids (padding runs included), or the batch rows
+        when unpacked; the rows of a GDP layer's ``initial_state`` / ``final_state``."""
+        return len(self.packed.cu_seqlens()) - 1 if self.packed.packed else int(batch)
+
     def doc_ids_tensor(self, device) -> torch.Tensor:
         """int32 [T]: the global doc ids (0 = padding; all ones when unpacked), what the graph-ready
         attention op reads (``torch_api.attention.static``)."""

@@ -37,9 +37,16 @@ class HybridBlock(nn.Module):
         self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.mlp_width)
 
-    def forward(self, h: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
-        h = h + self.attn(self.attn_norm(h), layout=layout)
-        return h + self.mlp(self.mlp_norm(h))
+    def forward(self, h: torch.Tensor, layout: ShardLayout, initial_state=None, output_final_state: bool = False):
+        """h -> h, or (h, the GDP mixer's final state) with ``output_final_state`` (GDP blocks only)."""
+        if self.kind == "gdp" and (initial_state is not None or output_final_state):
+            mixed, final_state = self.attn(self.attn_norm(h), layout=layout, initial_state=initial_state,
+                                           output_final_state=True)
+        else:
+            mixed, final_state = self.attn(self.attn_norm(h), layout=layout), None
+        h = h + mixed
+        h = h + self.mlp(self.mlp_norm(h))
+        return (h, final_state) if output_final_state else h
 
 
 class HybridDecoder(StateTableMixin, nn.Module):
@@ -50,6 +57,15 @@ class HybridDecoder(StateTableMixin, nn.Module):
     padding; B = 1), replicated on every rank under CP; without them each row is one document.
     ``layout`` (``build_shard_layout``) replaces doc_ids/cp_group when built once per step.
     ``gdp_options`` / ``attention_options`` go to every mixer (e.g. ``{"mode": "a2a"}``).
+
+    Continuing long documents across training windows: ``gdp_states`` maps a GDP layer's index in
+    ``layers`` to its ``initial_state`` float [N, Hv, K, V] (``GatedDeltaProduct``'s; N the layout's
+    GDP sequences; a layer left out starts from zeros), and ``output_gdp_states=True`` returns
+    ``(logits, {index: final_state})`` for every GDP layer. Under CP the final states follow the GDP
+    op's rule (rows of the sequences ending on this rank, zeros elsewhere): sum them over the group
+    (``dist.all_reduce``; detach for truncated backpropagation) before passing them to the next
+    window. Attention layers see only their window, and the short conv does not carry its
+    ``conv_size - 1`` tokens (docs/cp_options.md "Sequence states in the layers").
     """
 
     def __init__(self, config: DecoderConfig, *, gdp_options: dict | None = None,
@@ -65,7 +81,8 @@ class HybridDecoder(StateTableMixin, nn.Module):
             if name.endswith("proj.weight") or name in ("embeddings.weight", "lm_head.weight"):
                 nn.init.normal_(param, std=init_std)
 
-    def forward(self, input_ids: torch.Tensor, *, doc_ids=None, cp_group=None, layout: ShardLayout | None = None):
+    def forward(self, input_ids: torch.Tensor, *, doc_ids=None, cp_group=None, layout: ShardLayout | None = None,
+                gdp_states: dict | None = None, output_gdp_states: bool = False):
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise ValueError(f"input_ids must be an int tensor [B, L]; received shape "
                              f"{tuple(getattr(input_ids, 'shape', ()))}")
@@ -74,12 +91,30 @@ class HybridDecoder(StateTableMixin, nn.Module):
             layout = build_shard_layout(total_len=input_ids.shape[1] * world, doc_ids=doc_ids, cp_group=cp_group)
         elif doc_ids is not None or cp_group is not None:
             raise ValueError("pass either layout or doc_ids / cp_group, not both")
+        states_error = self._gdp_states_error(gdp_states)
         if layout.is_cp and not compiling():  # a compiled step agreed eagerly (``agree``)
-            self._agree(input_ids, layout, explicit=False)
+            self._agree(input_ids, layout, explicit=False, error=states_error)
+        elif states_error:
+            raise ValueError(f"model inputs: {states_error}")
+        gdp_states = gdp_states or {}
+        final_states = {}
         h = self.embeddings(input_ids)
-        for block in self.layers:
-            h = block(h, layout)
-        return self.lm_head(self.norm(h))
+        for index, block in enumerate(self.layers):
+            if output_gdp_states and block.kind == "gdp":
+                h, final_states[index] = block(h, layout, gdp_states.get(index), True)
+            else:
+                h = block(h, layout, gdp_states.get(index))
+        logits = self.lm_head(self.norm(h))
+        return (logits, final_states) if output_gdp_states else logits
+
+    def _gdp_states_error(self, gdp_states) -> str | None:
+        if gdp_states is None:
+            return None
+        gdp_layers = [i for i, block in enumerate(self.layers) if block.kind == "gdp"]
+        if not isinstance(gdp_states, dict) or any(key not in gdp_layers for key in gdp_states):
+            keys = list(gdp_states) if isinstance(gdp_states, dict) else type(gdp_states).__name__
+            return f"gdp_states must be a dict keyed by GDP layer indices {gdp_layers}; received {keys}"
+        return None
 
     def agree(self, input_ids: torch.Tensor, *, layout: ShardLayout) -> None:
         """One header for the whole model before its first exchange: the input (token ids in range),
@@ -97,7 +132,7 @@ class HybridDecoder(StateTableMixin, nn.Module):
         check ran on the ``input_ids`` given here: agree again for every batch."""
         self._agree(input_ids, layout, explicit=True)
 
-    def _agree(self, input_ids: torch.Tensor, layout: ShardLayout, *, explicit: bool) -> None:
+    def _agree(self, input_ids: torch.Tensor, layout: ShardLayout, *, explicit: bool, error: str | None = None) -> None:
         hidden = (*input_ids.shape, self.config.hidden_size)
         dtype, device = self.embeddings.weight.dtype, input_ids.device
         layers = [(layout.signature_of(hidden, dtype, device, block.attn.cp_signature()), block.attn.AGREEMENT)
@@ -106,11 +141,13 @@ class HybridDecoder(StateTableMixin, nn.Module):
         signature = (*layout.signature_of(hidden, dtype, device, config_fingerprint(self.config)), len(self.layers),
                      digest([sig for sig, _ in layers]), digest(params))
         if not explicit and layout.agreed_model(signature):
+            if error:
+                raise ValueError(f"model inputs: {error}")
             return  # an explicit agree covered this call: no header, no host read
-        error = None
-        if input_ids.dtype not in (torch.int32, torch.int64):
+        # ``error`` (a bad gdp_states) travels in the header too, so that every rank raises
+        if error is None and input_ids.dtype not in (torch.int32, torch.int64):
             error = f"input_ids must be int32 or int64; received {input_ids.dtype}"
-        elif input_ids.shape[1] != layout.local_len or (layout.packed.packed and input_ids.shape[0] != 1):
+        elif error is None and input_ids.shape[1] != layout.local_len or (layout.packed.packed and input_ids.shape[0] != 1):
             error = (f"input_ids must be [B, L = {layout.local_len}] (B = 1 when packed); "
                      f"received {tuple(input_ids.shape)}")
         out_of_range = None if error else ((input_ids < 0) | (input_ids >= self.config.vocab_size)).any().view(1)
