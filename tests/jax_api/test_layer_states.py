@@ -16,14 +16,8 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jax_api.layers import DecoderConfig, GatedDeltaProduct, HybridDecoder, build_layout, cp_apply  # noqa: E402
+from tests.layer_state_cases import DECODER, DOC_IDS, GDP, WINDOW  # noqa: E402
 
-GDP = dict(hidden_size=16, head_dim=4, num_heads=1, num_v_heads=2, expand_v=1.5, num_householder=2,
-           use_short_conv=False)
-DECODER = DecoderConfig(vocab_size=32, hidden_size=16, num_layers=2, num_heads=2, head_dim=4, conv_size=1,
-                        layer_types=("gdp", "gdp"))
-# 24 tokens in two windows of 12: document 2 (ids) spans the window boundary, document 3 starts in window 2
-DOC_IDS = np.array([1] * 5 + [2] * 11 + [3] * 8)
-WINDOW = 12
 
 
 def relative(a, b):

@@ -15,14 +15,8 @@ import torch.distributed.nn.functional as dist_fn
 from cp_linear.model_config import DecoderConfig
 from tests.cp_linear.gdp_cases import rel_err
 from torch_api.layers import GatedDeltaProduct, HybridDecoder
+from tests.layer_state_cases import DECODER, DOC_IDS, GDP, WINDOW
 
-GDP = dict(hidden_size=16, head_dim=4, num_heads=1, num_v_heads=2, expand_v=1.5, num_householder=2,
-           use_short_conv=False)
-DECODER = DecoderConfig(vocab_size=32, hidden_size=16, num_layers=2, num_heads=2, head_dim=4, conv_size=1,
-                        layer_types=("gdp", "gdp"))
-# 24 tokens in two windows of 12: document 2 spans the window boundary, document 3 starts in window 2
-DOC_IDS = np.array([1] * 5 + [2] * 11 + [3] * 8)
-WINDOW = 12
 
 
 def continued_state(final_state, window_ids):
