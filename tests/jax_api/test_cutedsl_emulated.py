@@ -219,7 +219,7 @@ def test_saved_segment_states_match_the_torch_backend_bit_for_bit(emulated, case
     torch_backend = tcd.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=2, backward="kernels")
     _, local = torch_backend.cp_forward_prepare(GDPInputs(q, k, v, g, beta, cu_seqlens=cu, initial_state=initial,
                                                           **options))
-    theirs = tcd.segment_states_of(torch_backend.cp_forward_apply(local, None).saved_context)
+    theirs = torch_backend.saved_segment_states(torch_backend.cp_forward_apply(local, None).saved_context)
     backend = jcd.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=2, backward="kernels", sm_count=132)
 
     @jax.jit

@@ -96,7 +96,7 @@ def test_cutedsl_kernel_backward_runs_through_the_op_and_compiles_to_eager_resul
 
     args = (*leaves[:5], cu, initial, *options.values(), backend_name(backend))
     states = torch.ops.cp_linear.gdp_forward(*args)[4]
-    assert states.shape == backend.saved_segment_states_shape(_op_inputs(leaves, cu, options)) and states.shape[0] > 1
+    assert states.shape == backend.saved_buffer_shape(_op_inputs(leaves, cu, options)) and states.shape[0] > 1
     torch.library.opcheck(torch.ops.cp_linear.gdp_forward.default, args)
 
     def through_op(*tensors):

@@ -391,8 +391,8 @@ def test_saved_segment_states_are_the_incoming_states(initial):
     inputs = _inputs(q, k, v, g, beta, 2, True, _cu(lengths))
     _, _, saved = backend.one_device_forward(inputs, start)
     _, _, saved_again = backend.one_device_forward(inputs, start)
-    states = cutedsl.segment_states_of(saved)
-    assert torch.equal(states, cutedsl.segment_states_of(saved_again))
+    states = backend.saved_segment_states(saved)
+    assert torch.equal(states, backend.saved_segment_states(saved_again))
     _, local = backend.cp_forward_prepare(inputs)
     layout = local.shard.layout
     init = start.transpose(-1, -2).contiguous() if initial else states[:1]

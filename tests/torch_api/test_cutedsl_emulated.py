@@ -131,6 +131,39 @@ def test_kernel_backward_matches_float64_gradients(emulated, n_h, segment_chunks
         assert rel_err(got, expected.numpy()) < GRAD_LIMIT, name
 
 
+def test_saved_prep_and_recomputed_prep_give_identical_gradients(emulated):
+    """save_prep=True (the forward's Ta, Tb, P and scalars ride in the saved buffer) and save_prep=False
+    (the backward reruns chunk_prep) give bitwise-equal gradients; the saved buffer is larger by exactly
+    the prep results, and the backward never rebuilds the layout from cu_seqlens."""
+    from torch_api import gated_delta_product
+    from torch_api.gdp.types import GDPInputs
+
+    lengths, heads, dim, n_h = [150, 37, 301], 2, 64, 2
+    q, k, v, g, beta = _inputs(lengths, heads=heads, key_dim=dim, value_dim=dim, n_h=n_h, seed=31)
+    cu = torch.tensor(np.cumsum([0] + lengths), dtype=torch.int32)
+    do = torch.randn(1, sum(lengths), heads, dim, generator=torch.Generator().manual_seed(6)).bfloat16()
+    grads, words = {}, {}
+    for save_prep in (True, False):
+        backend = cutedsl.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=2, backward="kernels", save_prep=save_prep)
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+        o, _ = gated_delta_product(*leaves, num_householder=n_h, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
+                                   backend=backend)
+        real_layout = kl.forward_layout
+        kl.forward_layout = None  # the backward must take the saved tables
+        try:
+            o.backward(do)
+        finally:
+            kl.forward_layout = real_layout
+        grads[save_prep] = [leaf.grad for leaf in leaves]
+        inputs = GDPInputs(q, k, v, g, beta, dim ** -0.5, n_h, True, cu)
+        words[save_prep] = backend.saved_buffer_shape(inputs)[0]
+    for name, with_saved, recomputed in zip(("q", "k", "v", "g", "beta"), grads[True], grads[False]):
+        assert torch.equal(with_saved, recomputed), name
+    chunks = sum(lengths) // 32 + len(lengths)  # C_max at n_h = 2 (32 tokens per chunk)
+    prep_bytes = chunks * heads * (2 * 64 * 64 * 2 + 32 * 64 * 2 + 4 * 64 * 4)
+    assert (words[True] - words[False]) * 4 == prep_bytes
+
+
 @pytest.mark.parametrize("layout", ["spanning", "packed", "rows"])
 def test_kernel_cp_backward_over_two_shards_matches_float64(emulated, layout):
     from cp_linear.kernels import backward_algorithm as ba
@@ -286,7 +319,7 @@ def test_one_device_forward_and_saved_segment_states(emulated, case):
     o_torch, final_torch, _ = TorchGDPBackend().one_device_forward(inputs, initial)
     assert rel_err(o.float().numpy(), o_torch.float().numpy().astype(np.float64)) < OUTPUT_LIMIT
     assert rel_err(final.numpy(), final_torch.numpy().astype(np.float64)) < STATE_LIMIT
-    states = cutedsl.segment_states_of(saved)
+    states = backend.saved_segment_states(saved)
     assert states is not None and states.shape[2:] == (dim, dim)
     segment_tokens = segment_chunks * (64 // n_h)
     starts = np.cumsum([0] + lengths)
@@ -326,7 +359,7 @@ def test_cp_apply_saved_segment_states_continue_from_the_preceding_summaries(emu
                backend.cp_forward_apply(prepared[1][1], prepared[0][0].packed[None])]
     segment_tokens = segment_chunks * (64 // n_h)
     for rank in range(2):
-        states = cutedsl.segment_states_of(results[rank].saved_context)
+        states = backend.saved_segment_states(results[rank].saved_context)
         _check_segment_states(states, q, k, v, g, beta, n_h, segment_tokens, pieces[rank])
 
 

@@ -35,6 +35,7 @@ backward mirrors it:
 from __future__ import annotations
 
 import importlib.util
+import math
 import warnings
 from dataclasses import dataclass, replace
 
@@ -57,7 +58,11 @@ from torch_api.gdp.validation import check_gdp_inputs
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _SM_COUNT: dict[int, int] = {}
-_KERNEL_BACKWARD = "kernel_backward"  # saved-context flag: the segment states follow the 9 tensors
+_KERNEL_BACKWARD = "kernel_backward"  # saved-context flag: the kernel backward's buffer follows the 9 tensors
+# the work layout's device tables, saved by the forward for the backward (ForwardLayout's fields)
+_TABLES = ("chunk_first_step", "chunk_steps", "num_chunks", "seq_first_segment", "seq_segments", "seg_first_chunk",
+           "seg_chunks", "seg_flags", "num_segments", "seg_grad_flags")
+_PREP = ("ta", "tb", "p", "scalars")
 
 
 def unsupported_reason(inputs: GDPInputs) -> str | None:
@@ -174,8 +179,9 @@ class _Shard(kl.KernelShard):
     tb: torch.Tensor
     p: torch.Tensor  # [C_max, H, NQ, 64]
     scalars: torch.Tensor  # [C_max, H, 4, 64] float32
-    summaries: torch.Tensor  # [S_max, H, V + K, K] float32 ([E^T ; M^T] per segment)
+    summaries: torch.Tensor | None  # [S_max, H, V + K, K] float32 ([E^T ; M^T] per segment); None in the backward
     trailing: torch.Tensor | None = None  # int64 []: the last nonempty sequence (packed shards)
+    saved: dict | None = None  # views of the kernel backward's saved buffer (``_saved_regions``), when kept
 
     @property
     def dtype(self) -> str:
@@ -190,6 +196,8 @@ class _LayoutSizes:
     row_blocks: int  # scan CTAs per head along V
     segment_chunks: int
     max_segments: int  # S_max: rows of the segment tables and of the saved segment states
+    max_chunks: int  # C_max: rows of the chunk tables and of the prep results
+    num_sequences: int
 
 
 CuTeDSLForwardContext = kl.KernelForwardContext
@@ -222,8 +230,11 @@ class CuTeDSLGatedDeltaProductCPBackend:
     repeatable on an H200, 5-6x faster than the recomputation at 8k tokens) or "torch"
     (``TorchGDPBackend``'s recomputation from the saved inputs). The kernel backward saves one
     float32 state per segment (9.4 MB at 32k tokens, H = 16, K = V = 128) and recomputes the chunk
-    states inside each segment; storing them instead would cost 0.5 GB at that shape, so there is
-    no store-or-recompute knob (the earlier ``recompute_chunk_num`` is gone). Sequence states
+    states inside each segment (storing them would cost 0.5 GB at that shape). It also saves the
+    forward's work layout (no second layout build) and, with ``save_prep=True`` (the default), the
+    per-chunk prep results Ta, Tb, P and the scalars (+0.35 GB at that shape, where FLA's step peaks
+    1.8 GB higher than ours) instead of rerunning chunk_prep (0.5 ms at 32k on an H200): the one
+    store-or-recompute choice that pays (the earlier ``recompute_chunk_num`` is gone). Sequence states
     (``initial_state``, ``output_final_state`` of ``cp_linear.gdp.GDPInputs``) run on the kernels in
     both directions, so the one-device op ``torch_api.gated_delta_product`` takes this backend
     through the four functions.
@@ -232,7 +243,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
     supports_sequence_states = True
 
     def __init__(self, segment_chunks: int | None = None, *, row_block: int = 0,
-                 ctas_per_sm: float = 2, fallback: bool = True, mma: str = "auto", backward: str = "kernels"):
+                 ctas_per_sm: float = 2, fallback: bool = True, mma: str = "auto", backward: str = "kernels",
+                 save_prep: bool = True):
         if segment_chunks is not None and (not isinstance(segment_chunks, int) or segment_chunks < 1):
             raise ValueError(f"segment_chunks must be a positive int or None; received {segment_chunks!r}")
         if row_block not in (0, 64, 128):
@@ -245,6 +257,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             raise ValueError(f"backward must be 'torch' or 'kernels'; received {backward!r}")
         self.mma = mma
         self.backward = backward
+        self.save_prep = bool(save_prep)
         self.row_block = row_block
         self.ctas_per_sm = ctas_per_sm
         self.fallback = fallback
@@ -260,58 +273,124 @@ class CuTeDSLGatedDeltaProductCPBackend:
         return kl.kernels_take(unsupported_reason(inputs), fallback=self.fallback, warned=self._warned,
                                fallback_name="TorchGDPBackend")
 
-    def _shard(self, inputs: GDPInputs, *, cp_summary: bool, summaries: bool = True,
-               grad_summary_sequence: int | None = None) -> _Shard:
-        q, k, v = _flat(inputs.q), _flat(inputs.k), _flat(inputs.v)
-        device = q.device
-        batch, tokens = inputs.q.shape[:2]
-        heads, key_dim, value_dim = q.shape[1], q.shape[2], v.shape[2]
+    def _shard(self, inputs: GDPInputs, *, cp_summary: bool) -> _Shard:
+        """The forward's shard: work layout, chunk prep and the summary pass. With the kernel backward
+        the layout tables (and with ``save_prep`` the prep results) live in the saved buffer."""
+        q = _flat(inputs.q)
+        device, heads, key_dim, value_dim = q.device, q.shape[1], q.shape[2], inputs.v.shape[-1]
         rows = inputs.cu_seqlens is None
-        if rows:
-            cu = torch.arange(0, (batch + 1) * tokens, tokens, dtype=torch.int32, device=device)
-        else:
-            cu = inputs.cu_seqlens.to(device=device, dtype=torch.int32)
+        cu = self._cu(inputs, device)
         sizes = self._sizes(inputs)
         # the trailing sequence: the last nonempty one, found on the device (a graph-ready layout pads
         # cu_seqlens with empty sequences at its end, torch_api.layers.layout), so no host read
         trailing = None if rows else _last_nonempty(cu)
-        summary_sequence = trailing if cp_summary else None
+        kernel_backward = self.backward == "kernels"
         layout = kl.forward_layout(cu, total_tokens=q.shape[0], num_householder=inputs.num_householder, heads=heads,
                                    row_blocks=sizes.row_blocks, sm_count=_sm_count(device),
-                                   segment_chunks=sizes.segment_chunks, summary_sequence=summary_sequence,
-                                   ctas_per_sm=self.ctas_per_sm, grad_summary_sequence=grad_summary_sequence)
+                                   segment_chunks=sizes.segment_chunks,
+                                   summary_sequence=trailing if cp_summary else None, ctas_per_sm=self.ctas_per_sm,
+                                   grad_summary_sequence=0 if kernel_backward else None)
         if layout.max_segments != sizes.max_segments:  # the custom ops' fake kernels read sizes.max_segments
             raise RuntimeError(f"forward_layout made {layout.max_segments} segments where _sizes predicted "
                                f"{sizes.max_segments}; keep CuTeDSLGatedDeltaProductCPBackend._sizes in step with it")
-        row_block = sizes.row_block
-        if grad_summary_sequence is not None and rows:  # every row leads: all its segments
-            layout.seg_grad_flags = torch.where(
-                torch.arange(layout.max_segments, device=device) < layout.num_segments, kl.SUMMARY_FLAG, 0
-            ).to(torch.int32)
+        every_segment = torch.where(torch.arange(layout.max_segments, device=device) < layout.num_segments,
+                                    kl.SUMMARY_FLAG, 0).to(torch.int32)
+        if kernel_backward and rows:  # every row leads: the backward summarises all its segments
+            layout.seg_grad_flags = every_segment
         if cp_summary and rows:  # every row continues on the next rank: every segment needs a summary
-            layout.seg_flags = torch.where(torch.arange(layout.max_segments, device=device) < layout.num_segments,
-                                           kl.SUMMARY_FLAG, 0).to(torch.int32)
-        dtype = q.dtype
-        chunks = layout.max_chunks
+            layout.seg_flags = every_segment
+        saved = None
+        if kernel_backward:
+            saved = _carve(torch.empty(self._saved_words(inputs), dtype=torch.float32, device=device),
+                           self._saved_regions(inputs))
+            torch.cat([getattr(layout, name).reshape(-1) for name in _TABLES], out=saved["tables"])
+            # a custom op's outputs must be deterministic: zero what no kernel writes, the padding and the
+            # prep rows of chunk slots past the last real chunk (only slots from T_all // tokens per chunk on
+            # can be spare: every sequence's chunks cover its tokens)
+            saved["padding"].zero_()
+            if self.save_prep:
+                first_spare = q.shape[0] // kcfg.tokens_per_chunk(inputs.num_householder)
+                for name in _PREP:
+                    saved[name][first_spare:].zero_()
+        shard = self._new_shard(inputs, layout, saved, trailing, summaries=True)
+        self._prep(shard)
+        # mode "summary" reads neither state_in nor o: tiny placeholders of the right type
+        self._scan(shard, "summary", state_in=shard.summaries.new_empty(1, 1, value_dim, key_dim),
+                   state_out=shard.summaries, o=q.new_empty(1, 1, value_dim))
+        return shard
+
+    def _saved_shard(self, inputs: GDPInputs, saved: dict) -> _Shard:
+        """The backward's shard from the forward's saved buffer: its layout tables, and its prep results
+        (``save_prep``) or chunk_prep rerun. No layout build, no host work beyond shapes."""
+        sizes = self._sizes(inputs)
+        n_h = inputs.num_householder
+        layout = kl.ForwardLayout(
+            num_householder=n_h, tokens_per_chunk=kcfg.tokens_per_chunk(n_h), segment_chunks=sizes.segment_chunks,
+            max_chunks=sizes.max_chunks, max_segments=sizes.max_segments, num_sequences=sizes.num_sequences,
+            **{name: saved[name] for name in _TABLES})
+        rows = inputs.cu_seqlens is None
+        trailing = None if rows else _last_nonempty(self._cu(inputs, inputs.q.device))
+        shard = self._new_shard(inputs, layout, saved, trailing, summaries=False)
+        if not self.save_prep:
+            self._prep(shard)
+        return shard
+
+    def _new_shard(self, inputs: GDPInputs, layout, saved: dict | None, trailing, *, summaries: bool) -> _Shard:
+        """A shard over ``layout``: prep results in the saved buffer (``save_prep``) or fresh tensors."""
+        q, k, v = _flat(inputs.q), _flat(inputs.k), _flat(inputs.v)
+        device, heads, key_dim, value_dim = q.device, q.shape[1], q.shape[2], v.shape[2]
+        chunks, tile = layout.max_chunks, kcfg.query_tile(inputs.num_householder)
+        if saved is not None and self.save_prep:
+            prep = {name: saved[name] for name in _PREP}
+        else:
+            prep = dict(ta=torch.empty(chunks, heads, 64, 64, dtype=q.dtype, device=device),
+                        tb=torch.empty(chunks, heads, 64, 64, dtype=q.dtype, device=device),
+                        p=torch.empty(chunks, heads, tile, 64, dtype=q.dtype, device=device),
+                        scalars=torch.empty(chunks, heads, 4, 64, dtype=torch.float32, device=device))
+        summary_rows = torch.empty(layout.max_segments, heads, value_dim + key_dim, key_dim, dtype=torch.float32,
+                                   device=device) if summaries else None
+        return _Shard(inputs=inputs, rows=inputs.cu_seqlens is None, q=q, k=k, v=v, layout=layout,
+                      row_block=self._sizes(inputs).row_block, summaries=summary_rows, trailing=trailing, saved=saved,
+                      **prep)
+
+    def _prep(self, shard: _Shard) -> None:
+        """chunk_prep: Ta, Tb, P and the scalars of every chunk."""
+        inputs, layout, q, k = shard.inputs, shard.layout, shard.q, shard.k
         tile = kcfg.query_tile(inputs.num_householder)
-        shard = _Shard(
-            inputs=inputs, rows=rows, q=q, k=k, v=v, layout=layout,
-            ta=torch.empty(chunks, heads, 64, 64, dtype=dtype, device=device),
-            tb=torch.empty(chunks, heads, 64, 64, dtype=dtype, device=device),
-            p=torch.empty(chunks, heads, tile, 64, dtype=dtype, device=device),
-            scalars=torch.empty(chunks, heads, 4, 64, dtype=torch.float32, device=device),
-            summaries=torch.empty(layout.max_segments, heads, value_dim + key_dim, key_dim, dtype=torch.float32,
-                                  device=device), row_block=row_block, trailing=trailing)
         kl.ChunkPrepLaunch(
-            kcfg.ChunkPrepConfig(shard.dtype, key_dim, tile),
+            kcfg.ChunkPrepConfig(shard.dtype, shard.key_dim, tile),
             q=q, k=k, g=_flat(inputs.g).float(), beta=_flat(inputs.beta).float(),
             chunk_first_step=layout.chunk_first_step, chunk_steps=layout.chunk_steps, num_chunks=layout.num_chunks,
             ta=shard.ta, tb=shard.tb, p=shard.p, scalars=shard.scalars, scale=float(inputs.scale),
             use_l2=int(bool(inputs.use_qk_l2norm_in_kernel)), num_householder=inputs.num_householder).run()
-        if summaries:  # mode "summary" reads neither state_in nor o: tiny placeholders of the right type
-            self._scan(shard, "summary", state_in=shard.summaries.new_empty(1, 1, value_dim, key_dim),
-                       state_out=shard.summaries, o=q.new_empty(1, 1, value_dim))
-        return shard
+
+    @staticmethod
+    def _cu(inputs: GDPInputs, device) -> torch.Tensor:
+        """int32 cu_seqlens on the device (rows: one sequence per batch row)."""
+        if inputs.cu_seqlens is None:
+            batch, tokens = inputs.q.shape[:2]
+            return torch.arange(0, (batch + 1) * tokens, tokens, dtype=torch.int32, device=device)
+        return inputs.cu_seqlens.to(device=device, dtype=torch.int32)
+
+    def _saved_regions(self, inputs: GDPInputs) -> tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]:
+        """The kernel backward's saved buffer region by region (name, dtype, shape), from shapes only:
+        the segments' incoming states, the prep results (``save_prep``), then the layout tables."""
+        sizes = self._sizes(inputs)
+        heads, key_dim, value_dim = int(inputs.q.shape[2]), int(inputs.q.shape[3]), int(inputs.v.shape[-1])
+        chunks, segments, sequences = sizes.max_chunks, sizes.max_segments, sizes.num_sequences
+        regions = [("states", torch.float32, (segments, heads, value_dim, key_dim))]
+        if self.save_prep:
+            tile = kcfg.query_tile(inputs.num_householder)
+            regions += [("ta", inputs.q.dtype, (chunks, heads, 64, 64)), ("tb", inputs.q.dtype, (chunks, heads, 64, 64)),
+                        ("p", inputs.q.dtype, (chunks, heads, tile, 64)),
+                        ("scalars", torch.float32, (chunks, heads, 4, 64))]
+        table_sizes = dict(chunk_first_step=chunks, chunk_steps=chunks, num_chunks=1, seq_first_segment=sequences + 1,
+                           seq_segments=sequences, seg_first_chunk=segments, seg_chunks=segments, seg_flags=segments,
+                           num_segments=1, seg_grad_flags=segments)
+        return tuple(regions) + tuple((name, torch.int32, (table_sizes[name],)) for name in _TABLES)
+
+    def _saved_words(self, inputs: GDPInputs) -> int:
+        return _region_offsets(self._saved_regions(inputs))[1] // 4
 
     def _sizes(self, inputs: GDPInputs) -> _LayoutSizes:
         """The work layout's host sizes for ``inputs``, from shapes only (``kl.forward_layout`` builds the
@@ -327,17 +406,27 @@ class CuTeDSLGatedDeltaProductCPBackend:
         max_chunks = max(1, batch * tokens // kcfg.tokens_per_chunk(n_h) + num_seqs)
         segment_chunks = self.segment_chunks or kl.segment_chunks_for(
             max_chunks, heads, row_blocks, _sm_count(inputs.q.device), ctas_per_sm=self.ctas_per_sm)
-        return _LayoutSizes(row_block, row_blocks, segment_chunks, max(1, max_chunks // segment_chunks + num_seqs))
+        return _LayoutSizes(row_block, row_blocks, segment_chunks, max(1, max_chunks // segment_chunks + num_seqs),
+                            max_chunks, num_seqs)
 
-    def saved_segment_states_shape(self, inputs: GDPInputs) -> tuple[int, int, int, int] | None:
-        """Shape of the extra tensor the forward saves for the kernel backward, the segments' incoming
-        states [S_max, H, V, K] float32; None when it saves none (``backward="torch"``, or inputs the
-        kernels do not take, which run on the fallback). Shapes only: the ``cp_linear`` custom ops'
-        fake kernels call it (``torch_api.gdp.library``)."""
+    def saved_buffer_shape(self, inputs: GDPInputs) -> tuple[int] | None:
+        """Shape of the extra tensor the forward saves for the kernel backward: one float32 buffer
+        holding the segments' incoming states, the prep results (``save_prep``) and the layout tables
+        (``_saved_regions``); None when it saves none (``backward="torch"``, or inputs the kernels do
+        not take, which run on the fallback). Shapes only: the ``cp_linear`` custom ops' fake kernels
+        call it (``torch_api.gdp.library``)."""
         if self.backward != "kernels" or unsupported_reason(inputs) is not None:
             return None
-        heads, key_dim, value_dim = int(inputs.q.shape[2]), int(inputs.q.shape[3]), int(inputs.v.shape[-1])
-        return (self._sizes(inputs).max_segments, heads, value_dim, key_dim)
+        return (self._saved_words(inputs),)
+
+    def saved_segment_states(self, saved: CPSavedContext) -> torch.Tensor | None:
+        """The segments' incoming states [S_max, H, V, K] float32 a kernel-backward forward saved
+        (a view of its buffer), None when the context has none."""
+        buffer = kernel_saved_of(saved)
+        if buffer is None:
+            return None
+        inputs, _, _ = read_cp_saved_context(CPSavedContext(saved.tensors[:9], saved.metadata))
+        return _carve(buffer, self._saved_regions(inputs))["states"]
 
     def _scan(self, shard: _Shard, mode: str, *, state_in, state_out, o) -> None:
         layout = shard.layout
@@ -373,8 +462,11 @@ class CuTeDSLGatedDeltaProductCPBackend:
         ``init_count`` sequences; the others start from zero). Rows of unused segments are zero, so
         the saved states (an output of the custom ops) are deterministic."""
         heads, key_dim, value_dim = shard.heads, shard.key_dim, shard.value_dim
-        incoming = torch.empty(shard.layout.max_segments, heads, value_dim, key_dim, dtype=torch.float32,
-                               device=shard.q.device)
+        if shard.saved is not None:  # straight into the kernel backward's saved buffer
+            incoming = shard.saved["states"]
+        else:
+            incoming = torch.empty(shard.layout.max_segments, heads, value_dim, key_dim, dtype=torch.float32,
+                                   device=shard.q.device)
         kl.SegmentFoldLaunch(
             kcfg.SegmentFoldConfig(key_dim, "apply_affine"), summaries=incoming_affine,
             seq_first_segment=shard.layout.seq_first_segment, init=incoming[:1] if init is None else init,
@@ -457,8 +549,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
         transition = summary[..., value_dim:]
         saved = make_cp_saved_context(inputs, leading_state if shard.rows else leading_state[0],
                                       transition if shard.rows else transition[0])
-        if self.backward == "kernels":  # the segments' incoming states: the reverse pass restarts from them
-            saved = with_segment_states(saved, incoming)
+        if shard.saved is not None:  # segment states, layout, prep results: the kernel backward starts from them
+            saved = with_kernel_saved(saved, shard.saved["buffer"])
         return CPForwardResult(output, saved)
 
     # ------------------------------------------------------------------ backward protocol
@@ -472,9 +564,10 @@ class CuTeDSLGatedDeltaProductCPBackend:
             return self._fallback.cp_backward_prepare(output_grad, saved_context)
         inputs, _, transition = read_cp_saved_context(CPSavedContext(saved_context.tensors[:9],
                                                                      saved_context.metadata))
-        incoming = saved_context.tensors[9]
+        saved = _carve(kernel_saved_of(saved_context), self._saved_regions(inputs))
+        incoming = saved["states"]
         output_grad, final_grad = output_grad if inputs.output_final_state else (output_grad, None)
-        shard = self._shard(inputs, cp_summary=False, summaries=False, grad_summary_sequence=0)
+        shard = self._saved_shard(inputs, saved)
         layout, heads, key_dim, value_dim = shard.layout, shard.heads, shard.key_dim, shard.value_dim
         device = shard.q.device
         if output_grad is None:
@@ -487,7 +580,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
         end_grads = torch.zeros(layout.num_sequences, heads, value_dim, key_dim, dtype=torch.float32, device=device)
         if final_grad is not None:
             end_grads += final_grad.to(device=device, dtype=torch.float32).transpose(-1, -2)
-        grad_summaries = torch.empty_like(shard.summaries)
+        grad_summaries = torch.empty(layout.max_segments, heads, value_dim + key_dim, key_dim, dtype=torch.float32,
+                                     device=device)
         self._gamma(shard, do, grad_summaries)
         gamma_rows = torch.empty_like(end_grads)
         self._descending_fold(shard, grad_summaries, end_grads, final=gamma_rows)
@@ -607,18 +701,48 @@ class CuTeDSLGatedDeltaProductCPBackend:
         return grads, grad_in
 
 
-def segment_states_of(saved: CPSavedContext) -> torch.Tensor | None:
-    """The segment incoming states a kernel-backward forward saved after ``make_cp_saved_context``'s
-    nine tensors ([S_max, H, V, K] float32), None when the context has none."""
+def kernel_saved_of(saved: CPSavedContext) -> torch.Tensor | None:
+    """The buffer a kernel-backward forward saved after ``make_cp_saved_context``'s nine tensors
+    (float32 [words]: ``CuTeDSLGatedDeltaProductCPBackend._saved_regions``), None when it has none."""
     return saved.tensors[9] if saved.metadata.get(_KERNEL_BACKWARD, False) else None
 
 
-def with_segment_states(saved: CPSavedContext, states: torch.Tensor | None) -> CPSavedContext:
-    """``saved`` (``make_cp_saved_context``'s nine tensors) with the kernel backward's segment states
-    appended and flagged; unchanged for None. The forward and the custom ops' backward build it here."""
-    if states is None:
+def with_kernel_saved(saved: CPSavedContext, buffer: torch.Tensor | None) -> CPSavedContext:
+    """``saved`` (``make_cp_saved_context``'s nine tensors) with the kernel backward's buffer appended
+    and flagged; unchanged for None. The forward and the custom ops' backward build it here."""
+    if buffer is None:
         return saved
-    return CPSavedContext(saved.tensors + (states,), {**saved.metadata, _KERNEL_BACKWARD: True})
+    return CPSavedContext(saved.tensors + (buffer,), {**saved.metadata, _KERNEL_BACKWARD: True})
+
+
+def _region_offsets(regions) -> tuple[dict[str, int], int]:
+    """Byte offset of each region and the total, 16-byte aligned: the kernels read Ta, Tb and P with
+    16-byte vectors. The int32 tables follow each other unpadded, so one ``torch.cat`` fills them."""
+    offsets, offset = {}, 0
+    for name, dtype, shape in regions:
+        if name not in _TABLES or name == _TABLES[0]:
+            offset = -(-offset // 16) * 16
+        offsets[name] = offset
+        offset += math.prod(shape) * dtype.itemsize
+    return offsets, -(-offset // 16) * 16
+
+
+def _carve(buffer: torch.Tensor, regions) -> dict:
+    """Typed views of the saved buffer by region name, plus "tables" (every table, one int32 span) and
+    "buffer" itself."""
+    offsets, total = _region_offsets(regions)
+    if buffer.numel() * 4 != total:
+        raise ValueError(f"the saved kernel buffer holds {buffer.numel() * 4} bytes; its regions need {total}")
+    raw = buffer.view(torch.uint8)
+    views = {"buffer": buffer}
+    for name, dtype, shape in regions:
+        size = math.prod(shape) * dtype.itemsize
+        views[name] = raw[offsets[name]:offsets[name] + size].view(dtype).view(shape)
+    first = offsets[_TABLES[0]]
+    tables_end = first + 4 * sum(math.prod(shape) for name, _, shape in regions if name in _TABLES)
+    views["tables"] = raw[first:tables_end].view(torch.int32)
+    views["padding"] = raw[tables_end:]  # up to 12 bytes after the tables
+    return views
 
 
 def _last_nonempty(cu: torch.Tensor) -> torch.Tensor:

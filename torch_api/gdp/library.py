@@ -17,8 +17,9 @@ Ops (namespace ``cp_linear``; every output a fresh contiguous tensor):
 the two tensors of the backend's saved context that are not inputs (``torch_api.gdp.chunk.
 make_cp_saved_context``); ``segment_states`` is the extra one that
 ``CuTeDSLGatedDeltaProductCPBackend(backward="kernels")`` (the default) saves for its backward
-kernels, the segments' incoming states [S_max, H, V, K] (S_max from the shapes:
-``saved_segment_states_shape``), or an empty [0] for a backend that saves none. The forward
+kernels: one float32 buffer holding the segments' incoming states (its first region, hence the
+name), the chunk prep results and the work layout's tables (size from the shapes:
+``saved_buffer_shape``), or an empty [0] for a backend that saves none. The forward
 returns them so that autograd saves them, and the backward rebuilds the context from them and the
 inputs. ``TorchGDPBackend`` and ``CuTeDSLGatedDeltaProductCPBackend`` (either backward) go through
 these ops; any other backend keeps the eager ``autograd.Function`` path (``has_op_layout``).
@@ -129,17 +130,17 @@ def _unaliased(outputs, inputs) -> tuple[torch.Tensor, ...]:
 
 def _saved_extras(saved: CPSavedContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(incoming, transition, segment_states) of a saved context; segment_states empty [0] when none."""
-    from torch_api.gdp.cutedsl import segment_states_of
+    from torch_api.gdp.cutedsl import kernel_saved_of
 
     incoming, transition = saved.tensors[6], saved.tensors[7]
-    states = segment_states_of(saved)
+    states = kernel_saved_of(saved)
     states = incoming.new_empty(0, dtype=torch.float32) if states is None else _fresh(states, torch.float32)
     return _fresh(incoming, torch.float32), _fresh(transition, torch.float32), states
 
 
 def _fake_segment_states(impl, inputs) -> torch.Tensor:
     """The fake ``segment_states`` output: the backend's saved-state shape, or [0]."""
-    shape_of = getattr(impl, "saved_segment_states_shape", None)
+    shape_of = getattr(impl, "saved_buffer_shape", None)
     shape = None if shape_of is None else shape_of(inputs)
     return inputs.q.new_empty((0,) if shape is None else shape, dtype=torch.float32)
 
@@ -147,10 +148,10 @@ def _fake_segment_states(impl, inputs) -> torch.Tensor:
 def _saved_context(inputs, incoming, transition, segment_states) -> CPSavedContext:
     """The backend's saved context, rebuilt in a backward op from the inputs and the saved outputs."""
     from torch_api.gdp.chunk import make_cp_saved_context
-    from torch_api.gdp.cutedsl import with_segment_states
+    from torch_api.gdp.cutedsl import with_kernel_saved
 
     saved = make_cp_saved_context(inputs, incoming, transition)
-    return with_segment_states(saved, segment_states if segment_states.numel() else None)
+    return with_kernel_saved(saved, segment_states if segment_states.numel() else None)
 
 
 def _grads(grads, q, k, v, g, beta) -> tuple[torch.Tensor, ...]:
