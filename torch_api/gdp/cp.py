@@ -61,7 +61,14 @@ from torch_api.gdp.isolation import (
 )
 from torch_api.gdp.types import GDPInputGradients, GDPInputs, float32_region
 from torch_api.gdp.zigzag import zigzag_option_error
-from torch_api.gdp.validation import dtype_code, float_bits, gdp_input_error, gdp_value_flags, nonfinite_flags
+from torch_api.gdp.validation import (
+    dtype_code,
+    float_bits,
+    gdp_input_error,
+    gdp_value_flags,
+    initial_state_error,
+    nonfinite_flags,
+)
 
 
 _OUTPUT_GRAD_CHECKS = (("output_grad", NONFINITE + " in output_grad"),)
@@ -485,18 +492,6 @@ def _zigzag_gdp(q, k, v, g, beta, backend, group, rank, world, metadata, scale, 
     return ZigzagGDP.apply(call, q, k, v, g, beta)
 
 
-def _initial_state_error(initial_state, routing, q, v) -> str | None:
-    expected = (routing.num_sequences, q.shape[2], q.shape[3], v.shape[3])
-    if not isinstance(initial_state, torch.Tensor) or tuple(initial_state.shape) != expected:
-        shape = tuple(getattr(initial_state, "shape", ()))
-        return (f"initial_state must be a tensor [N, H, K, V] = {expected} (one row per global sequence, the same "
-                f"on every rank); received {type(initial_state).__name__} of shape {shape}")
-    if not initial_state.is_floating_point() or initial_state.device != q.device:
-        return (f"initial_state must be floating point on {q.device}; received {initial_state.dtype} on "
-                f"{initial_state.device}")
-    return None
-
-
 def _local_initial_states(initial_state: torch.Tensor, routing, rank: int) -> torch.Tensor:
     """The initial states of this rank's local sequences [n, H, K, V]. A first sequence that began on an
     earlier rank keeps its row as the state the preceding summaries are folded from, with no gradient:
@@ -569,7 +564,8 @@ def context_parallel_gdp(q, k, v, g, beta, *, cp_group, global_seq_idx=None, met
         else:
             routing = sequence_state_routing(None, world, rows=q.shape[0])
     if error is None and initial_state is not None:
-        error = _initial_state_error(initial_state, routing, q, v)
+        error = initial_state_error(initial_state, routing.num_sequences, q, v,
+                                    rows=" (one row per global sequence, the same on every rank)")
     if error is None and with_states and not check_inputs:
         error = ("initial_state / output_final_state need check_inputs=True: containment of non-finite inputs "
                  "(check_inputs=False) does not cover the sequence states")

@@ -22,7 +22,13 @@ from cp_linear.summary import as_packed_array
 from cp_linear.validation import GDP_VALUE_CHECKS, NONFINITE, nonfinite_rows, poison
 from torch_api.gdp.isolation import bad_tokens, sanitized, sequence_bad, sequence_start_index, token_poison
 from torch_api.gdp.types import float32_region
-from torch_api.gdp.validation import gdp_input_error, gdp_value_flags, nonfinite_flags, raise_failed_checks
+from torch_api.gdp.validation import (
+    gdp_input_error,
+    gdp_value_flags,
+    initial_state_error,
+    nonfinite_flags,
+    raise_failed_checks,
+)
 
 
 def _empty_stack(summary) -> torch.Tensor:
@@ -96,13 +102,7 @@ def gated_delta_product(q, k, v, g, beta, *, scale=None, num_householder=1, cu_s
         error = cu_seqlens_error(cu_seqlens.tolist(), q.shape[1])
     if error is None and initial_state is not None:
         sequences = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        expected = (sequences, q.shape[2], q.shape[3], v.shape[3])
-        if not isinstance(initial_state, torch.Tensor) or tuple(initial_state.shape) != expected:
-            shape = tuple(getattr(initial_state, "shape", ()))
-            error = f"initial_state must be a tensor [N, H, K, V] = {expected}; received {shape}"
-        elif not initial_state.is_floating_point() or initial_state.device != q.device:
-            error = (f"initial_state must be floating point on {q.device}; "
-                     f"received {initial_state.dtype} on {initial_state.device}")
+        error = initial_state_error(initial_state, sequences, q, v)
     if error:
         raise ValueError(error)
     if check_inputs:

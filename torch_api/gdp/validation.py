@@ -71,6 +71,20 @@ def gdp_value_flags(q, k, v, g, beta) -> torch.Tensor:
     return value_flags_tensor(core_gdp_value_flags(q, k, v, g, beta, extrema=torch.aminmax))
 
 
+def initial_state_error(initial_state, sequences: int, q, v, *, rows: str = "") -> str | None:
+    """Why ``initial_state`` is not a floating [N, H, K, V] tensor on q's device (N = ``sequences``),
+    or None; ``rows`` says what a row is (appended to the shape message)."""
+    expected = (sequences, q.shape[2], q.shape[3], v.shape[3])
+    if not isinstance(initial_state, torch.Tensor) or tuple(initial_state.shape) != expected:
+        shape = tuple(getattr(initial_state, "shape", ()))
+        return (f"initial_state must be a tensor [N, H, K, V] = {expected}{rows}; received "
+                f"{type(initial_state).__name__} of shape {shape}")
+    if not initial_state.is_floating_point() or initial_state.device != q.device:
+        return (f"initial_state must be floating point on {q.device}; received {initial_state.dtype} on "
+                f"{initial_state.device}")
+    return None
+
+
 def raise_failed_checks(checks, flags: torch.Tensor, what: str) -> None:
     """One host read of ``flags``; ValueError naming every failed check (one-device ops)."""
     message = describe_failed(checks, read_value_flags(flags))
