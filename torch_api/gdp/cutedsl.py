@@ -301,8 +301,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
             layout.seg_flags = every_segment
         saved = None
         if kernel_backward:
-            saved = _carve(torch.empty(self._saved_words(inputs), dtype=torch.float32, device=device),
-                           self._saved_regions(inputs))
+            regions = self._saved_regions(inputs, sizes)
+            saved = _carve(torch.empty(_region_offsets(regions)[1] // 4, dtype=torch.float32, device=device), regions)
             torch.cat([getattr(layout, name).reshape(-1) for name in _TABLES], out=saved["tables"])
             # a custom op's outputs must be deterministic: zero what no kernel writes, the padding and the
             # prep rows of chunk slots past the last real chunk (only slots from T_all // tokens per chunk on
@@ -312,17 +312,16 @@ class CuTeDSLGatedDeltaProductCPBackend:
                 first_spare = q.shape[0] // kcfg.tokens_per_chunk(inputs.num_householder)
                 for name in _PREP:
                     saved[name][first_spare:].zero_()
-        shard = self._new_shard(inputs, layout, saved, trailing, summaries=True)
+        shard = self._new_shard(inputs, layout, saved, trailing, sizes.row_block, summaries=True)
         self._prep(shard)
         # mode "summary" reads neither state_in nor o: tiny placeholders of the right type
         self._scan(shard, "summary", state_in=shard.summaries.new_empty(1, 1, value_dim, key_dim),
                    state_out=shard.summaries, o=q.new_empty(1, 1, value_dim))
         return shard
 
-    def _saved_shard(self, inputs: GDPInputs, saved: dict) -> _Shard:
+    def _saved_shard(self, inputs: GDPInputs, saved: dict, sizes: _LayoutSizes) -> _Shard:
         """The backward's shard from the forward's saved buffer: its layout tables, and its prep results
         (``save_prep``) or chunk_prep rerun. No layout build, no host work beyond shapes."""
-        sizes = self._sizes(inputs)
         n_h = inputs.num_householder
         layout = kl.ForwardLayout(
             num_householder=n_h, tokens_per_chunk=kcfg.tokens_per_chunk(n_h), segment_chunks=sizes.segment_chunks,
@@ -330,12 +329,13 @@ class CuTeDSLGatedDeltaProductCPBackend:
             **{name: saved[name] for name in _TABLES})
         rows = inputs.cu_seqlens is None
         trailing = None if rows else _last_nonempty(self._cu(inputs, inputs.q.device))
-        shard = self._new_shard(inputs, layout, saved, trailing, summaries=False)
+        shard = self._new_shard(inputs, layout, saved, trailing, sizes.row_block, summaries=False)
         if not self.save_prep:
             self._prep(shard)
         return shard
 
-    def _new_shard(self, inputs: GDPInputs, layout, saved: dict | None, trailing, *, summaries: bool) -> _Shard:
+    def _new_shard(self, inputs: GDPInputs, layout, saved: dict | None, trailing, row_block: int, *,
+                   summaries: bool) -> _Shard:
         """A shard over ``layout``: prep results in the saved buffer (``save_prep``) or fresh tensors."""
         q, k, v = _flat(inputs.q), _flat(inputs.k), _flat(inputs.v)
         device, heads, key_dim, value_dim = q.device, q.shape[1], q.shape[2], v.shape[2]
@@ -350,7 +350,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         summary_rows = torch.empty(layout.max_segments, heads, value_dim + key_dim, key_dim, dtype=torch.float32,
                                    device=device) if summaries else None
         return _Shard(inputs=inputs, rows=inputs.cu_seqlens is None, q=q, k=k, v=v, layout=layout,
-                      row_block=self._sizes(inputs).row_block, summaries=summary_rows, trailing=trailing, saved=saved,
+                      row_block=row_block, summaries=summary_rows, trailing=trailing, saved=saved,
                       **prep)
 
     def _prep(self, shard: _Shard) -> None:
@@ -372,10 +372,11 @@ class CuTeDSLGatedDeltaProductCPBackend:
             return torch.arange(0, (batch + 1) * tokens, tokens, dtype=torch.int32, device=device)
         return inputs.cu_seqlens.to(device=device, dtype=torch.int32)
 
-    def _saved_regions(self, inputs: GDPInputs) -> tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]:
+    def _saved_regions(self, inputs: GDPInputs, sizes: _LayoutSizes | None = None
+                       ) -> tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]:
         """The kernel backward's saved buffer region by region (name, dtype, shape), from shapes only:
         the segments' incoming states, the prep results (``save_prep``), then the layout tables."""
-        sizes = self._sizes(inputs)
+        sizes = sizes or self._sizes(inputs)
         heads, key_dim, value_dim = int(inputs.q.shape[2]), int(inputs.q.shape[3]), int(inputs.v.shape[-1])
         chunks, segments, sequences = sizes.max_chunks, sizes.max_segments, sizes.num_sequences
         regions = [("states", torch.float32, (segments, heads, value_dim, key_dim))]
@@ -388,9 +389,6 @@ class CuTeDSLGatedDeltaProductCPBackend:
                            seq_segments=sequences, seg_first_chunk=segments, seg_chunks=segments, seg_flags=segments,
                            num_segments=1, seg_grad_flags=segments)
         return tuple(regions) + tuple((name, torch.int32, (table_sizes[name],)) for name in _TABLES)
-
-    def _saved_words(self, inputs: GDPInputs) -> int:
-        return _region_offsets(self._saved_regions(inputs))[1] // 4
 
     def _sizes(self, inputs: GDPInputs) -> _LayoutSizes:
         """The work layout's host sizes for ``inputs``, from shapes only (``kl.forward_layout`` builds the
@@ -417,7 +415,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         call it (``torch_api.gdp.library``)."""
         if self.backward != "kernels" or unsupported_reason(inputs) is not None:
             return None
-        return (self._saved_words(inputs),)
+        return (_region_offsets(self._saved_regions(inputs))[1] // 4,)
 
     def saved_segment_states(self, saved: CPSavedContext) -> torch.Tensor | None:
         """The segments' incoming states [S_max, H, V, K] float32 a kernel-backward forward saved
@@ -564,10 +562,11 @@ class CuTeDSLGatedDeltaProductCPBackend:
             return self._fallback.cp_backward_prepare(output_grad, saved_context)
         inputs, _, transition = read_cp_saved_context(CPSavedContext(saved_context.tensors[:9],
                                                                      saved_context.metadata))
-        saved = _carve(kernel_saved_of(saved_context), self._saved_regions(inputs))
+        sizes = self._sizes(inputs)
+        saved = _carve(kernel_saved_of(saved_context), self._saved_regions(inputs, sizes))
         incoming = saved["states"]
         output_grad, final_grad = output_grad if inputs.output_final_state else (output_grad, None)
-        shard = self._saved_shard(inputs, saved)
+        shard = self._saved_shard(inputs, saved, sizes)
         layout, heads, key_dim, value_dim = shard.layout, shard.heads, shard.key_dim, shard.value_dim
         device = shard.q.device
         if output_grad is None:

@@ -174,7 +174,7 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
                 summary_exchange=self.cp_summary_exchange, initial_state=initial_state,
                 output_final_state=output_final_state, layout=layout.shard_layout)
             return result if output_final_state else (result, None)
-        if with_states and not layout.is_cp:
+        if with_states:  # one device (CP with states returned above)
             return self._one_device_with_states(q, k, v, g, beta, layout, backend, initial_state)
         if checks:
             o, _ = gated_delta_product(q, k, v, g, beta, num_householder=n, cu_seqlens=layout.cu_seqlens(q.device),
