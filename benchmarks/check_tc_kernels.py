@@ -92,10 +92,10 @@ class Recorder:
         kind = type(gpu).__name__.replace("Launch", "")
         mode = getattr(gpu.config, "mode", "")
         outputs = {"ChunkPrep": ("ta", "tb", "p", "scalars"), "SegmentFold": ("incoming",),
-                   "ChunkScan": ("state_out",) + (("o",) if mode == "output" else ()),
+                   "ChunkScan": {"output": ("state_out", "o"), "summary": ("state_out",), "states": ("o",)}.get(mode),
                    "ChunkGamma": ("summaries",),
-                   "ChunkReverse": ("grad_in", "chunk_states", "dv", "dq_scan", "dk_scan", "d_ta", "d_tb", "d_p",
-                                    "d_scalars"),
+                   "ChunkReverseScan": ("grad_in", "chunk_grads"),
+                   "ChunkReverse": ("dv", "dq_scan", "dk_scan", "d_ta", "d_tb", "d_p", "d_scalars"),
                    "ChunkPrepBackward": ("dq", "dk", "dg", "dbeta")}[kind]
         for name in outputs:
             a, b = getattr(gpu, name), getattr(emulated, name)
@@ -105,12 +105,16 @@ class Recorder:
                 if idx.numel() == 0:
                     continue
                 a, b = a[idx.to(a.device)], b[idx]
-            if kind == "ChunkReverse" and name in ("grad_in",):
+            if kind == "ChunkReverseScan" and name == "grad_in":
                 count = int(gpu.num_segments[0])
                 a, b = a[:count], b[:count]
-            if kind == "ChunkReverse" and name in ("chunk_states", "d_ta", "d_tb", "d_p", "d_scalars"):
-                count = int(gpu.chunk_steps.ne(0).sum())
+            if (kind, name) in (("ChunkReverseScan", "chunk_grads"), ("ChunkScan", "o")) and mode != "output" \
+                    or kind == "ChunkReverse" and name in ("d_ta", "d_tb", "d_p", "d_scalars"):
+                count = int(gpu.chunk_steps.ne(0).sum())  # per-chunk buffers: the real chunks
                 a, b = a[:count], b[:count]
+            if kind == "ChunkReverse" and name == "d_scalars":  # written: db, dc (query tile), dd (column 0)
+                tile = gpu.d_p.shape[2]
+                a, b = (torch.cat([x[:, :, 0], x[:, :, 1, :tile], x[:, :, 2, :1]], 2) for x in (a, b))
             if kind == "ChunkScan" and name == "state_out":
                 count = int(gpu.num_segments[0])
                 if mode == "summary":

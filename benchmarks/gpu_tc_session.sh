@@ -3,7 +3,8 @@
 # then (with 2 GPUs) the CP forward over NCCL. Logs go to $OUT (or out/gpu_tc_session).
 #   source .gpuwheels/b/install.sh && bash benchmarks/gpu_tc_session.sh [CHECK_ARGS...]
 # Switches: PYTEST=1 (GPU tests, PYTEST_K=expr), NO_CHECK=1, NO_BENCH=1, BENCH_VARIANTS="default wg ...",
-# BENCH_CASES="1x32768:2 ...", TRAIN=1 (forward + backward vs FLA, TRAIN_TOKENS="8192 32768"), NCU=1.
+# BENCH_CASES="1x32768:2 ...", TRAIN=1 (forward + backward vs FLA, TRAIN_TOKENS="8192 32768"), NCU=1
+# (NCU_TRAIN=1: a forward + backward step; NCU_REGEX, NCU_SKIP, NCU_COUNT pick the launches).
 # Kernels missing from the prebuilt library (.kernel_lib, carried) are compiled first, in parallel.
 set -uo pipefail
 out=${OUT:-out/gpu_tc_session}
@@ -32,11 +33,14 @@ if [ -n "${TRAIN:-}" ]; then
   timeout 300 python3 benchmarks/bench_gdp_train.py --out "$out/train" --tokens ${TRAIN_TOKENS:-8192 32768} ${TRAIN_ARGS:-} 2>&1 | tee "$out/train.log"
 fi
 if [ -n "${NCU:-}" ]; then
-  timeout 150 ncu --kernel-name regex:"ChunkScan|ChunkPrep|SegmentFold" --launch-skip 4 --launch-count 4 \
+  # NCU_TRAIN=1 profiles a forward + backward step (bench_gdp_train), else the forward alone
+  ncu_run="python3 benchmarks/bench_gdp_fwd.py --out $out/ncu --repeat 1 --no-fla --cases 1x32768:2"
+  [ -n "${NCU_TRAIN:-}" ] && ncu_run="python3 benchmarks/bench_gdp_train.py --out $out/ncu --tokens 32768 --repeat 1 --no-fla --no-torch-backward"
+  timeout 200 ncu --kernel-name regex:"${NCU_REGEX:-ChunkScan|ChunkPrep|SegmentFold}" --launch-skip ${NCU_SKIP:-4} \
+    --launch-count ${NCU_COUNT:-4} \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     --section MemoryWorkloadAnalysis --clock-control none \
-    bash -c "export PYTHONPATH=$PYTHONPATH CP_LINEAR_KERNEL_LIBRARY=$CP_LINEAR_KERNEL_LIBRARY; \
-      python3 benchmarks/bench_gdp_fwd.py --out $out/ncu --repeat 1 --no-fla --cases 1x32768:2" > "$out/ncu.log" 2>&1
+    bash -c "export PYTHONPATH=$PYTHONPATH CP_LINEAR_KERNEL_LIBRARY=$CP_LINEAR_KERNEL_LIBRARY; $ncu_run" > "$out/ncu.log" 2>&1
   # (ncu does not pass PYTHONPATH on to the profiled process: hence the bash -c)
 fi
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then

@@ -31,6 +31,7 @@ from cp_linear.kernels.configs import (
     ChunkPrepBackwardConfig,
     ChunkPrepConfig,
     ChunkReverseConfig,
+    ChunkReverseScanConfig,
     ChunkScanConfig,
     all_configs,
     ci_configs,
@@ -38,7 +39,8 @@ from cp_linear.kernels.configs import (
 )
 
 # segment_fold is float32 SIMT by design
-TENSOR_CORE_CONFIGS = (ChunkPrepConfig, ChunkScanConfig, ChunkGammaConfig, ChunkReverseConfig, ChunkPrepBackwardConfig)
+TENSOR_CORE_CONFIGS = (ChunkPrepConfig, ChunkScanConfig, ChunkGammaConfig, ChunkReverseScanConfig, ChunkReverseConfig,
+                       ChunkPrepBackwardConfig)
 
 _PTXAS_PATTERNS = {
     "registers": re.compile(r"Used (\d+) registers"),

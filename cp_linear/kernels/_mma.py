@@ -61,6 +61,23 @@ def copy_rows_g2s(tiled_copy: cute.TiledCopy, tidx, src: cute.Tensor, dst: cute.
             d[None, m, None].fill(0)
 
 
+def make_s2g_copy(dtype, threads: int):
+    """16-byte vector stores from a swizzled shared tile to global memory; 8 threads cover one
+    64-element row (full 32-byte sectors, unlike per-element stores from MMA fragments)."""
+    elems = COPY_BITS // dtype.width
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=COPY_BITS)
+    per_row = 64 // elems
+    return cute.make_tiled_copy_tv(atom, cute.make_layout((threads // per_row, per_row), stride=(per_row, 1)),
+                                   cute.make_layout((1, elems)))
+
+
+@cute.jit
+def copy_tile_s2g(tiled_copy: cute.TiledCopy, tidx, src: cute.Tensor, dst: cute.Tensor):
+    """Copy the shared tile ``src`` [rows, cols] to ``dst`` (global, 16-byte aligned rows), all rows."""
+    thr = tiled_copy.get_slice(tidx)
+    cute.copy(tiled_copy, thr.partition_S(src), thr.partition_D(dst))
+
+
 class SmemOperand:
     """One shared-memory operand (A or B) of ``tiled_mma``, loaded k-slice by k-slice by ldmatrix."""
 

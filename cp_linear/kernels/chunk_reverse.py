@@ -1,20 +1,24 @@
-"""The GDP backward scans on tensor cores (warp ``mma.sync``), with the state gradient in registers.
+"""The GDP backward scans on tensor cores (warp ``mma.sync``).
 
 The algebra is ``backward_algorithm`` (checked against autograd); ``emulation_backward`` runs these
 launches in torch. The state gradient is held transposed like the forward state, dX = dS^T
-[V, K], warp w owning rows [16 w, 16 w + 16). Per chunk, with Qc = diag(c) q formed in shared
-memory from the q tile:
+[V, K], warp w owning rows [16 w, 16 w + 16); its rows evolve independently. Per chunk, with
+Qc = diag(c) q formed in shared memory from the q tile:
 
     dD = (dX k^T) diag(b) + dO^T P          Z = dD Ta          dX <- d dX + dO^T Qc - Z k
 
+The backward splits as flash-linear-attention's does: a sequential pass carries only dX, and
+everything else runs chunk-parallel from what the sequential passes stored.
+
 * ``ChunkGammaKernel``: a segment's backward summary rows [gamma ; M_b] (dX_in = dX_out M_b +
   gamma) from [0 ; I], chunks in reverse; the transition rows see a zero dO tile.
-* ``ChunkReverseKernel``: one CTA per (segment, head) holding all V rows; recomputes the segment's
-  chunk states from its incoming state (stored to a workspace in the input dtype), then runs the
-  chunks in reverse from the segment's outgoing gradient, writing dv, the scan's parts of dq and
-  dk, and the gradients of Ta, Tb, P and the chunk scalars (for ``chunk_prep_backward``).
-  Sums over value rows (db, dc, dd, the products with rows = steps) stay inside the CTA and run
-  in a fixed order, so gradients are bitwise repeatable.
+* ``ChunkReverseScanKernel``: one CTA per (segment, head, row block) from the segment's outgoing
+  gradient, storing rnd(dX) at every chunk's end and the segment's incoming gradient.
+* ``ChunkReverseKernel``: one CTA per (chunk, head) holding all V rows, from the chunk's start
+  state (``chunk_scan`` mode "states") and end gradient: writes dv, the scan's parts of dq and
+  dk, and the gradients of Ta, Tb, P and the chunk scalars (for ``chunk_prep_backward``). Sums
+  over value rows (db, dc, dd, the products with rows = steps) stay inside the CTA and run in a
+  fixed order, so gradients are bitwise repeatable.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from cutlass import Float32, Int32
 from cp_linear.kernels import _mma
 from cp_linear.kernels._common import cutlass_dtype
 from cp_linear.kernels.chunk_scan import _scaled_as_a, _staged
-from cp_linear.kernels.configs import CHUNK_SIZE, ChunkGammaConfig, ChunkReverseConfig
+from cp_linear.kernels.configs import CHUNK_SIZE, ChunkGammaConfig, ChunkReverseConfig, ChunkReverseScanConfig
 
 C = CHUNK_SIZE
 STAGES = 2
@@ -44,36 +48,19 @@ def scale_rows_into(src: cute.Tensor, dst: cute.Tensor, scales: cute.Tensor, tid
         dst[r, c] = (src[r, c].to(Float32) * scales[r]).to(dtype)
 
 
-class ChunkGammaKernel:
-    def __init__(self, config: ChunkGammaConfig):
+class _GradientRowsKernel:
+    """Rows of a state gradient carried through a segment's chunks in reverse (``gamma_step`` per
+    chunk), the next chunk's tiles fetched with cp.async into the other shared-memory stage."""
+
+    def __init__(self, config, rows: int):
         config.validate()
         self.dtype = cutlass_dtype(config.dtype)
         self.key_dim = config.key_dim
         self.value_dim = config.value_dim
         self.query_tile = config.query_tile
-        self.rows = config.rows_per_cta
+        self.rows = rows
         self.warps = self.rows // 16
         self.threads = 32 * self.warps
-
-    @cute.jit
-    def __call__(self,
-                 k: cute.Tensor,  # [S_all, H, K] input dtype
-                 q: cute.Tensor,  # [T_all, H, K] input dtype
-                 do: cute.Tensor,  # [T_all, H, V] input dtype (the output gradient)
-                 ta: cute.Tensor,  # [C_max, H, 64, 64] input dtype
-                 p: cute.Tensor,  # [C_max, H, NQ, 64] input dtype
-                 scalars: cute.Tensor,  # [C_max, H, 4, 64] float32
-                 chunk_first_step: cute.Tensor, chunk_steps: cute.Tensor,  # int32 [C_max]
-                 seg_first_chunk: cute.Tensor, seg_chunks: cute.Tensor, seg_flags: cute.Tensor,  # int32 [S_max]
-                 num_segments: cute.Tensor,  # int32 [1]
-                 summaries: cute.Tensor,  # [S_max, H, V + K, K] float32 (out): rows [gamma ; M_b]
-                 num_householder: Int32, stream):
-        tiled_mma = _mma.make_tiled_mma(self.dtype, self.warps)
-        g2s = _mma.make_g2s_copy(self.dtype, self.threads)
-        self.kernel(k, q, do, ta, p, scalars, chunk_first_step, chunk_steps, seg_first_chunk, seg_chunks, seg_flags,
-                    num_segments, summaries, num_householder, tiled_mma, g2s).launch(
-            grid=(seg_first_chunk.shape[0], k.shape[1], (self.value_dim + self.key_dim) // self.rows),
-            block=(self.threads, 1, 1), stream=stream)
 
     @cute.jit
     def load_chunk(self, g2s, tidx, chunk, head, value_col, is_value_rows, k, q, do, ta, p, chunk_first_step,
@@ -95,23 +82,105 @@ class ChunkGammaKernel:
         _mma.copy_rows_g2s(g2s, tidx, p[chunk, head, None, None], s_p, NQ)
         cute.arch.cp_async_commit_group()
 
+    def allocate(self, stores_grads: bool):
+        """The staged shared tiles of k, q, dO, Ta, P, the scalars, Qc (and the gradient's staging)."""
+        K, R, NQ = self.key_dim, self.rows, self.query_tile
+        allocator = cutlass.utils.SmemAllocator()
+        return dict(
+            s_k_all=allocator.allocate_tensor(self.dtype, _staged(C, K), 128),
+            s_q_all=allocator.allocate_tensor(self.dtype, _staged(NQ, K), 128),
+            s_qc=allocator.allocate_tensor(self.dtype, _mma.smem_tile_layout(NQ, K), 128),
+            s_do_all=allocator.allocate_tensor(self.dtype, _staged(NQ, R), 128),
+            s_ta_all=allocator.allocate_tensor(self.dtype, _staged(C, C), 128),
+            s_p_all=allocator.allocate_tensor(self.dtype, _staged(NQ, C), 128),
+            s_scalars=allocator.allocate_tensor(Float32, cute.make_layout((4, C, STAGES), stride=(C, 1, 4 * C)), 16),
+            # the gradient rows on their way to chunk_grads (only the reverse scan stores them)
+            s_out=allocator.allocate_tensor(self.dtype, _mma.smem_tile_layout(R, K), 128) if stores_grads else None)
+
+    @cute.jit
+    def reverse_chunks(self, tiled_mma, g2s, s2g, tidx, grad, grad_coords, k, q, do, ta, p, scalars, chunk_first_step,
+                       chunk_steps, head, first_chunk, chunk_count, row0, value_col, is_value_rows, num_householder,
+                       s_k_all, s_q_all, s_qc, s_do_all, s_ta_all, s_p_all, s_scalars, s_out, chunk_grads,
+                       store_grads: cutlass.Constexpr):
+        """grad <- the segment's chunks applied in reverse; with ``store_grads``, rnd(grad) at each
+        chunk's end goes to ``chunk_grads[chunk, head, row0 + r]`` first."""
+        K, R, NQ, NH = self.key_dim, self.rows, self.query_tile, num_householder
+        step_coords = tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((R, C)))
+        last_chunk = first_chunk + chunk_count - 1
+        self.load_chunk(g2s, tidx, last_chunk, head, value_col, is_value_rows, k, q, do, ta, p,
+                        chunk_first_step, chunk_steps, s_k_all[None, None, 0], s_q_all[None, None, 0],
+                        s_do_all[None, None, 0], s_ta_all[None, None, 0], s_p_all[None, None, 0], NH)
+        per_thread = 4 * C // self.threads
+        scalar_next = cute.make_rmem_tensor(cute.make_layout((per_thread,)), Float32)
+        for j in cutlass.range_constexpr(per_thread):
+            index = tidx + j * self.threads
+            scalar_next[j] = scalars[last_chunk, head, index // C, index % C]
+        for it in range(chunk_count):
+            stage = it % STAGES
+            chunk = last_chunk - it
+            for j in cutlass.range_constexpr(per_thread):
+                index = tidx + j * self.threads
+                s_scalars[index // C, index % C, stage] = scalar_next[j]
+            if cutlass.const_expr(store_grads):  # staged, then stored as whole rows after the sync below
+                store_rows(grad, grad_coords, s_out, self.dtype)
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()
+            if cutlass.const_expr(store_grads):  # s_out is rewritten after the loop's last sync
+                _mma.copy_tile_s2g(s2g, tidx, s_out, cute.local_tile(chunk_grads[chunk, head, None, None], (R, K),
+                                                                     (row0 // R, 0)))
+            if it + 1 < chunk_count:
+                other = 1 - stage
+                self.load_chunk(g2s, tidx, chunk - 1, head, value_col, is_value_rows, k, q, do, ta, p,
+                                chunk_first_step, chunk_steps, s_k_all[None, None, other],
+                                s_q_all[None, None, other], s_do_all[None, None, other],
+                                s_ta_all[None, None, other], s_p_all[None, None, other], NH)
+                for j in cutlass.range_constexpr(per_thread):
+                    index = tidx + j * self.threads
+                    scalar_next[j] = scalars[chunk - 1, head, index // C, index % C]
+            s_sc = s_scalars[None, None, stage]
+            scale_rows_into(s_q_all[None, None, stage], s_qc, s_sc[1, None], tidx, self.threads, NQ, K,
+                            self.dtype)
+            cute.arch.sync_threads()
+            gamma_step(tiled_mma, tidx, grad, step_coords, s_sc, s_k_all[None, None, stage],
+                       s_do_all[None, None, stage], s_ta_all[None, None, stage], s_p_all[None, None, stage],
+                       s_qc, self.dtype, R, K, NQ)
+            cute.arch.sync_threads()  # s_qc is rewritten by the next chunk
+
+
+class ChunkGammaKernel(_GradientRowsKernel):
+    def __init__(self, config: ChunkGammaConfig):
+        super().__init__(config, config.rows_per_cta)
+
+    @cute.jit
+    def __call__(self,
+                 k: cute.Tensor,  # [S_all, H, K] input dtype
+                 q: cute.Tensor,  # [T_all, H, K] input dtype
+                 do: cute.Tensor,  # [T_all, H, V] input dtype (the output gradient)
+                 ta: cute.Tensor,  # [C_max, H, 64, 64] input dtype
+                 p: cute.Tensor,  # [C_max, H, NQ, 64] input dtype
+                 scalars: cute.Tensor,  # [C_max, H, 4, 64] float32
+                 chunk_first_step: cute.Tensor, chunk_steps: cute.Tensor,  # int32 [C_max]
+                 seg_first_chunk: cute.Tensor, seg_chunks: cute.Tensor, seg_flags: cute.Tensor,  # int32 [S_max]
+                 num_segments: cute.Tensor,  # int32 [1]
+                 summaries: cute.Tensor,  # [S_max, H, V + K, K] float32 (out): rows [gamma ; M_b]
+                 num_householder: Int32, stream):
+        tiled_mma = _mma.make_tiled_mma(self.dtype, self.warps)
+        g2s = _mma.make_g2s_copy(self.dtype, self.threads)
+        self.kernel(k, q, do, ta, p, scalars, chunk_first_step, chunk_steps, seg_first_chunk, seg_chunks, seg_flags,
+                    num_segments, summaries, num_householder, tiled_mma, g2s).launch(
+            grid=(seg_first_chunk.shape[0], k.shape[1], (self.value_dim + self.key_dim) // self.rows),
+            block=(self.threads, 1, 1), stream=stream)
+
     @cute.kernel
     def kernel(self, k: cute.Tensor, q: cute.Tensor, do: cute.Tensor, ta: cute.Tensor, p: cute.Tensor,
                scalars: cute.Tensor, chunk_first_step: cute.Tensor, chunk_steps: cute.Tensor,
                seg_first_chunk: cute.Tensor, seg_chunks: cute.Tensor, seg_flags: cute.Tensor,
                num_segments: cute.Tensor, summaries: cute.Tensor, num_householder: Int32,
                tiled_mma: cute.TiledMma, g2s: cute.TiledCopy):
-        K, V, R, NQ, NH = self.key_dim, self.value_dim, self.rows, self.query_tile, num_householder
+        K, V, R, NQ = self.key_dim, self.value_dim, self.rows, self.query_tile
         tidx, _, _ = cute.arch.thread_idx()
         segment, head, row_block = cute.arch.block_idx()
-        allocator = cutlass.utils.SmemAllocator()
-        s_k_all = allocator.allocate_tensor(self.dtype, _staged(C, K), 128)
-        s_q_all = allocator.allocate_tensor(self.dtype, _staged(NQ, K), 128)
-        s_qc = allocator.allocate_tensor(self.dtype, _mma.smem_tile_layout(NQ, K), 128)
-        s_do_all = allocator.allocate_tensor(self.dtype, _staged(NQ, R), 128)
-        s_ta_all = allocator.allocate_tensor(self.dtype, _staged(C, C), 128)
-        s_p_all = allocator.allocate_tensor(self.dtype, _staged(NQ, C), 128)
-        s_scalars = allocator.allocate_tensor(Float32, cute.make_layout((4, C, STAGES), stride=(C, 1, 4 * C)), 16)
+        smem = self.allocate(False)
 
         run = (segment < num_segments[0]) & \
             ((seg_flags[cutlass.min(segment, seg_flags.shape[0] - 1)] & SUMMARY_FLAG) != 0)
@@ -119,8 +188,6 @@ class ChunkGammaKernel:
             row0 = row_block * R
             is_value_rows = row0 < V
             value_col = cute.assume(cutlass.min(row0, V - R), divby=64)
-            first_chunk = seg_first_chunk[segment]
-            chunk_count = seg_chunks[segment]
             thr_mma = tiled_mma.get_slice(tidx)
             grad = cute.make_rmem_tensor(thr_mma.partition_shape_C((R, K)), Float32)
             grad_coords = thr_mma.partition_C(cute.make_identity_tensor((R, K)))
@@ -129,51 +196,71 @@ class ChunkGammaKernel:
                 grad[e] = Float32(0.0)
                 if (row0 + r - V) == c:
                     grad[e] = Float32(1.0)
-            step_coords = thr_mma.partition_C(cute.make_identity_tensor((R, C)))
             if not is_value_rows:  # transition rows: a zero dO tile in both stages, never loaded
                 elements = NQ * R * STAGES
-                flat = cute.make_tensor(s_do_all.iterator, cute.make_layout(elements))
+                flat = cute.make_tensor(smem["s_do_all"].iterator, cute.make_layout(elements))
                 for i in cutlass.range(elements // self.threads, unroll=8):
                     flat[tidx + i * self.threads] = self.dtype(0.0)
-
-            last_chunk = first_chunk + chunk_count - 1
-            self.load_chunk(g2s, tidx, last_chunk, head, value_col, is_value_rows, k, q, do, ta, p,
-                            chunk_first_step, chunk_steps, s_k_all[None, None, 0], s_q_all[None, None, 0],
-                            s_do_all[None, None, 0], s_ta_all[None, None, 0], s_p_all[None, None, 0], NH)
-            per_thread = 4 * C // self.threads
-            scalar_next = cute.make_rmem_tensor(cute.make_layout((per_thread,)), Float32)
-            for j in cutlass.range_constexpr(per_thread):
-                index = tidx + j * self.threads
-                scalar_next[j] = scalars[last_chunk, head, index // C, index % C]
-            for it in range(chunk_count):
-                stage = it % STAGES
-                chunk = last_chunk - it
-                for j in cutlass.range_constexpr(per_thread):
-                    index = tidx + j * self.threads
-                    s_scalars[index // C, index % C, stage] = scalar_next[j]
-                cute.arch.cp_async_wait_group(0)
-                cute.arch.sync_threads()
-                if it + 1 < chunk_count:
-                    other = 1 - stage
-                    self.load_chunk(g2s, tidx, chunk - 1, head, value_col, is_value_rows, k, q, do, ta, p,
-                                    chunk_first_step, chunk_steps, s_k_all[None, None, other],
-                                    s_q_all[None, None, other], s_do_all[None, None, other],
-                                    s_ta_all[None, None, other], s_p_all[None, None, other], NH)
-                    for j in cutlass.range_constexpr(per_thread):
-                        index = tidx + j * self.threads
-                        scalar_next[j] = scalars[chunk - 1, head, index // C, index % C]
-                s_sc = s_scalars[None, None, stage]
-                scale_rows_into(s_q_all[None, None, stage], s_qc, s_sc[1, None], tidx, self.threads, NQ, K,
-                                self.dtype)
-                cute.arch.sync_threads()
-                gamma_step(tiled_mma, tidx, grad, step_coords, s_sc, s_k_all[None, None, stage],
-                           s_do_all[None, None, stage], s_ta_all[None, None, stage], s_p_all[None, None, stage],
-                           s_qc, self.dtype, R, K, NQ)
-                cute.arch.sync_threads()  # s_qc is rewritten by the next chunk
-
+            self.reverse_chunks(tiled_mma, g2s, None, tidx, grad, grad_coords, k, q, do, ta, p, scalars,
+                                chunk_first_step, chunk_steps, head, seg_first_chunk[segment], seg_chunks[segment],
+                                row0, value_col, is_value_rows, num_householder, smem["s_k_all"], smem["s_q_all"],
+                                smem["s_qc"], smem["s_do_all"], smem["s_ta_all"], smem["s_p_all"], smem["s_scalars"],
+                                None, None, False)
             for e in cutlass.range_constexpr(cute.size(grad)):
                 r, c = grad_coords[e]
                 summaries[segment, head, row0 + r, c] = grad[e]
+
+
+class ChunkReverseScanKernel(_GradientRowsKernel):
+    def __init__(self, config: ChunkReverseScanConfig):
+        super().__init__(config, config.rows_per_cta)
+
+    @cute.jit
+    def __call__(self,
+                 k: cute.Tensor, q: cute.Tensor, do: cute.Tensor, ta: cute.Tensor, p: cute.Tensor,
+                 scalars: cute.Tensor,  # as in ChunkGammaKernel
+                 chunk_first_step: cute.Tensor, chunk_steps: cute.Tensor,  # int32 [C_max]
+                 seg_first_chunk: cute.Tensor, seg_chunks: cute.Tensor,  # int32 [S_max]
+                 num_segments: cute.Tensor,  # int32 [1]
+                 grad_out: cute.Tensor,  # [S_max, H, V, K] float32: each segment's outgoing state gradient
+                 chunk_grads: cute.Tensor,  # [C_max, H, V, K] input dtype (out): the gradient at each chunk's end
+                 grad_in: cute.Tensor,  # [S_max, H, V, K] float32 (out): the gradient at each segment's start
+                 num_householder: Int32, stream):
+        tiled_mma = _mma.make_tiled_mma(self.dtype, self.warps)
+        g2s = _mma.make_g2s_copy(self.dtype, self.threads)
+        s2g = _mma.make_s2g_copy(self.dtype, self.threads)
+        self.kernel(k, q, do, ta, p, scalars, chunk_first_step, chunk_steps, seg_first_chunk, seg_chunks,
+                    num_segments, grad_out, chunk_grads, grad_in, num_householder, tiled_mma, g2s, s2g).launch(
+            grid=(seg_first_chunk.shape[0], k.shape[1], self.value_dim // self.rows),
+            block=(self.threads, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, k: cute.Tensor, q: cute.Tensor, do: cute.Tensor, ta: cute.Tensor, p: cute.Tensor,
+               scalars: cute.Tensor, chunk_first_step: cute.Tensor, chunk_steps: cute.Tensor,
+               seg_first_chunk: cute.Tensor, seg_chunks: cute.Tensor, num_segments: cute.Tensor,
+               grad_out: cute.Tensor, chunk_grads: cute.Tensor, grad_in: cute.Tensor, num_householder: Int32,
+               tiled_mma: cute.TiledMma, g2s: cute.TiledCopy, s2g: cute.TiledCopy):
+        K, R = self.key_dim, self.rows
+        tidx, _, _ = cute.arch.thread_idx()
+        segment, head, row_block = cute.arch.block_idx()
+        smem = self.allocate(True)
+        if segment < num_segments[0]:
+            row0 = row_block * R
+            value_col = cute.assume(row0, divby=64)
+            thr_mma = tiled_mma.get_slice(tidx)
+            grad = cute.make_rmem_tensor(thr_mma.partition_shape_C((R, K)), Float32)
+            grad_coords = thr_mma.partition_C(cute.make_identity_tensor((R, K)))
+            for e in cutlass.range_constexpr(cute.size(grad)):
+                r, c = grad_coords[e]
+                grad[e] = grad_out[segment, head, row0 + r, c]
+            self.reverse_chunks(tiled_mma, g2s, s2g, tidx, grad, grad_coords, k, q, do, ta, p, scalars,
+                                chunk_first_step, chunk_steps, head, seg_first_chunk[segment], seg_chunks[segment],
+                                row0, value_col, True, num_householder, smem["s_k_all"], smem["s_q_all"],
+                                smem["s_qc"], smem["s_do_all"], smem["s_ta_all"], smem["s_p_all"], smem["s_scalars"],
+                                smem["s_out"], chunk_grads, True)
+            for e in cutlass.range_constexpr(cute.size(grad)):
+                r, c = grad_coords[e]
+                grad_in[segment, head, row0 + r, c] = grad[e]
 
 
 def _b_operand(tiled_mma, tidx, tile, dtype, transpose: bool):
@@ -267,11 +354,9 @@ class ChunkReverseKernel:
                  k: cute.Tensor, v: cute.Tensor, q: cute.Tensor, do: cute.Tensor,  # as in ChunkGammaKernel; v [S_all, H, V]
                  ta: cute.Tensor, tb: cute.Tensor, p: cute.Tensor, scalars: cute.Tensor,
                  chunk_first_step: cute.Tensor, chunk_steps: cute.Tensor,  # int32 [C_max]
-                 seg_first_chunk: cute.Tensor, seg_chunks: cute.Tensor, num_segments: cute.Tensor,
-                 state_in: cute.Tensor,  # [S_max, H, V, K] float32: each segment's incoming state (transposed)
-                 grad_out: cute.Tensor,  # [S_max, H, V, K] float32: each segment's outgoing state gradient
-                 chunk_states: cute.Tensor,  # [C_max, H, V, K] input dtype (workspace)
-                 grad_in: cute.Tensor,  # [S_max, H, V, K] float32 (out): gradient at each segment's start
+                 num_chunks: cute.Tensor,  # int32 [1]
+                 chunk_states: cute.Tensor,  # [C_max, H, V, K] input dtype: the state at each chunk's start
+                 chunk_grads: cute.Tensor,  # [C_max, H, V, K] input dtype: the state gradient at each chunk's end
                  dv: cute.Tensor,  # [S_all, H, V] input dtype (out)
                  dq_scan: cute.Tensor,  # [T_all, H, K] float32 (out)
                  dk_scan: cute.Tensor,  # [S_all, H, K] float32 (out)
@@ -282,97 +367,60 @@ class ChunkReverseKernel:
         rows_mma = _mma.make_tiled_mma(self.dtype, self.warps)
         steps_mma = make_step_rows_mma(self.dtype, self.warps)
         g2s = _mma.make_g2s_copy(self.dtype, self.threads)
-        self.kernel(k, v, q, do, ta, tb, p, scalars, chunk_first_step, chunk_steps, seg_first_chunk, seg_chunks,
-                    num_segments, state_in, grad_out, chunk_states, grad_in, dv, dq_scan, dk_scan, d_ta, d_tb, d_p,
-                    d_scalars, num_householder, rows_mma, steps_mma, g2s).launch(
-            grid=(seg_first_chunk.shape[0], k.shape[1], 1), block=(self.threads, 1, 1), stream=stream)
+        self.kernel(k, v, q, do, ta, tb, p, scalars, chunk_first_step, chunk_steps, num_chunks, chunk_states,
+                    chunk_grads, dv, dq_scan, dk_scan, d_ta, d_tb, d_p, d_scalars, num_householder, rows_mma,
+                    steps_mma, g2s).launch(
+            grid=(chunk_first_step.shape[0], k.shape[1], 1), block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, k: cute.Tensor, v: cute.Tensor, q: cute.Tensor, do: cute.Tensor, ta: cute.Tensor,
                tb: cute.Tensor, p: cute.Tensor, scalars: cute.Tensor, chunk_first_step: cute.Tensor,
-               chunk_steps: cute.Tensor, seg_first_chunk: cute.Tensor, seg_chunks: cute.Tensor,
-               num_segments: cute.Tensor, state_in: cute.Tensor, grad_out: cute.Tensor, chunk_states: cute.Tensor,
-               grad_in: cute.Tensor, dv: cute.Tensor, dq_scan: cute.Tensor, dk_scan: cute.Tensor,
+               chunk_steps: cute.Tensor, num_chunks: cute.Tensor, chunk_states: cute.Tensor,
+               chunk_grads: cute.Tensor, dv: cute.Tensor, dq_scan: cute.Tensor, dk_scan: cute.Tensor,
                d_ta: cute.Tensor, d_tb: cute.Tensor, d_p: cute.Tensor, d_scalars: cute.Tensor,
                num_householder: Int32, rows_mma: cute.TiledMma, steps_mma: cute.TiledMma, g2s: cute.TiledCopy):
-        K, V, NQ, NH, dtype = self.key_dim, self.value_dim, self.query_tile, num_householder, self.dtype
+        K, V, NQ, NH = self.key_dim, self.value_dim, self.query_tile, num_householder
         tidx, _, _ = cute.arch.thread_idx()
-        segment, head, _ = cute.arch.block_idx()
+        chunk, head, _ = cute.arch.block_idx()
         allocator = cutlass.utils.SmemAllocator()
-        tile = lambda rows, cols: allocator.allocate_tensor(dtype, _mma.smem_tile_layout(rows, cols), 128)  # noqa: E731
-        s_k, s_v, s_q, s_qc, s_do = tile(C, K), tile(C, V), tile(NQ, K), tile(NQ, K), tile(NQ, V)
-        s_ta, s_tb, s_p, s_x = tile(C, C), tile(C, C), tile(NQ, C), tile(V, K)
-        s_dd, s_d, s_z, s_dx = tile(V, C), tile(V, C), tile(V, C), tile(V, K)
+        tile = lambda rows, cols: allocator.allocate_tensor(self.dtype, _mma.smem_tile_layout(rows, cols), 128)  # noqa: E731
+        s_k, s_v, s_q, s_do = tile(C, K), tile(C, V), tile(NQ, K), tile(NQ, V)
+        s_ta, s_tb, s_p, s_x, s_dx = tile(C, C), tile(C, C), tile(NQ, C), tile(V, K), tile(V, K)
+        s_dd, s_d, s_z = tile(V, C), tile(V, C), tile(V, C)
         s_sc = allocator.allocate_tensor(Float32, cute.make_layout((4, C), stride=(C, 1)), 16)
         s_red = allocator.allocate_tensor(Float32, cute.make_layout((self.warps, C), stride=(C, 1)), 16)
 
-        if segment < num_segments[0]:
-            first_chunk = seg_first_chunk[segment]
-            chunk_count = seg_chunks[segment]
-            thr_rows = rows_mma.get_slice(tidx)
-            state = cute.make_rmem_tensor(thr_rows.partition_shape_C((V, K)), Float32)
-            state_coords = thr_rows.partition_C(cute.make_identity_tensor((V, K)))
-            step_coords = thr_rows.partition_C(cute.make_identity_tensor((V, C)))
-            for e in cutlass.range_constexpr(cute.size(state)):
-                r, c = state_coords[e]
-                state[e] = state_in[segment, head, r, c]
-
-            # 1. the segment's chunk states, recomputed as the forward output pass does
-            for it in range(chunk_count):
-                chunk = first_chunk + it
-                for e in cutlass.range_constexpr(cute.size(state)):
-                    r, c = state_coords[e]
-                    chunk_states[chunk, head, r, c] = state[e].to(dtype)
-                self.load(g2s, tidx, chunk, head, k, v, q, do, ta, tb, p, scalars, chunk_first_step, chunk_steps,
-                          s_k, s_v, s_q, s_do, s_ta, s_tb, s_p, s_sc, NH, False)
-                forward_state_step(rows_mma, tidx, state, step_coords, s_sc, s_k, s_v, s_ta, s_tb, dtype, V, K)
-                cute.arch.sync_threads()
-
-            # 2. the chunks in reverse, the state gradient in registers
-            for e in cutlass.range_constexpr(cute.size(state)):
-                r, c = state_coords[e]
-                state[e] = grad_out[segment, head, r, c]
-            for it in range(chunk_count):
-                chunk = first_chunk + chunk_count - 1 - it
-                self.load(g2s, tidx, chunk, head, k, v, q, do, ta, tb, p, scalars, chunk_first_step, chunk_steps,
-                          s_k, s_v, s_q, s_do, s_ta, s_tb, s_p, s_sc, NH, True, chunk_states, s_x)
-                scale_rows_into(s_q, s_qc, s_sc[1, None], tidx, self.threads, NQ, K, dtype)
-                cute.arch.sync_threads()
-                self.values_phase(rows_mma, tidx, state, state_coords, step_coords, s_sc, s_k, s_v, s_qc, s_do,
-                                  s_ta, s_tb, s_p, s_x, s_dd, s_d, s_z, s_dx, s_red, dv, d_scalars, chunk, head,
-                                  chunk_first_step[chunk], chunk_steps[chunk])
-                cute.arch.sync_threads()
-                self.steps_phase(steps_mma, tidx, s_sc, s_k, s_v, s_q, s_do, s_x, s_dd, s_d, s_z, s_dx, s_red,
-                                 dq_scan, dk_scan, d_ta, d_tb, d_p, d_scalars, chunk, head, chunk_first_step[chunk],
-                                 chunk_steps[chunk], NH)
-                cute.arch.sync_threads()
-            for e in cutlass.range_constexpr(cute.size(state)):
-                r, c = state_coords[e]
-                grad_in[segment, head, r, c] = state[e]
+        if chunk < num_chunks[0]:
+            step_coords = rows_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((V, C)))
+            first, steps = chunk_first_step[chunk], chunk_steps[chunk]
+            self.load(g2s, tidx, chunk, head, k, v, q, do, ta, tb, p, scalars, chunk_states, chunk_grads, first, steps,
+                      s_k, s_v, s_q, s_do, s_ta, s_tb, s_p, s_x, s_dx, s_sc, NH)
+            self.values_phase(rows_mma, tidx, step_coords, s_sc, s_k, s_v, s_do, s_ta, s_tb, s_p, s_x, s_dx, s_dd,
+                              s_d, s_z, s_red, dv, d_scalars, chunk, head, first, steps)
+            cute.arch.sync_threads()
+            self.steps_phase(steps_mma, tidx, s_sc, s_k, s_v, s_q, s_do, s_x, s_dd, s_d, s_z, s_dx, s_red,
+                             dq_scan, dk_scan, d_ta, d_tb, d_p, d_scalars, chunk, head, first, steps, NH)
 
     @cute.jit
-    def load(self, g2s, tidx, chunk, head, k, v, q, do, ta, tb, p, scalars, chunk_first_step, chunk_steps,
-             s_k, s_v, s_q, s_do, s_ta, s_tb, s_p, s_sc, num_householder, reverse: cutlass.Constexpr,
-             chunk_states=None, s_x=None):
-        """Load one chunk's tiles (and, in reverse, its state and gradient tiles) and wait for them."""
+    def load(self, g2s, tidx, chunk, head, k, v, q, do, ta, tb, p, scalars, chunk_states, chunk_grads, first, steps,
+             s_k, s_v, s_q, s_do, s_ta, s_tb, s_p, s_x, s_dx, s_sc, num_householder):
+        """Load the chunk's tiles, its start state and end gradient, and wait for them."""
         K, V, NQ = self.key_dim, self.value_dim, self.query_tile
-        first = chunk_first_step[chunk]
-        steps = chunk_steps[chunk]
+        first_token = first // num_householder
+        tokens = steps // num_householder
         _mma.copy_rows_g2s(g2s, tidx, cute.local_tile(cute.domain_offset((first, 0), k[None, head, None]), (C, K),
                                                       (0, 0)), s_k, steps)
         _mma.copy_rows_g2s(g2s, tidx, cute.local_tile(cute.domain_offset((first, 0), v[None, head, None]), (C, V),
                                                       (0, 0)), s_v, steps)
         _mma.copy_rows_g2s(g2s, tidx, ta[chunk, head, None, None], s_ta, C)
         _mma.copy_rows_g2s(g2s, tidx, tb[chunk, head, None, None], s_tb, C)
-        if cutlass.const_expr(reverse):
-            first_token = first // num_householder
-            tokens = steps // num_householder
-            _mma.copy_rows_g2s(g2s, tidx, cute.local_tile(cute.domain_offset((first_token, 0), q[None, head, None]),
-                                                          (NQ, K), (0, 0)), s_q, tokens)
-            _mma.copy_rows_g2s(g2s, tidx, cute.local_tile(cute.domain_offset((first_token, 0), do[None, head, None]),
-                                                          (NQ, V), (0, 0)), s_do, tokens)
-            _mma.copy_rows_g2s(g2s, tidx, p[chunk, head, None, None], s_p, NQ)
-            _mma.copy_rows_g2s(g2s, tidx, chunk_states[chunk, head, None, None], s_x, V)
+        _mma.copy_rows_g2s(g2s, tidx, chunk_states[chunk, head, None, None], s_x, V)
+        _mma.copy_rows_g2s(g2s, tidx, chunk_grads[chunk, head, None, None], s_dx, V)
+        _mma.copy_rows_g2s(g2s, tidx, cute.local_tile(cute.domain_offset((first_token, 0), q[None, head, None]),
+                                                      (NQ, K), (0, 0)), s_q, tokens)
+        _mma.copy_rows_g2s(g2s, tidx, cute.local_tile(cute.domain_offset((first_token, 0), do[None, head, None]),
+                                                      (NQ, V), (0, 0)), s_do, tokens)
+        _mma.copy_rows_g2s(g2s, tidx, p[chunk, head, None, None], s_p, NQ)
         cute.arch.cp_async_commit_group()
         for i in cutlass.range_constexpr(4 * C // self.threads):
             index = tidx + i * self.threads
@@ -381,10 +429,10 @@ class ChunkReverseKernel:
         cute.arch.sync_threads()
 
     @cute.jit
-    def values_phase(self, rows_mma, tidx, grad, grad_coords, step_coords, s_sc, s_k, s_v, s_qc, s_do, s_ta, s_tb,
-                     s_p, s_x, s_dd, s_d, s_z, s_dx, s_red, dv, d_scalars, chunk, head, first, steps):
-        """Rows = value rows: D (recomputed), dD, dv, Z, the reductions db and dd, the staging for the
-        step-row products, and grad <- d grad + dO^T Qc - Z k."""
+    def values_phase(self, rows_mma, tidx, step_coords, s_sc, s_k, s_v, s_do, s_ta, s_tb, s_p, s_x, s_dx, s_dd,
+                     s_d, s_z, s_red, dv, d_scalars, chunk, head, first, steps):
+        """Rows = value rows: D (recomputed), dD, dv, Z, the reductions db and dd, and the staging of
+        D, dD and Z for the step-row products."""
         K, V, NQ, dtype = self.key_dim, self.value_dim, self.query_tile, self.dtype
         thr = rows_mma.get_slice(tidx)
         x_a = _mma.SmemOperand(rows_mma, tidx, s_x, dtype, operand="A", transpose=False)
@@ -397,10 +445,11 @@ class ChunkReverseKernel:
         _mma.gemm_smem_ab(rows_mma, d_acc, v_t, _b_operand(rows_mma, tidx, s_tb, dtype, False))
         _mma.gemm_smem_b(rows_mma, d_acc, _scaled_as_a(y, lambda e: Float32(-1.0), dtype),
                          _b_operand(rows_mma, tidx, s_ta, dtype, False))
-        # M1 = grad k^T; db = colsum(D * M1) (into y's registers: Y is consumed)
+        # M1 = dX k^T; db = colsum(D * M1) (into y's registers: Y is consumed)
         m1 = cute.make_rmem_tensor(thr.partition_shape_C((V, C)), Float32)
         m1.fill(0.0)
-        _mma.gemm_smem_b(rows_mma, m1, _mma.accumulator_as_a(grad, dtype), _b_operand(rows_mma, tidx, s_k, dtype, False))
+        dx_a = _mma.SmemOperand(rows_mma, tidx, s_dx, dtype, operand="A", transpose=False)
+        _mma.gemm_smem_ab(rows_mma, m1, dx_a, _b_operand(rows_mma, tidx, s_k, dtype, False))
         for e in cutlass.range_constexpr(cute.size(m1)):
             y[e] = d_acc[e] * m1[e]
             m1[e] = m1[e] * s_sc[0, step_coords[e][1]]
@@ -422,13 +471,11 @@ class ChunkReverseKernel:
         z.fill(0.0)
         _mma.gemm_smem_b(rows_mma, z, dd_a, _b_operand(rows_mma, tidx, _mma.transposed_view(s_ta, C, C), dtype, True))
         store_rows(z, step_coords, s_z, dtype)
-        minus_z = _scaled_as_a(z, lambda e: Float32(-1.0), dtype)
-        # dd = sum(X * grad), and grad staged for the step-row products
-        store_rows(grad, grad_coords, s_dx, dtype)
+        # dd = sum(X * dX) over the stored (rounded) tiles, each thread a strided share
         partial = Float32(0.0)
-        for e in cutlass.range_constexpr(cute.size(grad)):
-            r, c = grad_coords[e]
-            partial = partial + s_x[r, c].to(Float32) * grad[e]
+        for i in cutlass.range_constexpr(V * K // self.threads):
+            index = tidx + i * self.threads
+            partial = partial + s_x[index // K, index % K].to(Float32) * s_dx[index // K, index % K].to(Float32)
         partial = cute.arch.warp_reduction_sum(partial)
         cute.arch.sync_threads()  # db partials in s_red are complete
         if tidx < C:
@@ -445,15 +492,6 @@ class ChunkReverseKernel:
             for w in cutlass.range_constexpr(self.warps):
                 total = total + s_red[w, 0]
             d_scalars[chunk, head, 2, 0] = total
-        # grad <- d grad + dO^T Qc - Z k
-        decay = s_sc[2, 0]
-        for e in cutlass.range_constexpr(cute.size(grad)):
-            grad[e] = grad[e] * decay
-        do_t2 = _mma.SmemOperand(rows_mma, tidx, _mma.transposed_view(s_do, NQ, V), dtype, operand="A", transpose=True)
-        _mma.gemm_smem_ab(rows_mma, grad, do_t2, _b_operand(rows_mma, tidx, _mma.transposed_view(s_qc, NQ, K), dtype,
-                                                             True))
-        _mma.gemm_smem_b(rows_mma, grad, minus_z, _b_operand(rows_mma, tidx, _mma.transposed_view(s_k, C, K), dtype,
-                                                             True))
 
     @cute.jit
     def steps_phase(self, steps_mma, tidx, s_sc, s_k, s_v, s_q, s_do, s_x, s_dd, s_d, s_z, s_dx, s_red, dq_scan,
@@ -542,25 +580,3 @@ class ChunkReverseKernel:
             for w_index in cutlass.range_constexpr(self.warps):
                 total = total + s_red[w_index, tidx]
             d_scalars[chunk, head, 1, tidx] = total
-
-
-@cute.jit
-def forward_state_step(rows_mma, tidx, state: cute.Tensor, step_coords: cute.Tensor, s_sc: cute.Tensor,
-                       s_k: cute.Tensor, s_v: cute.Tensor, s_ta: cute.Tensor, s_tb: cute.Tensor,
-                       dtype: cutlass.Constexpr, V: cutlass.Constexpr, K: cutlass.Constexpr):
-    """The forward state update of one chunk (``chunk_scan``'s, without outputs): X <- d X + (D diag(b)) k."""
-    thr = rows_mma.get_slice(tidx)
-    y = cute.make_rmem_tensor(thr.partition_shape_C((V, C)), Float32)
-    y.fill(0.0)
-    _mma.gemm_smem_b(rows_mma, y, _mma.accumulator_as_a(state, dtype), _b_operand(rows_mma, tidx, s_k, dtype, False))
-    delta = cute.make_rmem_tensor(thr.partition_shape_C((V, C)), Float32)
-    delta.fill(0.0)
-    v_t = _mma.SmemOperand(rows_mma, tidx, _mma.transposed_view(s_v, C, V), dtype, operand="A", transpose=True)
-    _mma.gemm_smem_ab(rows_mma, delta, v_t, _b_operand(rows_mma, tidx, s_tb, dtype, False))
-    _mma.gemm_smem_b(rows_mma, delta, _scaled_as_a(y, lambda e: Float32(-1.0), dtype),
-                     _b_operand(rows_mma, tidx, s_ta, dtype, False))
-    scaled = _scaled_as_a(delta, lambda e: s_sc[0, step_coords[e][1]], dtype)
-    decay = s_sc[2, 0]
-    for e in cutlass.range_constexpr(cute.size(state)):
-        state[e] = state[e] * decay
-    _mma.gemm_smem_b(rows_mma, state, scaled, _b_operand(rows_mma, tidx, _mma.transposed_view(s_k, C, K), dtype, True))

@@ -20,6 +20,8 @@ Two modes (compile-time):
   segments whose flag has bit 0 set run.
 * "output": rows are S^T from ``state_in`` [S, H, V, K] (the folded incoming state of each
   segment); outputs go to ``o`` and the segment's end state to ``state_out``.
+* "states": rows as in "output", no outputs: every chunk's start state goes to ``o`` (then
+  [C_max, H, V·K], input dtype), the chunk states the backward reads (its recompute of the forward).
 
 The next chunk's tiles are fetched with cp.async into the other of two shared-memory stages
 while the current chunk is computed.
@@ -59,6 +61,8 @@ class ChunkScanKernel:
         self.warps = self.rows // 16
         self.threads = 32 * self.warps
         self.summary = config.mode == "summary"
+        self.states = config.mode == "states"
+        self.reads_queries = config.mode == "output"
         self.wgmma = config.mma == "wgmma"
 
     def row_blocks(self) -> int:
@@ -83,12 +87,13 @@ class ChunkScanKernel:
                  state_in: cute.Tensor,  # [S_max, H, V, K] float32 (mode "output")
                  state_out: cute.Tensor,  # [S_max, H, V, K] float32 (out, mode "output") or
                                           # [S_max, H, V + K, K] (out, mode "summary")
-                 o: cute.Tensor,  # [T_all, H, V] input dtype (out, mode "output")
+                 o: cute.Tensor,  # [T_all, H, V] input dtype (out, mode "output"); [C_max, H, V K] (mode "states")
                  num_householder: Int32, stream):
         tiled_mma = _mma.make_tiled_mma(self.dtype, self.warps)  # the "sync" products (unused for "wgmma")
         g2s = _mma.make_g2s_copy(self.dtype, self.threads)
+        s2g = _mma.make_s2g_copy(self.dtype, self.threads)  # mode "states" only
         self.kernel(k, v, q, ta, tb, p, scalars, chunk_first_step, chunk_steps, seg_first_chunk, seg_chunks,
-                    seg_flags, num_segments, state_in, state_out, o, num_householder, tiled_mma, g2s).launch(
+                    seg_flags, num_segments, state_in, state_out, o, num_householder, tiled_mma, g2s, s2g).launch(
             grid=(seg_first_chunk.shape[0], k.shape[1], self.row_blocks()), block=(self.threads, 1, 1),
             stream=stream)
 
@@ -106,7 +111,7 @@ class ChunkScanKernel:
             _mma.copy_rows_g2s(g2s, tidx, g_v, s_v, steps)
         _mma.copy_rows_g2s(g2s, tidx, ta[chunk, head, None, None], s_ta, C)
         _mma.copy_rows_g2s(g2s, tidx, tb[chunk, head, None, None], s_tb, C)
-        if cutlass.const_expr(not self.summary):
+        if cutlass.const_expr(self.reads_queries):
             first_token = first // num_householder
             tokens = steps // num_householder
             g_q = cute.local_tile(cute.domain_offset((first_token, 0), q[None, head, None]), (NQ, K), (0, 0))
@@ -127,7 +132,7 @@ class ChunkScanKernel:
                p: cute.Tensor, scalars: cute.Tensor, chunk_first_step: cute.Tensor, chunk_steps: cute.Tensor,
                seg_first_chunk: cute.Tensor, seg_chunks: cute.Tensor, seg_flags: cute.Tensor,
                num_segments: cute.Tensor, state_in: cute.Tensor, state_out: cute.Tensor, o: cute.Tensor,
-               num_householder: Int32, tiled_mma: cute.TiledMma, g2s: cute.TiledCopy):
+               num_householder: Int32, tiled_mma: cute.TiledMma, g2s: cute.TiledCopy, s2g: cute.TiledCopy):
         K, V, R, NQ, NH = self.key_dim, self.value_dim, self.rows, self.query_tile, num_householder
         tidx, _, _ = cute.arch.thread_idx()
         segment, head, row_block = cute.arch.block_idx()
@@ -138,10 +143,13 @@ class ChunkScanKernel:
         s_tb_all = self._tile(allocator, C, C)
         s_q_all = s_k_all
         s_p_all = s_ta_all
-        if cutlass.const_expr(not self.summary):
+        if cutlass.const_expr(self.reads_queries):
             s_q_all = self._tile(allocator, NQ, K)
             s_p_all = self._tile(allocator, NQ, C)
         s_scalars = allocator.allocate_tensor(Float32, cute.make_layout((4, C, STAGES), stride=(C, 1, 4 * C)), 16)
+        s_out = None
+        if cutlass.const_expr(self.states):  # a chunk's start state on its way to o, as whole 16-byte rows
+            s_out = allocator.allocate_tensor(self.dtype, _mma.smem_tile_layout(R, K), 128)
 
         run = segment < num_segments[0]
         if cutlass.const_expr(self.summary):
@@ -189,6 +197,10 @@ class ChunkScanKernel:
                 for j in cutlass.range_constexpr(per_thread):
                     index = tidx + j * self.threads
                     s_scalars[index // C, index % C, stage] = scalar_next[j]
+                if cutlass.const_expr(self.states):
+                    for e in cutlass.range_constexpr(cute.size(state)):
+                        r, c = state_coords[e]
+                        s_out[r, c] = state[e].to(self.dtype)
                 cute.arch.cp_async_wait_group(0)
                 if cutlass.const_expr(self.wgmma):
                     cute.arch.fence_view_async_shared()  # cp.async/st.shared data -> the async proxy of wgmma
@@ -206,12 +218,19 @@ class ChunkScanKernel:
                 s_sc = s_scalars[None, None, stage]
                 first_token = chunk_first_step[chunk] // NH
                 tokens = chunk_steps[chunk] // NH
+                if cutlass.const_expr(self.states):  # staged before the sync above; stored by whole rows
+                    rows = cute.local_tile(o[chunk, head, None], (R * K,), (row_block,))
+                    _mma.copy_tile_s2g(s2g, tidx, s_out, cute.make_tensor(rows.iterator, cute.make_layout(
+                        (R, K), stride=(K, 1))))
                 self.chunk_step(products, state, stage, s_sc, s_k_all, s_v_all, s_ta_all, s_tb_all,
                                 s_q_all, s_p_all, o, head, row0, first_token, tokens)
+                if cutlass.const_expr(self.states):
+                    cute.arch.sync_threads()  # every row of s_out is stored before the next chunk restages it
 
-            for e in cutlass.range_constexpr(cute.size(state)):
-                r, c = state_coords[e]
-                state_out[segment, head, row0 + r, c] = state[e]
+            if cutlass.const_expr(not self.states):
+                for e in cutlass.range_constexpr(cute.size(state)):
+                    r, c = state_coords[e]
+                    state_out[segment, head, row0 + r, c] = state[e]
 
     @cute.jit
     def chunk_step(self, products, state: cute.Tensor, stage, s_sc: cute.Tensor, s_k_all, s_v_all,
@@ -227,7 +246,7 @@ class ChunkScanKernel:
         products.delta_from_values(delta, s_v_all, s_tb_all, stage)
         products.delta_add_y(delta, minus_y, s_ta_all, stage)
 
-        if cutlass.const_expr(not self.summary):
+        if cutlass.const_expr(self.reads_queries):
             # O = (X q^T) diag(c) + D P^T on the chunk's tokens
             out = products.product_accumulator(NQ)
             token_coords = products.coordinates(out, (R, NQ))
@@ -319,7 +338,7 @@ class _WgmmaProducts:
         self.ta_b = self.step_thr.make_fragment_B(self.step_thr.partition_B(s_ta_all))
         self.tb_b = value_thr.make_fragment_B(value_thr.partition_B(s_tb_all))
         self.vt_a = value_thr.make_fragment_A(value_thr.partition_A(vt_all))
-        if cutlass.const_expr(not kernel.summary):
+        if cutlass.const_expr(kernel.reads_queries):
             self.out_mma = _mma.make_wgmma(dtype, groups, NQ)  # O = X q^T + D P^T
             self.out_thr = self.out_mma.get_slice(tidx)
             self.q_b = self.out_thr.make_fragment_B(self.out_thr.partition_B(s_q_all))

@@ -21,7 +21,7 @@ def _check_head_dim(name: str, value: int) -> None:
 
 TENSOR_CORE_DTYPES = ("bfloat16", "float16")
 QUERY_TILES = (32, 64)
-SCAN_MODES = ("summary", "output")
+SCAN_MODES = ("summary", "output", "states")
 FOLD_MODES = ("fold", "apply_affine")
 MMA_KINDS = ("sync", "wgmma")
 
@@ -71,7 +71,9 @@ class ChunkScanConfig:
 
     mode "summary": rows of [E^T ; M^T] from [0 ; I] (segment summaries; ``query_tile`` must be
     0); mode "output": the state rows from a folded incoming state, writing outputs and the
-    segment's end state (``query_tile`` as for ``ChunkPrepConfig``).
+    segment's end state (``query_tile`` as for ``ChunkPrepConfig``); mode "states": the state rows
+    from the incoming state, writing every chunk's start state in the input dtype and nothing else
+    (the backward's recompute; reads no queries: ``query_tile`` must be 0).
     """
 
     dtype: str
@@ -94,8 +96,8 @@ class ChunkScanConfig:
         _check_head_dim("value_dim", self.value_dim)
         if self.mode not in SCAN_MODES:
             raise ValueError(f"mode must be one of {SCAN_MODES}; received {self.mode!r}")
-        if self.mode == "summary" and self.query_tile != 0:
-            raise ValueError(f"mode 'summary' reads no queries: query_tile must be 0; received {self.query_tile}")
+        if self.mode != "output" and self.query_tile != 0:
+            raise ValueError(f"mode {self.mode!r} reads no queries: query_tile must be 0; received {self.query_tile}")
         if self.mode == "output":
             _check_query_tile(self.query_tile)
         if self.mma not in MMA_KINDS:
@@ -141,10 +143,35 @@ class ChunkGammaConfig:
 
 
 @dataclass(frozen=True)
+class ChunkReverseScanConfig:
+    """The state-gradient pass of every segment (``chunk_reverse.ChunkReverseScanKernel``): the
+    chunks in reverse from the segment's outgoing gradient, the gradient rows in registers, storing
+    the gradient at every chunk's end (input dtype) and the segment's incoming gradient."""
+
+    dtype: str
+    key_dim: int
+    value_dim: int
+    query_tile: int
+    row_block: int = 0  # gradient rows per CTA (16 per warp); 0: 64
+
+    @property
+    def rows_per_cta(self) -> int:
+        return self.row_block or 64
+
+    def validate(self) -> None:
+        _check_tensor_core_dtype(self.dtype)
+        _check_head_dim("key_dim", self.key_dim)
+        _check_head_dim("value_dim", self.value_dim)
+        _check_query_tile(self.query_tile)
+        if self.row_block not in (0, 64, 128) or self.row_block > self.value_dim:
+            raise ValueError(f"row_block must be 0 (auto), 64 or 128 and at most V; received {self.row_block}")
+
+
+@dataclass(frozen=True)
 class ChunkReverseConfig:
-    """The backward of one segment (``chunk_reverse.ChunkReverseKernel``): its chunk states recomputed
-    from the saved incoming state, then the chunks in reverse with the state gradient in registers,
-    writing dv, the scan's parts of dq and dk, and the gradients of the per-chunk prep outputs."""
+    """The chunk-parallel rest of the backward scan (``chunk_reverse.ChunkReverseKernel``): one CTA per
+    (chunk, head) from the chunk's start state and end gradient (both stored by the sequential
+    passes), writing dv, the scan's parts of dq and dk, and the gradients of the per-chunk prep outputs."""
 
     dtype: str
     key_dim: int
@@ -173,8 +200,8 @@ class ChunkPrepBackwardConfig:
         _check_query_tile(self.query_tile)
 
 
-KERNEL_CONFIGS = (ChunkPrepConfig, ChunkScanConfig, SegmentFoldConfig, ChunkGammaConfig, ChunkReverseConfig,
-                  ChunkPrepBackwardConfig)
+KERNEL_CONFIGS = (ChunkPrepConfig, ChunkScanConfig, SegmentFoldConfig, ChunkGammaConfig, ChunkReverseScanConfig,
+                  ChunkReverseConfig, ChunkPrepBackwardConfig)
 
 
 def tensor_core_configs() -> list:
@@ -187,16 +214,18 @@ def tensor_core_configs() -> list:
             for tile in QUERY_TILES:
                 configs.append(ChunkPrepConfig(dtype, key_dim, tile))
             for value_dim in HEAD_DIMS:
-                configs.append(ChunkScanConfig(dtype, key_dim, value_dim, "summary"))
+                for mode in ("summary", "states"):  # the modes that read no queries
+                    configs.append(ChunkScanConfig(dtype, key_dim, value_dim, mode))
+                    if key_dim == value_dim == 128:  # the 4-warp variant (two CTAs per SM)
+                        configs.append(ChunkScanConfig(dtype, key_dim, value_dim, mode, 0, 64))
                 for tile in QUERY_TILES:
                     configs.append(ChunkScanConfig(dtype, key_dim, value_dim, "output", tile))
-                    if key_dim == value_dim == 128:  # the 4-warp variant (two CTAs per SM)
+                    if key_dim == value_dim == 128:
                         configs.append(ChunkScanConfig(dtype, key_dim, value_dim, "output", tile, 64))
-                if key_dim == value_dim == 128:
-                    configs.append(ChunkScanConfig(dtype, key_dim, value_dim, "summary", 0, 64))
                 if key_dim == value_dim == 128 and dtype == "bfloat16":  # the warpgroup-MMA variant
                     for row_block in (0, 64):
-                        configs.append(ChunkScanConfig(dtype, key_dim, value_dim, "summary", 0, row_block, "wgmma"))
+                        for mode in ("summary", "states"):
+                            configs.append(ChunkScanConfig(dtype, key_dim, value_dim, mode, 0, row_block, "wgmma"))
                         for tile in QUERY_TILES:
                             configs.append(ChunkScanConfig(dtype, key_dim, value_dim, "output", tile, row_block,
                                                            "wgmma"))
@@ -204,7 +233,8 @@ def tensor_core_configs() -> list:
 
 
 def backward_configs() -> list:
-    """Every config of the backward kernels (chunk_gamma, chunk_reverse, chunk_prep_backward)."""
+    """Every config of the backward kernels (chunk_gamma, the reverse scan, chunk_reverse, chunk_prep_backward);
+    the backward's chunk-state recompute is ``chunk_scan`` in mode "states" (``tensor_core_configs``)."""
     configs: list = []
     for dtype in TENSOR_CORE_DTYPES:
         for key_dim in HEAD_DIMS:
@@ -212,6 +242,7 @@ def backward_configs() -> list:
                 configs.append(ChunkPrepBackwardConfig(dtype, key_dim, tile))
                 for value_dim in HEAD_DIMS:
                     configs.append(ChunkGammaConfig(dtype, key_dim, value_dim, tile))
+                    configs.append(ChunkReverseScanConfig(dtype, key_dim, value_dim, tile))
                     configs.append(ChunkReverseConfig(dtype, key_dim, value_dim, tile))
     return configs
 

@@ -103,9 +103,11 @@ def emulate_chunk_scan(launch) -> None:
             ta, tb = launch.ta[chunk].float(), launch.tb[chunk].float()
             sc = launch.scalars[chunk].float()
             Xb = rnd(X)
+            if config.mode == "states":
+                launch.o[chunk] = Xb.reshape(heads, V * K).to(launch.o.dtype)
             Y = Xb @ kc.transpose(1, 2)
             D = vin.transpose(1, 2) @ tb.transpose(1, 2) - rnd(Y) @ ta.transpose(1, 2)
-            if not summary:
+            if config.mode == "output":
                 tokens = steps // n_h
                 tile = launch.p.shape[2]
                 qc = torch.zeros(heads, tile, K)
@@ -114,7 +116,8 @@ def emulate_chunk_scan(launch) -> None:
                 out = out + rnd(D) @ launch.p[chunk].float().transpose(1, 2)
                 launch.o[first // n_h:first // n_h + tokens] = out[:, :, :tokens].permute(2, 0, 1).to(launch.o.dtype)
             X = sc[:, 2, 0, None, None] * X + rnd(D * sc[:, 0, None, :]) @ kc
-        launch.state_out[segment] = X
+        if config.mode != "states":
+            launch.state_out[segment] = X
 
 
 def emulate_segment_fold(launch) -> None:
@@ -170,6 +173,7 @@ def run_emulated(launch) -> None:
 
     emulations = {kl.ChunkPrepLaunch: emulate_chunk_prep, kl.ChunkScanLaunch: emulate_chunk_scan,
                   kl.SegmentFoldLaunch: emulate_segment_fold, kl.ChunkGammaLaunch: eb.emulate_chunk_gamma,
+                  kl.ChunkReverseScanLaunch: eb.emulate_chunk_reverse_scan,
                   kl.ChunkReverseLaunch: eb.emulate_chunk_reverse,
                   kl.ChunkPrepBackwardLaunch: eb.emulate_chunk_prep_backward}
     if type(launch) not in emulations:

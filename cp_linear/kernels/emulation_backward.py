@@ -1,5 +1,5 @@
 """The backward kernels, emulated launch by launch in torch (the CPU oracle of ``chunk_reverse`` and
-``chunk_prep_backward``), rounding to the input dtype where the kernels feed a tensor-core operand.
+``chunk_prep_backward``; the chunk-state recompute is ``chunk_scan`` mode "states", in ``emulation``), rounding to the input dtype where the kernels feed a tensor-core operand.
 
 The per-chunk algebra is ``backward_algorithm`` (checked against autograd); this module applies it
 to the launches' buffers and layouts: value rows transposed (dX = dS^T), chunk tables, segments.
@@ -57,53 +57,54 @@ def emulate_chunk_gamma(launch) -> None:
         launch.summaries[segment] = X
 
 
+def emulate_chunk_reverse_scan(launch) -> None:
+    rnd = _rounder(launch.k.dtype)
+    for segment in range(int(launch.num_segments[0])):
+        first_chunk = int(launch.seg_first_chunk[segment])
+        dX = launch.grad_out[segment].float().clone()
+        for chunk in reversed(range(first_chunk, first_chunk + int(launch.seg_chunks[segment]))):
+            t = _chunk_tiles(launch, chunk, with_values=False)
+            launch.chunk_grads[chunk] = dX.to(launch.chunk_grads.dtype)
+            b, c, d = t["sc"][:, 0], t["sc"][:, 1, :t["q"].shape[1]], t["sc"][:, 2, 0]
+            dD = (rnd(dX) @ t["k"].transpose(1, 2)) * b[:, None, :] + t["do"] @ t["p"]
+            Zb = rnd(rnd(dD) @ t["ta"])
+            qc = rnd(c[:, :, None] * t["q"])
+            dX = d[:, None, None] * dX + t["do"] @ qc - Zb @ t["k"]
+        launch.grad_in[segment] = dX
+
+
 def emulate_chunk_reverse(launch) -> None:
     import torch
 
     rnd = _rounder(launch.k.dtype)
-    for segment in range(int(launch.num_segments[0])):
-        first_chunk = int(launch.seg_first_chunk[segment])
-        chunks = range(first_chunk, first_chunk + int(launch.seg_chunks[segment]))
-        X = launch.state_in[segment].float().clone()
-        for chunk in chunks:  # the chunk states, recomputed as the forward output pass does
-            t = _chunk_tiles(launch, chunk, with_values=True)
-            launch.chunk_states[chunk] = X.to(launch.chunk_states.dtype)
-            Y = rnd(X) @ t["k"].transpose(1, 2)
-            D = t["v"].transpose(1, 2) @ t["tb"].transpose(1, 2) - rnd(Y) @ t["ta"].transpose(1, 2)
-            X = t["sc"][:, 2, 0, None, None] * X + rnd(D * t["sc"][:, 0, None, :]) @ t["k"]
-        dX = launch.grad_out[segment].float().clone()
-        for chunk in reversed(chunks):
-            t = _chunk_tiles(launch, chunk, with_values=True)
-            k, v, q, do, ta, tb, p, sc = (t[name] for name in ("k", "v", "q", "do", "ta", "tb", "p", "sc"))
-            b, c, d = sc[:, 0], sc[:, 1, :q.shape[1]], sc[:, 2, 0]
-            Xb = launch.chunk_states[chunk].float()
-            Yb = rnd(Xb @ k.transpose(1, 2))
-            D = v.transpose(1, 2) @ tb.transpose(1, 2) - Yb @ ta.transpose(1, 2)
-            dXb = rnd(dX)
-            M1 = dXb @ k.transpose(1, 2)
-            dD = M1 * b[:, None, :] + do @ p
-            dDb = rnd(dD)
-            Zb = rnd(dDb @ ta)
-            qc = rnd(c[:, :, None] * q)
-            dX_next = d[:, None, None] * dX + do @ qc - Zb @ k
-            Db = rnd(D)
-            R = do.transpose(1, 2) @ Xb
-            steps, tokens, first = t["steps"], t["tokens"], t["first"]
-            n_h = int(launch.num_householder)
-            launch.dv[first:first + steps] = (dDb @ tb).permute(2, 0, 1)[:steps]
-            dk = b[:, :, None] * (Db.transpose(1, 2) @ dXb) - Zb.transpose(1, 2) @ Xb
-            launch.dk_scan[first:first + steps] = dk.permute(1, 0, 2)[:steps]
-            launch.dq_scan[first // n_h:first // n_h + tokens] = (c[:, :, None] * R).permute(1, 0, 2)[:tokens]
-            launch.d_tb[chunk] = dDb.transpose(1, 2) @ v.transpose(1, 2)
-            launch.d_ta[chunk] = -(rnd(dDb.transpose(1, 2) @ Xb) @ k.transpose(1, 2))  # -(dD^T X) k^T
-            launch.d_p[chunk] = do.transpose(1, 2) @ Db
-            scalars = torch.zeros_like(sc)
-            scalars[:, 0] = (D * M1).sum(1)
-            scalars[:, 1, :q.shape[1]] = (R * q).sum(2)
-            scalars[:, 2, 0] = (Xb * dX).sum((1, 2))
-            launch.d_scalars[chunk] = scalars
-            dX = dX_next
-        launch.grad_in[segment] = dX
+    n_h = int(launch.num_householder)
+    for chunk in range(int(launch.num_chunks[0])):
+        t = _chunk_tiles(launch, chunk, with_values=True)
+        k, v, q, do, ta, tb, p, sc = (t[name] for name in ("k", "v", "q", "do", "ta", "tb", "p", "sc"))
+        b, c = sc[:, 0], sc[:, 1, :q.shape[1]]
+        Xb = launch.chunk_states[chunk].float()
+        dXb = launch.chunk_grads[chunk].float()
+        Yb = rnd(Xb @ k.transpose(1, 2))
+        D = v.transpose(1, 2) @ tb.transpose(1, 2) - Yb @ ta.transpose(1, 2)
+        M1 = dXb @ k.transpose(1, 2)
+        dD = M1 * b[:, None, :] + do @ p
+        dDb = rnd(dD)
+        Zb = rnd(dDb @ ta)
+        Db = rnd(D)
+        R = do.transpose(1, 2) @ Xb
+        steps, tokens, first = t["steps"], t["tokens"], t["first"]
+        launch.dv[first:first + steps] = (dDb @ tb).permute(2, 0, 1)[:steps]
+        dk = b[:, :, None] * (Db.transpose(1, 2) @ dXb) - Zb.transpose(1, 2) @ Xb
+        launch.dk_scan[first:first + steps] = dk.permute(1, 0, 2)[:steps]
+        launch.dq_scan[first // n_h:first // n_h + tokens] = (c[:, :, None] * R).permute(1, 0, 2)[:tokens]
+        launch.d_tb[chunk] = dDb.transpose(1, 2) @ v.transpose(1, 2)
+        launch.d_ta[chunk] = -(rnd(dDb.transpose(1, 2) @ Xb) @ k.transpose(1, 2))  # -(dD^T X) k^T
+        launch.d_p[chunk] = do.transpose(1, 2) @ Db
+        scalars = torch.zeros_like(sc)
+        scalars[:, 0] = (D * M1).sum(1)
+        scalars[:, 1, :q.shape[1]] = (R * q).sum(2)
+        scalars[:, 2, 0] = (Xb * dXb).sum((1, 2))
+        launch.d_scalars[chunk] = scalars
 
 
 def emulate_chunk_prep_backward(launch) -> None:

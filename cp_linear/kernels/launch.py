@@ -119,7 +119,10 @@ class ChunkPrepLaunch(_Launch):
 @dataclass
 class ChunkScanLaunch(_Launch):
     """``state_out`` is [S, H, V, K] in mode "output", [S, H, V + K, K] (summaries) in "summary";
-    mode "summary" does not read q, p, state_in or o (pass any array of the right type)."""
+    mode "summary" does not read q, p, state_in or o (pass any array of the right type). Mode
+    "states" writes each chunk's start state into ``o`` [C_max, H, V·K] (the [C_max, H, V, K] chunk
+    states, flattened so that every mode's ``o`` has one rank) and does not read q or p nor write
+    ``state_out``."""
 
     KERNEL: ClassVar[str] = "cp_linear.kernels.chunk_scan:ChunkScanKernel"
     OUTPUTS: ClassVar[tuple[str, ...]] = ("state_out", "o")
@@ -139,7 +142,7 @@ class ChunkScanLaunch(_Launch):
     num_segments: Any = _spec(1, dtype="int32")
     state_in: Any = _spec(None, None, "value_dim", "key_dim", dtype="float32")
     state_out: Any = _spec(None, None, "state_rows", "key_dim", dtype="float32")
-    o: Any = _spec(None, None, "value_dim")
+    o: Any = _spec(None, None, "scan_output", align=16)  # mode "states" writes 16-byte rows
     num_householder: Any = _scalar("int32")
 
 
@@ -190,15 +193,40 @@ class ChunkGammaLaunch(_Launch):
 
 
 @dataclass
+class ChunkReverseScanLaunch(_Launch):
+    """The state-gradient pass of every segment from ``grad_out``: ``chunk_grads`` [C_max, H, V, K]
+    gets the gradient at each chunk's end (input dtype), ``grad_in`` each segment's incoming gradient."""
+
+    KERNEL: ClassVar[str] = "cp_linear.kernels.chunk_reverse:ChunkReverseScanKernel"
+    OUTPUTS: ClassVar[tuple[str, ...]] = ("chunk_grads", "grad_in")
+    config: cfg.ChunkReverseScanConfig
+    k: Any = _spec(None, None, "key_dim", align=16)
+    q: Any = _spec(None, None, "key_dim", align=16)
+    do: Any = _spec(None, None, "value_dim", align=16)
+    ta: Any = _spec(None, None, 64, 64, align=16)
+    p: Any = _spec(None, None, "query_tile", 64, align=16)
+    scalars: Any = _spec(None, None, 4, 64, dtype="float32")
+    chunk_first_step: Any = _spec(None, dtype="int32")
+    chunk_steps: Any = _spec(None, dtype="int32")
+    seg_first_chunk: Any = _spec(None, dtype="int32")
+    seg_chunks: Any = _spec(None, dtype="int32")
+    num_segments: Any = _spec(1, dtype="int32")
+    grad_out: Any = _spec(None, None, "value_dim", "key_dim", dtype="float32")
+    chunk_grads: Any = _spec(None, None, "value_dim", "key_dim", align=16)  # written as 16-byte rows
+    grad_in: Any = _spec(None, None, "value_dim", "key_dim", dtype="float32")
+    num_householder: Any = _scalar("int32")
+
+
+@dataclass
 class ChunkReverseLaunch(_Launch):
-    """The backward of every segment: chunk states recomputed from ``state_in`` into ``chunk_states``,
-    then the reverse pass from ``grad_out``; writes ``grad_in`` and the per-step / per-chunk gradients.
+    """The chunk-parallel rest of the backward scan, from each chunk's start state ``chunk_states``
+    (``chunk_scan`` mode "states") and end gradient ``chunk_grads`` (``ChunkReverseScanLaunch``);
+    writes the per-step / per-chunk gradients of chunks below ``num_chunks``.
 
     d_scalars rows: 0 db, 1 dc, 2 dd (column 0), 3 unused."""
 
     KERNEL: ClassVar[str] = "cp_linear.kernels.chunk_reverse:ChunkReverseKernel"
-    OUTPUTS: ClassVar[tuple[str, ...]] = ("chunk_states", "grad_in", "dv", "dq_scan", "dk_scan", "d_ta", "d_tb", "d_p",
-                                       "d_scalars")
+    OUTPUTS: ClassVar[tuple[str, ...]] = ("dv", "dq_scan", "dk_scan", "d_ta", "d_tb", "d_p", "d_scalars")
     config: cfg.ChunkReverseConfig
     k: Any = _spec(None, None, "key_dim", align=16)
     v: Any = _spec(None, None, "value_dim", align=16)
@@ -210,13 +238,9 @@ class ChunkReverseLaunch(_Launch):
     scalars: Any = _spec(None, None, 4, 64, dtype="float32")
     chunk_first_step: Any = _spec(None, dtype="int32")
     chunk_steps: Any = _spec(None, dtype="int32")
-    seg_first_chunk: Any = _spec(None, dtype="int32")
-    seg_chunks: Any = _spec(None, dtype="int32")
-    num_segments: Any = _spec(1, dtype="int32")
-    state_in: Any = _spec(None, None, "value_dim", "key_dim", dtype="float32")
-    grad_out: Any = _spec(None, None, "value_dim", "key_dim", dtype="float32")
+    num_chunks: Any = _spec(1, dtype="int32")
     chunk_states: Any = _spec(None, None, "value_dim", "key_dim", align=16)
-    grad_in: Any = _spec(None, None, "value_dim", "key_dim", dtype="float32")
+    chunk_grads: Any = _spec(None, None, "value_dim", "key_dim", align=16)
     dv: Any = _spec(None, None, "value_dim")  # the input dtype: the final gradient, rounded once in the kernel
     dq_scan: Any = _spec(None, None, "key_dim", dtype="float32")
     dk_scan: Any = _spec(None, None, "key_dim", dtype="float32")
@@ -258,7 +282,8 @@ class ChunkPrepBackwardLaunch(_Launch):
 
 LAUNCHES = {cfg.ChunkPrepConfig: ChunkPrepLaunch, cfg.ChunkScanConfig: ChunkScanLaunch,
             cfg.SegmentFoldConfig: SegmentFoldLaunch, cfg.ChunkGammaConfig: ChunkGammaLaunch,
-            cfg.ChunkReverseConfig: ChunkReverseLaunch, cfg.ChunkPrepBackwardConfig: ChunkPrepBackwardLaunch}
+            cfg.ChunkReverseScanConfig: ChunkReverseScanLaunch, cfg.ChunkReverseConfig: ChunkReverseLaunch,
+            cfg.ChunkPrepBackwardConfig: ChunkPrepBackwardLaunch}
 
 
 def _extent(config, entry):
@@ -268,6 +293,8 @@ def _extent(config, entry):
         return None
     if entry == "gamma_rows":
         return config.value_dim + config.key_dim
+    if entry == "scan_output":
+        return config.value_dim * config.key_dim if config.mode == "states" else config.value_dim
     if entry == "state_rows":
         return config.value_dim + config.key_dim if config.mode == "summary" else config.value_dim
     return getattr(config, entry)

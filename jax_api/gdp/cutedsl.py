@@ -25,7 +25,8 @@ The backward runs the backward kernels (the default, ``backward="kernels"``, as 
     prepare   chunk_prep, chunk_gamma    backward summaries [gamma ; M_b] per segment
               segment_fold (descending)  the leading sequence's gamma
     apply     segment_fold (descending)  every segment's outgoing state gradient
-              chunk_reverse, chunk_prep_backward   input gradients, dL/d initial state
+              chunk_scan (mode "states"), the reverse scan, chunk_reverse, chunk_prep_backward:
+                                         input gradients, dL/d initial state
 
 Inputs the kernels do not take (not a Hopper GPU, float32, K or V outside {64, 128}) run on
 ``JaxGDPBackend`` after one warning per reason (``fallback=False`` raises instead); summaries are
@@ -249,8 +250,10 @@ class CuTeDSLGatedDeltaProductCPBackend:
         return shard
 
     def _scan(self, shard: _Shard, mode: str, *, state_in, state_rows: int, o_shape: tuple):
-        """chunk_scan -> (state_out [S_max, H, state_rows, K] float32, o of ``o_shape``)."""
+        """chunk_scan -> (state_out [S_max, H, state_rows, K] float32, o of ``o_shape``); mode "states"
+        writes no state_out (a one-segment placeholder is returned)."""
         layout, heads = shard.layout, shard.heads
+        segments = 1 if mode == "states" else layout.max_segments
         tile = shard.query_tile if mode == "output" else 0
         out = self._launch(
             kl.ChunkScanLaunch,
@@ -259,7 +262,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             dict(k=shard.k, v=shard.v, q=shard.q, ta=shard.ta, tb=shard.tb, p=shard.p, scalars=shard.scalars,
                  **shard.tables("chunk_first_step", "chunk_steps", "seg_first_chunk", "seg_chunks", "seg_flags",
                                 "num_segments"), state_in=state_in),
-            dict(state_out=(layout.max_segments, heads, state_rows, shard.key_dim), o=o_shape),
+            dict(state_out=(segments, heads, state_rows, shard.key_dim), o=o_shape),
             dict(num_householder=shard.inputs.num_householder))
         return out["state_out"], out["o"]
 
@@ -443,17 +446,26 @@ class CuTeDSLGatedDeltaProductCPBackend:
         return out["summaries"]
 
     def _reverse(self, shard: _Shard, do: jax.Array, incoming: jax.Array, grad_out: jax.Array):
-        """chunk_reverse then chunk_prep_backward -> (GDPInputGradients, dX at every segment start)."""
+        """The chunk states (chunk_scan mode "states"), the state-gradient pass, chunk_reverse, then
+        chunk_prep_backward -> (GDPInputGradients, dX at every segment start)."""
         layout, inputs = shard.layout, shard.inputs
         heads, key_dim, value_dim, tile = shard.heads, shard.key_dim, shard.value_dim, shard.query_tile
         chunks, tokens_all, steps_all = layout.max_chunks, shard.q.shape[0], shard.k.shape[0]
+        _, flat_states = self._scan(shard, "states", state_in=incoming, state_rows=value_dim,
+                                    o_shape=(chunks, heads, value_dim * key_dim))
+        scan = self._launch(
+            kl.ChunkReverseScanLaunch, kcfg.ChunkReverseScanConfig(shard.dtype, key_dim, value_dim, tile),
+            dict(k=shard.k, q=shard.q, do=do, ta=shard.ta, p=shard.p, scalars=shard.scalars,
+                 **shard.tables("chunk_first_step", "chunk_steps", "seg_first_chunk", "seg_chunks", "num_segments"),
+                 grad_out=grad_out),
+            dict(chunk_grads=(chunks, heads, value_dim, key_dim), grad_in=grad_out.shape),
+            dict(num_householder=inputs.num_householder))
         reverse = self._launch(
             kl.ChunkReverseLaunch, kcfg.ChunkReverseConfig(shard.dtype, key_dim, value_dim, tile),
             dict(k=shard.k, v=shard.v, q=shard.q, do=do, ta=shard.ta, tb=shard.tb, p=shard.p, scalars=shard.scalars,
-                 **shard.tables("chunk_first_step", "chunk_steps", "seg_first_chunk", "seg_chunks", "num_segments"),
-                 state_in=incoming, grad_out=grad_out),
-            dict(chunk_states=(chunks, heads, value_dim, key_dim), grad_in=grad_out.shape,
-                 dv=(steps_all, heads, value_dim), dq_scan=(tokens_all, heads, key_dim),
+                 **shard.tables("chunk_first_step", "chunk_steps", "num_chunks"),
+                 chunk_states=flat_states.reshape(chunks, heads, value_dim, key_dim), chunk_grads=scan["chunk_grads"]),
+            dict(dv=(steps_all, heads, value_dim), dq_scan=(tokens_all, heads, key_dim),
                  dk_scan=(steps_all, heads, key_dim), d_ta=(chunks, heads, 64, 64), d_tb=(chunks, heads, 64, 64),
                  d_p=(chunks, heads, tile, 64), d_scalars=(chunks, heads, 4, 64)),
             dict(num_householder=inputs.num_householder))
@@ -470,7 +482,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         grads = GDPInputGradients(shaped(prep["dq"], inputs.q), shaped(prep["dk"], inputs.k),
                                   shaped(reverse["dv"], inputs.v), shaped(prep["dg"], inputs.g),
                                   shaped(prep["dbeta"], inputs.beta))
-        return grads, reverse["grad_in"]
+        return grads, scan["grad_in"]
 
 
 # --------------------------------------------------------------------------- helpers

@@ -56,7 +56,8 @@ def every_config() -> list:
                     if row_block > min(key_dim, value_dim):
                         continue
                     for mma in kcfg.MMA_KINDS:
-                        configs.add(kcfg.ChunkScanConfig(dtype, key_dim, value_dim, "summary", 0, row_block, mma))
+                        for mode in ("summary", "states"):
+                            configs.add(kcfg.ChunkScanConfig(dtype, key_dim, value_dim, mode, 0, row_block, mma))
                         for tile in kcfg.QUERY_TILES:
                             configs.add(kcfg.ChunkScanConfig(dtype, key_dim, value_dim, "output", tile, row_block, mma))
     return sorted(configs, key=kcfg.describe)

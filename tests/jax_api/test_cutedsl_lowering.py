@@ -45,7 +45,8 @@ def _names(*configs) -> set[str]:
 FORWARD = _names(kcfg.ChunkPrepConfig("bfloat16", DIM, 32), kcfg.ChunkScanConfig("bfloat16", DIM, DIM, "summary"),
                  kcfg.SegmentFoldConfig(DIM), kcfg.SegmentFoldConfig(DIM, "apply_affine"),
                  kcfg.ChunkScanConfig("bfloat16", DIM, DIM, "output", 32))
-BACKWARD = _names(kcfg.ChunkGammaConfig("bfloat16", DIM, DIM, 32), kcfg.ChunkReverseConfig("bfloat16", DIM, DIM, 32),
+BACKWARD = _names(kcfg.ChunkGammaConfig("bfloat16", DIM, DIM, 32), kcfg.ChunkScanConfig("bfloat16", DIM, DIM, "states"),
+                  kcfg.ChunkReverseScanConfig("bfloat16", DIM, DIM, 32), kcfg.ChunkReverseConfig("bfloat16", DIM, DIM, 32),
                   kcfg.ChunkPrepBackwardConfig("bfloat16", DIM, 32))
 
 
@@ -95,9 +96,10 @@ def test_the_kernel_backward_lowers_to_kernel_calls_only_and_a_new_packing_to_th
     texts = [grad.trace(*_arrays(lengths)).lower(lowering_platforms=("cuda",)).as_text()
              for lengths in ([100, 56, 100], [3, 250, 3])]
     calls = _custom_calls(texts[0])
-    # forward 5; backward: prep again, gamma, the descending fold, reverse, prep backward (the fold
-    # of the leading gamma builds the CP summary, unused on one device: dropped)
-    assert len(calls) == 10 and set(calls) == FORWARD | BACKWARD, calls
+    # forward 5; backward: prep again, gamma, the descending fold, the chunk states, the reverse
+    # scan, reverse, prep backward (the fold of the leading gamma builds the CP summary, unused on
+    # one device: dropped)
+    assert len(calls) == 12 and set(calls) == FORWARD | BACKWARD, calls
     assert "callback" not in texts[0]
     assert texts[0] == texts[1]
 

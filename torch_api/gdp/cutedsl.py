@@ -29,7 +29,8 @@ backward mirrors it:
               segment_fold (descending)  the leading sequence's gamma (from dL/d final state)
     apply     segment_fold (descending)  every segment's outgoing state gradient, the trailing
                                    sequence's from the fold of the following summaries
-              chunk_reverse, chunk_prep_backward   input gradients, dL/d initial state
+              chunk_scan (mode "states"), the reverse scan, chunk_reverse, chunk_prep_backward:
+                                   input gradients, dL/d initial state
 """
 
 from __future__ import annotations
@@ -661,13 +662,25 @@ class CuTeDSLGatedDeltaProductCPBackend:
             num_householder=shard.inputs.num_householder).run()
 
     def _reverse(self, shard: _Shard, do: torch.Tensor, incoming: torch.Tensor, grad_out: torch.Tensor):
-        """chunk_reverse then chunk_prep_backward -> (GDPInputGradients, dX at every segment start)."""
+        """The chunk states (chunk_scan mode "states"), the state-gradient pass, chunk_reverse, then
+        chunk_prep_backward -> (GDPInputGradients, dX at every segment start)."""
         layout, inputs = shard.layout, shard.inputs
         heads, key_dim, value_dim, tile = shard.heads, shard.key_dim, shard.value_dim, shard.query_tile
         device, chunks = shard.q.device, layout.max_chunks
         f32 = dict(dtype=torch.float32, device=device)
         tokens_all, steps_all = shard.q.shape[0], shard.k.shape[0]
+        chunk_states = torch.empty(chunks, heads, value_dim, key_dim, dtype=shard.q.dtype, device=device)
+        self._scan(shard, "states", state_in=incoming, state_out=incoming,  # state_out: not written
+                   o=chunk_states.view(chunks, heads, value_dim * key_dim))
+        chunk_grads = torch.empty_like(chunk_states)
         grad_in = torch.empty_like(grad_out)
+        kl.ChunkReverseScanLaunch(
+            kcfg.ChunkReverseScanConfig(shard.dtype, key_dim, value_dim, tile),
+            k=shard.k, q=shard.q, do=do, ta=shard.ta, p=shard.p, scalars=shard.scalars,
+            chunk_first_step=layout.chunk_first_step, chunk_steps=layout.chunk_steps,
+            seg_first_chunk=layout.seg_first_chunk, seg_chunks=layout.seg_chunks, num_segments=layout.num_segments,
+            grad_out=grad_out, chunk_grads=chunk_grads, grad_in=grad_in,
+            num_householder=inputs.num_householder).run()
         dv = torch.empty(steps_all, heads, value_dim, dtype=shard.q.dtype, device=device)  # final: input dtype
         dq_scan = torch.empty(tokens_all, heads, key_dim, **f32)
         dk_scan = torch.empty(steps_all, heads, key_dim, **f32)
@@ -678,12 +691,10 @@ class CuTeDSLGatedDeltaProductCPBackend:
         kl.ChunkReverseLaunch(
             kcfg.ChunkReverseConfig(shard.dtype, key_dim, value_dim, tile),
             k=shard.k, v=shard.v, q=shard.q, do=do, ta=shard.ta, tb=shard.tb, p=shard.p, scalars=shard.scalars,
-            chunk_first_step=layout.chunk_first_step, chunk_steps=layout.chunk_steps,
-            seg_first_chunk=layout.seg_first_chunk, seg_chunks=layout.seg_chunks, num_segments=layout.num_segments,
-            state_in=incoming, grad_out=grad_out,
-            chunk_states=torch.empty(chunks, heads, value_dim, key_dim, dtype=shard.q.dtype, device=device),
-            grad_in=grad_in, dv=dv, dq_scan=dq_scan, dk_scan=dk_scan, d_ta=d_ta, d_tb=d_tb, d_p=d_p,
-            d_scalars=d_scalars, num_householder=inputs.num_householder).run()
+            chunk_first_step=layout.chunk_first_step, chunk_steps=layout.chunk_steps, num_chunks=layout.num_chunks,
+            chunk_states=chunk_states, chunk_grads=chunk_grads, dv=dv, dq_scan=dq_scan, dk_scan=dk_scan, d_ta=d_ta,
+            d_tb=d_tb, d_p=d_p, d_scalars=d_scalars, num_householder=inputs.num_householder).run()
+        del chunk_states, chunk_grads  # 2 x [C, H, V, K]: free before chunk_prep_backward allocates
         dq, dk = torch.empty_like(dq_scan, dtype=shard.q.dtype), torch.empty_like(dk_scan, dtype=shard.q.dtype)
         dg = torch.empty(tokens_all, heads, **f32)
         dbeta = torch.empty(steps_all, heads, **f32)
