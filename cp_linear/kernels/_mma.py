@@ -61,12 +61,12 @@ def copy_rows_g2s(tiled_copy: cute.TiledCopy, tidx, src: cute.Tensor, dst: cute.
             d[None, m, None].fill(0)
 
 
-def make_s2g_copy(dtype, threads: int):
-    """16-byte vector stores from a swizzled shared tile to global memory; 8 threads cover one
-    64-element row (full 32-byte sectors, unlike per-element stores from MMA fragments)."""
+def make_s2g_copy(dtype, threads: int, cols: int = 64):
+    """16-byte vector stores from a shared tile (rows of ``cols`` elements, 16-byte aligned) to global
+    memory: full 32-byte sectors, unlike per-element stores from MMA fragments."""
     elems = COPY_BITS // dtype.width
     atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=COPY_BITS)
-    per_row = 64 // elems
+    per_row = cols // elems
     return cute.make_tiled_copy_tv(atom, cute.make_layout((threads // per_row, per_row), stride=(per_row, 1)),
                                    cute.make_layout((1, elems)))
 
@@ -76,6 +76,49 @@ def copy_tile_s2g(tiled_copy: cute.TiledCopy, tidx, src: cute.Tensor, dst: cute.
     """Copy the shared tile ``src`` [rows, cols] to ``dst`` (global, 16-byte aligned rows), all rows."""
     thr = tiled_copy.get_slice(tidx)
     cute.copy(tiled_copy, thr.partition_S(src), thr.partition_D(dst))
+
+
+@cute.jit
+def copy_rows_s2g(tiled_copy: cute.TiledCopy, tidx, src: cute.Tensor, dst: cute.Tensor, valid_rows):
+    """Copy the rows r < ``valid_rows`` of the shared tile ``src`` [rows, cols] to ``dst`` (global)."""
+    thr = tiled_copy.get_slice(tidx)
+    s = thr.partition_S(src)
+    d = thr.partition_D(dst)
+    coords = thr.partition_S(cute.make_identity_tensor(src.shape))
+    for m in cutlass.range_constexpr(cute.size(s.shape[1])):
+        if coords[0, m, 0][0] < valid_rows:
+            cute.copy(tiled_copy, s[None, m, None], d[None, m, None])
+
+
+def staging_view(buffer: cute.Tensor, dtype, rows: int, cols: int, transpose: bool = False) -> cute.Tensor:
+    """A [rows, cols] row-major view of the shared staging ``buffer`` in ``dtype``, rows padded by 16 bytes
+    (fewer bank conflicts when MMA fragments are written in); ``transpose``: the [cols, rows] view of it."""
+    pitch = cols + 128 // dtype.width
+    pointer = cute.recast_ptr(buffer.iterator, dtype=dtype)
+    if transpose:
+        return cute.make_tensor(pointer, cute.make_layout((cols, rows), stride=(1, pitch)))
+    return cute.make_tensor(pointer, cute.make_layout((rows, cols), stride=(pitch, 1)))
+
+
+@cute.jit
+def stage_accumulator(acc: cute.Tensor, coords: cute.Tensor, view: cute.Tensor, col_scales=None, row0=None,
+                      col0=None):
+    """view[r, c] = acc (times ``col_scales[c]``), converted to the view's dtype, at each element's
+    coordinates; with ``row0`` (or ``col0``) only the rows (columns) from there that the view holds,
+    shifted to its origin: one 64-wide slice of a wider accumulator."""
+    for e in cutlass.range_constexpr(cute.size(acc)):
+        r, c = coords[e]
+        value = acc[e]
+        if cutlass.const_expr(col_scales is not None):
+            value = value * col_scales[c]
+        if cutlass.const_expr(row0 is not None):
+            if (r >= row0) & (r < row0 + cute.size(view, mode=[0])):
+                view[r - row0, c] = value.to(view.element_type)
+        elif cutlass.const_expr(col0 is not None):
+            if (c >= col0) & (c < col0 + cute.size(view, mode=[1])):
+                view[r, c - col0] = value.to(view.element_type)
+        else:
+            view[r, c] = value.to(view.element_type)
 
 
 class SmemOperand:

@@ -60,9 +60,10 @@ class ChunkPrepBackwardKernel:
         split_mma = _mma.make_tiled_mma(cutlass.BFloat16, WARPS)
         g2s = _mma.make_g2s_copy(self.dtype, THREADS)
         g2s_f32 = _mma.make_g2s_copy(Float32, THREADS)
+        s2g = _mma.make_s2g_copy(self.dtype, THREADS, self.key_dim)
         self.kernel(q, k, g, beta, chunk_first_step, chunk_steps, num_chunks, d_ta, d_tb, d_p, d_scalars, dq_scan,
                     dk_scan, dq, dk, dg, dbeta, scale, use_l2, num_householder, tiled_mma, split_mma, g2s,
-                    g2s_f32).launch(
+                    g2s_f32, s2g).launch(
             grid=(chunk_first_step.shape[0], k.shape[1], 1), block=(THREADS, 1, 1), stream=stream)
 
     @cute.kernel
@@ -71,7 +72,8 @@ class ChunkPrepBackwardKernel:
                d_ta: cute.Tensor, d_tb: cute.Tensor, d_p: cute.Tensor, d_scalars: cute.Tensor,
                dq_scan: cute.Tensor, dk_scan: cute.Tensor, dq: cute.Tensor, dk: cute.Tensor, dg: cute.Tensor,
                dbeta: cute.Tensor, scale: Float32, use_l2: Int32, num_householder: Int32,
-               tiled_mma: cute.TiledMma, split_mma: cute.TiledMma, g2s: cute.TiledCopy, g2s_f32: cute.TiledCopy):
+               tiled_mma: cute.TiledMma, split_mma: cute.TiledMma, g2s: cute.TiledCopy, g2s_f32: cute.TiledCopy,
+               s2g: cute.TiledCopy):
         K, NQ, NH = self.key_dim, self.query_tile, num_householder
         tidx, _, _ = cute.arch.thread_idx()
         chunk, head, _ = cute.arch.block_idx()
@@ -264,7 +266,8 @@ class ChunkPrepBackwardKernel:
 
             # 7. dk = dk_scan + (dGram + dGram^T - diag(df f^3)) k + dQK^T q;  dq = dq_scan + dQK k - diag(dfq fq^3) q:
             #    the l2norm terms ride in the products (dGram's diagonal is zero; s_t, free since step 5, holds
-            #    the query diagonal), so the epilogues only store
+            #    the query diagonal), so the epilogues only store: through a free square (dk: s_work, dq: s_m1,
+            #    read by dk's product) as 16-byte rows
             for n in cutlass.range(C * C // THREADS, unroll=2):
                 flat = tidx + n * THREADS
                 i = flat // C
@@ -274,8 +277,9 @@ class ChunkPrepBackwardKernel:
                 s_m1[tidx, tidx] = -zero_unless(use_l2 != 0, s_df[tidx] * s_f[tidx] * s_f[tidx] * s_f[tidx])
             cute.arch.sync_threads()
             self.product_rows(tidx, tiled_mma, split_mma, s_m1, s_k, float_transposed(s_a), s_q, dk_scan, dk, first,
-                              steps, head)
-            self.product_rows(tidx, tiled_mma, split_mma, s_a, s_k, s_t, s_q, dq_scan, dq, first_token, tokens, head)
+                              steps, head, s_work, s2g)
+            self.product_rows(tidx, tiled_mma, split_mma, s_a, s_k, s_t, s_q, dq_scan, dq, first_token, tokens, head,
+                              s_m1, s2g)
 
     @cute.jit
     def store_raw_product(self, tiled_mma, tidx, s_left, s_k, out: cute.Tensor):
@@ -297,11 +301,12 @@ class ChunkPrepBackwardKernel:
 
     @cute.jit
     def product_rows(self, tidx, tiled_mma, split_mma, first_left, first_right, second_left, second_right,
-                     scan: cute.Tensor, out: cute.Tensor, row0, rows, head):
+                     scan: cute.Tensor, out: cute.Tensor, row0, rows, head, s_stage: cute.Tensor, s2g: cute.TiledCopy):
         """out = scan + first_left first_right^T + second_left second_right^T for 64 rows x K (float32 left
         squares, input-dtype [64, K] right tiles read transposed), on the bf16 tensor cores:
             dk = dk_scan + G k + dQK^T q        (G = dGram + dGram^T - diag(df f^3))
-            dq = dq_scan + dQK k + D q          (D = -diag(dfq fq^3); rows past the chunk's tokens are zero)"""
+            dq = dq_scan + dQK k + D q          (D = -diag(dfq fq^3); rows past the chunk's tokens are zero)
+        The rows leave through ``s_stage`` (a float32 square, free here; it holds 64 rows x K of the input dtype)."""
         thr = split_mma.get_slice(tidx)
         acc = cute.make_rmem_tensor(thr.partition_shape_C((C, self.key_dim)), Float32)
         coords = thr.partition_C(cute.make_identity_tensor((C, self.key_dim)))
@@ -310,7 +315,11 @@ class ChunkPrepBackwardKernel:
                                self.inputs_bf16)
         _mma.gemm_f32_by_16bit(split_mma, tidx, acc, second_left,
                                self.transposed_operand(tiled_mma, tidx, second_right), self.inputs_bf16)
-        store_rows(acc, coords, out, row0, rows, head)
+        staged = _mma.staging_view(s_stage, self.dtype, C, self.key_dim)
+        _mma.stage_accumulator(acc, coords, staged)
+        cute.arch.sync_threads()
+        g_out = cute.local_tile(cute.domain_offset((row0, 0), out[None, head, None]), (C, self.key_dim), (0, 0))
+        _mma.copy_rows_s2g(s2g, tidx, staged, g_out, rows)
 
 
 @cute.jit
@@ -320,15 +329,6 @@ def load_rows(acc: cute.Tensor, coords: cute.Tensor, scan: cute.Tensor, row0, ro
     for e in cutlass.range_constexpr(cute.size(acc)):
         r, c = coords[e]
         acc[e] = scan[row0 + cutlass.min(r, rows - 1), head, c]
-
-
-@cute.jit
-def store_rows(acc: cute.Tensor, coords: cute.Tensor, out: cute.Tensor, row0, rows, head):
-    """out[row0 + r, head, c] = acc (rounded to out's dtype) for rows r < ``rows``."""
-    for e in cutlass.range_constexpr(cute.size(acc)):
-        r, c = coords[e]
-        if r < rows:
-            out[row0 + r, head, c] = acc[e].to(out.element_type)
 
 
 def float_transposed(tile: cute.Tensor) -> cute.Tensor:

@@ -367,9 +367,12 @@ class ChunkReverseKernel:
         rows_mma = _mma.make_tiled_mma(self.dtype, self.warps)
         steps_mma = make_step_rows_mma(self.dtype, self.warps)
         g2s = _mma.make_g2s_copy(self.dtype, self.threads)
+        # the outputs leave through a shared staging tile as 16-byte rows
+        stores = dict(square=_mma.make_s2g_copy(Float32, self.threads, C),
+                      values=_mma.make_s2g_copy(self.dtype, self.threads, self.value_dim))
         self.kernel(k, v, q, do, ta, tb, p, scalars, chunk_first_step, chunk_steps, num_chunks, chunk_states,
                     chunk_grads, dv, dq_scan, dk_scan, d_ta, d_tb, d_p, d_scalars, num_householder, rows_mma,
-                    steps_mma, g2s).launch(
+                    steps_mma, g2s, stores["square"], stores["values"]).launch(
             grid=(chunk_first_step.shape[0], k.shape[1], 1), block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
@@ -378,7 +381,8 @@ class ChunkReverseKernel:
                chunk_steps: cute.Tensor, num_chunks: cute.Tensor, chunk_states: cute.Tensor,
                chunk_grads: cute.Tensor, dv: cute.Tensor, dq_scan: cute.Tensor, dk_scan: cute.Tensor,
                d_ta: cute.Tensor, d_tb: cute.Tensor, d_p: cute.Tensor, d_scalars: cute.Tensor,
-               num_householder: Int32, rows_mma: cute.TiledMma, steps_mma: cute.TiledMma, g2s: cute.TiledCopy):
+               num_householder: Int32, rows_mma: cute.TiledMma, steps_mma: cute.TiledMma, g2s: cute.TiledCopy,
+               s2g_square: cute.TiledCopy, s2g_values: cute.TiledCopy):
         K, V, NQ, NH = self.key_dim, self.value_dim, self.query_tile, num_householder
         tidx, _, _ = cute.arch.thread_idx()
         chunk, head, _ = cute.arch.block_idx()
@@ -389,6 +393,9 @@ class ChunkReverseKernel:
         s_dd, s_d, s_z = tile(V, C), tile(V, C), tile(V, C)
         s_sc = allocator.allocate_tensor(Float32, cute.make_layout((4, C), stride=(C, 1)), 16)
         s_red = allocator.allocate_tensor(Float32, cute.make_layout((self.warps, C), stride=(C, 1)), 16)
+        # one output at a time on its way to global memory: [64, 64] float32 (or 64 rows x V of dv), rows
+        # padded by 16 bytes; [., K] float32 outputs pass in 64-column halves (all of it fits at NQ = 64)
+        s_stage = allocator.allocate_tensor(Float32, cute.make_layout(C * (C + 4)), 16)
 
         if chunk < num_chunks[0]:
             step_coords = rows_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((V, C)))
@@ -396,10 +403,11 @@ class ChunkReverseKernel:
             self.load(g2s, tidx, chunk, head, k, v, q, do, ta, tb, p, scalars, chunk_states, chunk_grads, first, steps,
                       s_k, s_v, s_q, s_do, s_ta, s_tb, s_p, s_x, s_dx, s_sc, NH)
             self.values_phase(rows_mma, tidx, step_coords, s_sc, s_k, s_v, s_do, s_ta, s_tb, s_p, s_x, s_dx, s_dd,
-                              s_d, s_z, s_red, dv, d_scalars, chunk, head, first, steps)
+                              s_d, s_z, s_red, s_stage, s2g_values, dv, d_scalars, chunk, head, first, steps)
             cute.arch.sync_threads()
-            self.steps_phase(steps_mma, tidx, s_sc, s_k, s_v, s_q, s_do, s_x, s_dd, s_d, s_z, s_dx, s_red,
-                             dq_scan, dk_scan, d_ta, d_tb, d_p, d_scalars, chunk, head, first, steps, NH)
+            self.steps_phase(steps_mma, tidx, s_sc, s_k, s_v, s_q, s_do, s_x, s_dd, s_d, s_z, s_dx, s_red, s_stage,
+                             s2g_square, dq_scan, dk_scan, d_ta, d_tb, d_p, d_scalars, chunk, head, first,
+                             steps, NH)
 
     @cute.jit
     def load(self, g2s, tidx, chunk, head, k, v, q, do, ta, tb, p, scalars, chunk_states, chunk_grads, first, steps,
@@ -430,7 +438,7 @@ class ChunkReverseKernel:
 
     @cute.jit
     def values_phase(self, rows_mma, tidx, step_coords, s_sc, s_k, s_v, s_do, s_ta, s_tb, s_p, s_x, s_dx, s_dd,
-                     s_d, s_z, s_red, dv, d_scalars, chunk, head, first, steps):
+                     s_d, s_z, s_red, s_stage, s2g_values, dv, d_scalars, chunk, head, first, steps):
         """Rows = value rows: D (recomputed), dD, dv, Z, the reductions db and dd, and the staging of
         D, dD and Z for the step-row products."""
         K, V, NQ, dtype = self.key_dim, self.value_dim, self.query_tile, self.dtype
@@ -463,10 +471,7 @@ class ChunkReverseKernel:
         dv_t = cute.make_rmem_tensor(thr.partition_shape_C((V, C)), Float32)
         dv_t.fill(0.0)
         _mma.gemm_smem_b(rows_mma, dv_t, dd_a, _b_operand(rows_mma, tidx, _mma.transposed_view(s_tb, C, C), dtype, True))
-        for e in cutlass.range_constexpr(cute.size(dv_t)):
-            r, j = step_coords[e]
-            if j < steps:
-                dv[first + j, head, r] = dv_t[e].to(dtype)
+        _mma.stage_accumulator(dv_t, step_coords, _mma.staging_view(s_stage, dtype, C, V, transpose=True))
         z = cute.make_rmem_tensor(thr.partition_shape_C((V, C)), Float32)
         z.fill(0.0)
         _mma.gemm_smem_b(rows_mma, z, dd_a, _b_operand(rows_mma, tidx, _mma.transposed_view(s_ta, C, C), dtype, True))
@@ -477,7 +482,9 @@ class ChunkReverseKernel:
             index = tidx + i * self.threads
             partial = partial + s_x[index // K, index % K].to(Float32) * s_dx[index // K, index % K].to(Float32)
         partial = cute.arch.warp_reduction_sum(partial)
-        cute.arch.sync_threads()  # db partials in s_red are complete
+        cute.arch.sync_threads()  # db partials in s_red and the staged dv are complete
+        g_dv = cute.local_tile(cute.domain_offset((first, 0), dv[None, head, None]), (C, V), (0, 0))
+        _mma.copy_rows_s2g(s2g_values, tidx, _mma.staging_view(s_stage, dtype, C, V), g_dv, steps)
         if tidx < C:
             total = Float32(0.0)
             for w in cutlass.range_constexpr(self.warps):
@@ -494,11 +501,14 @@ class ChunkReverseKernel:
             d_scalars[chunk, head, 2, 0] = total
 
     @cute.jit
-    def steps_phase(self, steps_mma, tidx, s_sc, s_k, s_v, s_q, s_do, s_x, s_dd, s_d, s_z, s_dx, s_red, dq_scan,
-                    dk_scan, d_ta, d_tb, d_p, d_scalars, chunk, head, first, steps, num_householder):
-        """Rows = steps (or keys): dTb, dTa, dP, the scan's dk, and R = X^T dO^T for dq and dc."""
+    def steps_phase(self, steps_mma, tidx, s_sc, s_k, s_v, s_q, s_do, s_x, s_dd, s_d, s_z, s_dx, s_red, s_stage,
+                    s2g_square, dq_scan, dk_scan, d_ta, d_tb, d_p, d_scalars, chunk, head, first, steps,
+                    num_householder):
+        """Rows = steps (or keys): dTb, dTa, dP, the scan's dk, and R = X^T dO^T for dq and dc. Each
+        output is staged in ``s_stage``, then stored as 16-byte rows (a sync on either side)."""
         K, V, NQ, dtype = self.key_dim, self.value_dim, self.query_tile, self.dtype
         thr = steps_mma.get_slice(tidx)
+        staged_square = _mma.staging_view(s_stage, Float32, C, C)
 
         def a_transposed(tile, rows, cols):  # A operand [cols, rows] read from a [rows, cols] tile
             return _mma.SmemOperand(steps_mma, tidx, _mma.transposed_view(tile, rows, cols), dtype, operand="A",
@@ -509,9 +519,9 @@ class ChunkReverseKernel:
         acc = cute.make_rmem_tensor(thr.partition_shape_C((C, C)), Float32)
         acc.fill(0.0)
         _mma.gemm_smem_ab(steps_mma, acc, a_transposed(s_dd, V, C), _b_operand(steps_mma, tidx, s_v, dtype, False))
-        for e in cutlass.range_constexpr(cute.size(acc)):
-            i, j = square[e]
-            d_tb[chunk, head, i, j] = acc[e]
+        _mma.stage_accumulator(acc, square, staged_square)
+        cute.arch.sync_threads()
+        _mma.copy_tile_s2g(s2g_square, tidx, staged_square, d_tb[chunk, head, None, None])
         # dTa = -(dD^T X) k^T
         by_key = thr.partition_C(cute.make_identity_tensor((C, K)))
         w = cute.make_rmem_tensor(thr.partition_shape_C((C, K)), Float32)
@@ -535,17 +545,19 @@ class ChunkReverseKernel:
         else:
             _mma.gemm_smem_b(steps_mma, acc, _scaled_as_a(w, lambda e: Float32(-1.0), dtype),
                              _b_operand(steps_mma, tidx, s_k, dtype, False))
-        for e in cutlass.range_constexpr(cute.size(acc)):
-            i, j = square[e]
-            d_ta[chunk, head, i, j] = acc[e]
+        cute.arch.sync_threads()  # dTb has left the staging tile
+        _mma.stage_accumulator(acc, square, staged_square)
+        cute.arch.sync_threads()
+        _mma.copy_tile_s2g(s2g_square, tidx, staged_square, d_ta[chunk, head, None, None])
         # dP^T = D^T dO^T, written transposed
         by_token = thr.partition_C(cute.make_identity_tensor((C, NQ)))
         dp_t = cute.make_rmem_tensor(thr.partition_shape_C((C, NQ)), Float32)
         dp_t.fill(0.0)
         _mma.gemm_smem_ab(steps_mma, dp_t, a_transposed(s_d, V, C), _b_operand(steps_mma, tidx, s_do, dtype, False))
-        for e in cutlass.range_constexpr(cute.size(dp_t)):
-            j, t = by_token[e]
-            d_p[chunk, head, t, j] = dp_t[e]
+        cute.arch.sync_threads()  # dTa has left the staging tile
+        _mma.stage_accumulator(dp_t, by_token, _mma.staging_view(s_stage, Float32, NQ, C, transpose=True))
+        cute.arch.sync_threads()
+        _mma.copy_tile_s2g(s2g_square, tidx, _mma.staging_view(s_stage, Float32, NQ, C), d_p[chunk, head, None, None])
         # dk (scan part) = diag(b) D^T grad' - Z^T X
         dk_plus = cute.make_rmem_tensor(thr.partition_shape_C((C, K)), Float32)
         dk_plus.fill(0.0)
@@ -555,9 +567,13 @@ class ChunkReverseKernel:
         _mma.gemm_smem_ab(steps_mma, w, a_transposed(s_z, V, C),
                           _b_operand(steps_mma, tidx, _mma.transposed_view(s_x, V, K), dtype, True))
         for e in cutlass.range_constexpr(cute.size(w)):
-            j, c = by_key[e]
-            if j < steps:
-                dk_scan[first + j, head, c] = dk_plus[e] * s_sc[0, j] - w[e]
+            dk_plus[e] = dk_plus[e] * s_sc[0, by_key[e][0]] - w[e]
+        g_dk = cute.local_tile(cute.domain_offset((first, 0), dk_scan[None, head, None]), (C, K), (0, 0))
+        for half in cutlass.range_constexpr(K // C):
+            cute.arch.sync_threads()  # the previous output has left the staging tile
+            _mma.stage_accumulator(dk_plus, by_key, staged_square, None, None, half * C)
+            cute.arch.sync_threads()
+            _mma.copy_rows_s2g(s2g_square, tidx, staged_square, cute.local_tile(g_dk, (C, C), (0, half)), steps)
         # R^T = X^T dO^T [K, NQ]: dq (scan part) = c_t R[t, :], dc_t = R[t, :] . q_t
         key_token = thr.partition_C(cute.make_identity_tensor((K, NQ)))
         r_t = cute.make_rmem_tensor(thr.partition_shape_C((K, NQ)), Float32)
@@ -569,11 +585,18 @@ class ChunkReverseKernel:
         for e in cutlass.range_constexpr(cute.size(r_t)):
             c, t = key_token[e]
             partial[e] = r_t[e] * s_q[t, c].to(Float32)
-            if t < tokens:
-                dq_scan[first_token + t, head, c] = r_t[e] * s_sc[1, t]
         clear_rows(s_red, tidx, self.threads, self.warps * C)  # warps split the columns here
         cute.arch.sync_threads()
         column_sums(partial, key_token, s_red, tidx)
+        # dq rows (tokens) from R^T's columns, by 64 keys at a time
+        g_dq = cute.local_tile(cute.domain_offset((first_token, 0), dq_scan[None, head, None]), (NQ, K), (0, 0))
+        staged_dq = _mma.staging_view(s_stage, Float32, NQ, C)
+        for half in cutlass.range_constexpr(K // C):
+            cute.arch.sync_threads()  # dk (or the previous half) has left the staging tile
+            _mma.stage_accumulator(r_t, key_token, _mma.staging_view(s_stage, Float32, NQ, C, transpose=True),
+                                   s_sc[1, None], half * C)
+            cute.arch.sync_threads()
+            _mma.copy_rows_s2g(s2g_square, tidx, staged_dq, cute.local_tile(g_dq, (NQ, C), (0, half)), tokens)
         cute.arch.sync_threads()
         if tidx < NQ:
             total = Float32(0.0)

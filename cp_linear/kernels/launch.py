@@ -241,12 +241,13 @@ class ChunkReverseLaunch(_Launch):
     num_chunks: Any = _spec(1, dtype="int32")
     chunk_states: Any = _spec(None, None, "value_dim", "key_dim", align=16)
     chunk_grads: Any = _spec(None, None, "value_dim", "key_dim", align=16)
-    dv: Any = _spec(None, None, "value_dim")  # the input dtype: the final gradient, rounded once in the kernel
-    dq_scan: Any = _spec(None, None, "key_dim", dtype="float32")
-    dk_scan: Any = _spec(None, None, "key_dim", dtype="float32")
-    d_ta: Any = _spec(None, None, 64, 64, dtype="float32")
-    d_tb: Any = _spec(None, None, 64, 64, dtype="float32")
-    d_p: Any = _spec(None, None, "query_tile", 64, dtype="float32")
+    # every output but d_scalars is stored as 16-byte rows (staged in shared memory)
+    dv: Any = _spec(None, None, "value_dim", align=16)  # the input dtype: the final gradient, rounded once
+    dq_scan: Any = _spec(None, None, "key_dim", dtype="float32", align=16)
+    dk_scan: Any = _spec(None, None, "key_dim", dtype="float32", align=16)
+    d_ta: Any = _spec(None, None, 64, 64, dtype="float32", align=16)
+    d_tb: Any = _spec(None, None, 64, 64, dtype="float32", align=16)
+    d_p: Any = _spec(None, None, "query_tile", 64, dtype="float32", align=16)
     d_scalars: Any = _spec(None, None, 4, 64, dtype="float32")
     num_householder: Any = _scalar("int32")
 
@@ -271,8 +272,8 @@ class ChunkPrepBackwardLaunch(_Launch):
     d_scalars: Any = _spec(None, None, 4, 64, dtype="float32")
     dq_scan: Any = _spec(None, None, "key_dim", dtype="float32")
     dk_scan: Any = _spec(None, None, "key_dim", dtype="float32")
-    dq: Any = _spec(None, None, "key_dim")  # the input dtype (final gradients: no float32 copy and cast pass)
-    dk: Any = _spec(None, None, "key_dim")
+    dq: Any = _spec(None, None, "key_dim", align=16)  # the input dtype (final gradients), stored as 16-byte rows
+    dk: Any = _spec(None, None, "key_dim", align=16)
     dg: Any = _spec(None, None, dtype="float32")
     dbeta: Any = _spec(None, None, dtype="float32")
     scale: Any = _scalar("float32")
