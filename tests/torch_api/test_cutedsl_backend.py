@@ -249,6 +249,33 @@ def test_long_packed_sequence_matches_torch_backend(tokens):
     assert rel_err(_host(final), _host(ref_final)) < STATE_TOLERANCE
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fault, message", [("nan_k", r"non-finite values \(NaN or Inf\) in k$"),
+                                            ("positive_g", r"g > 0"), ("beta_3", r"beta outside")])
+def test_value_checks_read_after_the_queued_forward_still_raise_on_the_gpu(fault, message):
+    """On CUDA the checks reach the host by a non-blocking copy read after the forward is queued
+    (``PendingValueChecks``); the error is the one the CPU path raises, and clean inputs pass."""
+    from torch_api import gated_delta_product
+
+    rng = np.random.default_rng(5)
+    q, k, v, g, beta = _device_inputs(rng, torch.bfloat16, lengths=(100,), heads=2, key_dim=128, value_dim=128,
+                                      num_householder=2)
+    options = dict(num_householder=2, use_qk_l2norm_in_kernel=True, backend=_backend())
+    o, _ = gated_delta_product(q, k, v, g, beta, **options)
+    assert bool(torch.isfinite(o).all())
+    if fault == "nan_k":
+        k = k.clone()
+        k[0, 37, 1, 5] = float("nan")
+    elif fault == "positive_g":
+        g = g.clone()
+        g[0, 12, 0] = 0.5
+    else:
+        beta = beta.clone()
+        beta[0, 3, 1] = 3.0
+    with pytest.raises(ValueError, match=rf"gated_delta_product: .*{message}"):
+        gated_delta_product(q, k, v, g, beta, **options)
+
+
 @pytest.mark.parametrize("key_dim, dtype", [pytest.param(96, torch.bfloat16, id="K96-unsupported"),
                                             pytest.param(64, torch.bfloat16, id="cpu-tensors"),
                                             pytest.param(64, torch.float32, id="float32-inputs")])

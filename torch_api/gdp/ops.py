@@ -23,11 +23,11 @@ from cp_linear.validation import GDP_VALUE_CHECKS, NONFINITE, nonfinite_rows, po
 from torch_api.gdp.isolation import bad_tokens, sanitized, sequence_bad, sequence_start_index, token_poison
 from torch_api.gdp.types import float32_region
 from torch_api.gdp.validation import (
+    PendingValueChecks,
     gdp_input_error,
     gdp_value_flags,
     initial_state_error,
     nonfinite_flags,
-    raise_failed_checks,
 )
 
 
@@ -105,19 +105,23 @@ def gated_delta_product(q, k, v, g, beta, *, scale=None, num_householder=1, cu_s
         error = initial_state_error(initial_state, sequences, q, v)
     if error:
         raise ValueError(error)
-    if check_inputs:
+    pending = None
+    if check_inputs:  # read after the forward is queued (PendingValueChecks: the host waits for the checks only)
         flags = gdp_value_flags(q, k, v, g, beta)
         checks = GDP_VALUE_CHECKS
         if initial_state is not None:
             flags = torch.cat([flags, nonfinite_flags(initial_state)])
             checks = checks + (("initial_state", NONFINITE + " in initial_state"),)
-        raise_failed_checks(checks, flags, "gated_delta_product")
+        pending = PendingValueChecks(checks, flags, "gated_delta_product")
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(q.device)
-    return run_gated_delta_product(q, k, v, g if gate_given else g.detach(), beta, backend=backend, scale=float(scale),
-                                   num_householder=num_householder, cu_seqlens=cu_seqlens,
-                                   initial_state=initial_state, use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
-                                   contain=not check_inputs)
+    result = run_gated_delta_product(q, k, v, g if gate_given else g.detach(), beta, backend=backend,
+                                     scale=float(scale), num_householder=num_householder, cu_seqlens=cu_seqlens,
+                                     initial_state=initial_state,
+                                     use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel), contain=not check_inputs)
+    if pending is not None:
+        pending.raise_if_failed()
+    return result
 
 
 def run_gated_delta_product(q, k, v, g, beta, *, backend, scale: float, num_householder: int, cu_seqlens=None,

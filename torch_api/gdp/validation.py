@@ -92,6 +92,28 @@ def raise_failed_checks(checks, flags: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what}: {message}")
 
 
+class PendingValueChecks:
+    """Value-check flags on their way to the host: copied without blocking as soon as they are computed,
+    read by ``raise_if_failed`` after the caller has queued its kernels. The host then waits for the
+    checks alone, and the GPU keeps the queued work; reading them first would drain the queue and leave
+    the GPU idle while the host launches the step. Only for work that cannot hang on bad values (one
+    device, no collective): the kernels then compute on them, and the error is raised all the same."""
+
+    def __init__(self, checks, flags: torch.Tensor, what: str):
+        self.checks, self.what, self.ready = checks, what, None
+        self.flags = flags
+        if flags.is_cuda:
+            self.flags = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            self.flags.copy_(flags, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+
+    def raise_if_failed(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
+        raise_failed_checks(self.checks, self.flags, self.what)
+
+
 def check_gdp_inputs(inputs) -> None:
     """Raise ValueError for a ``GDPInputs`` whose shapes, dtypes or cu_seqlens are wrong (host only)."""
     error = gdp_input_error(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta,
