@@ -7,13 +7,16 @@ so both the output and the final state carry gradients. Variants: ``ours`` (the 
 backward kernels, ``backward="kernels"``), ``ours-torch-bwd`` (kernel forward, TorchGDPBackend
 backward; 8k only, it is slow), and FLA's ``chunk_gated_delta_product`` (its gated backward
 refuses Triton 3.6 on Hopper, FLA#640: the guard is switched off for *timing only*, its
-gradients are not used). Wall time (CUDA events around the eager step, median) and kernel time
-(torch.profiler sum per step); peak memory above the inputs. Writes a table, CSV and PNG.
+gradients are not used). Wall time (CUDA events around the eager step, median), kernel time
+(torch.profiler sum per step), peak memory above the inputs, and "b2b": ms per step over ten steps
+queued back to back, as a training loop runs them (``--check-read-ab`` adds ``ours-read-first``: the
+value checks read before the forward is queued). Writes a table, CSV and PNG.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import os
 import re
@@ -38,6 +41,43 @@ def _time(fn, repeat: int, warmup: int = 2) -> float:
         stop.synchronize()
         times.append(start.elapsed_time(stop))
     return statistics.median(times)
+
+
+def _back_to_back_ms(fn, steps: int = 10) -> float:
+    """ms per step over ``steps`` steps queued back to back (one sync at the end), as a training loop
+    runs them: a host sync inside a step drains the queue here, unlike in ``_time``."""
+    fn()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        fn()
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop) / steps
+
+
+class _ChecksReadFirst:
+    """``PendingValueChecks`` replaced by a read before the forward is queued (the previous behaviour),
+    for the A/B of ``--check-read-ab``."""
+
+    def __enter__(self):
+        import torch_api.gdp.ops as ops
+        from torch_api.gdp.validation import raise_failed_checks
+
+        class ReadNow:
+            def __init__(self, checks, flags, what):
+                raise_failed_checks(checks, flags, what)
+
+            def raise_if_failed(self):
+                pass
+
+        self.ops, self.original = ops, ops.PendingValueChecks
+        ops.PendingValueChecks = ReadNow
+        return self
+
+    def __exit__(self, *exc):
+        self.ops.PendingValueChecks = self.original
 
 
 def _kernel_ms(fn, repeat: int) -> tuple[float, list[tuple[str, float]]]:
@@ -103,13 +143,15 @@ def main() -> None:
     parser.add_argument("--no-torch-backward", action="store_true", help="skip the torch-backward variant")
     parser.add_argument("--kernels", action="store_true", help="print each variant's largest kernels")
     parser.add_argument("--no-fla", action="store_true", help="skip flash-linear-attention")
+    parser.add_argument("--check-read-ab", action="store_true",
+                        help="also time ours with the value checks read before the forward is queued")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     nh, heads, dim = args.nh, args.heads, 128
     fla_step = None if args.no_fla else _fla_step(nh)
     rows = []
     print(f"GDP fwd+bwd, H={heads}, K=V={dim}, n_h={nh}, bf16, l2norm; ms per step (median of {args.repeat})")
-    print(f"{'T':>8} {'variant':>15} {'wall ms':>9} {'kernel ms':>10} {'peak MB':>9}", flush=True)
+    print(f"{'T':>8} {'variant':>15} {'wall ms':>9} {'kernel ms':>10} {'peak MB':>9} {'b2b ms':>9}", flush=True)
     for tokens in args.tokens:
         gen = torch.Generator(device="cuda").manual_seed(tokens)
         rand = lambda *shape: torch.randn(*shape, device="cuda", generator=gen)  # noqa: E731
@@ -121,23 +163,26 @@ def main() -> None:
         do = rand(1, tokens, heads, dim).bfloat16()
         dfinal = rand(1, heads, dim, dim)
         variants = {"ours": CuTeDSLGatedDeltaProductCPBackend(backward="kernels")}
+        if args.check_read_ab:
+            variants["ours-read-first"] = variants["ours"]
         if tokens <= 8192 and not args.no_torch_backward:
             variants["ours-torch-bwd"] = CuTeDSLGatedDeltaProductCPBackend(backward="torch")
         for name, backend in variants.items():
-            def step():
+            def step(read_first=name == "ours-read-first"):
                 leaves = [x.detach().requires_grad_() for x in (q, k, v, g, beta)]
-                o, final = gated_delta_product(*leaves, num_householder=nh, use_qk_l2norm_in_kernel=True,
-                                               backend=backend)
+                with _ChecksReadFirst() if read_first else contextlib.nullcontext():
+                    o, final = gated_delta_product(*leaves, num_householder=nh, use_qk_l2norm_in_kernel=True,
+                                                   backend=backend)
                 torch.autograd.backward([o, final], [do, dfinal])
             try:
                 wall_ms = _time(step, args.repeat)
                 kernel_ms, largest = _kernel_ms(step, args.repeat)
-                row = [tokens, name, wall_ms, kernel_ms, _peak_mb(step)]
+                row = [tokens, name, wall_ms, kernel_ms, _peak_mb(step), _back_to_back_ms(step)]
             except Exception as err:  # report and keep measuring the others
                 print(f"{tokens:>8} {name:>15} failed: {type(err).__name__}: {err}", flush=True)
                 continue
             rows.append(row)
-            print(f"{row[0]:>8} {row[1]:>15} {row[2]:>9.3f} {row[3]:>10.3f} {row[4]:>9.0f}", flush=True)
+            print(f"{row[0]:>8} {row[1]:>15} {row[2]:>9.3f} {row[3]:>10.3f} {row[4]:>9.0f} {row[5]:>9.3f}", flush=True)
             if args.kernels:
                 _print_kernels(name, largest)
         if fla_step is not None:
@@ -147,9 +192,9 @@ def main() -> None:
             try:
                 wall_ms = _time(fla, args.repeat)
                 kernel_ms, largest = _kernel_ms(fla, args.repeat)
-                row = [tokens, "FLA", wall_ms, kernel_ms, _peak_mb(fla)]
+                row = [tokens, "FLA", wall_ms, kernel_ms, _peak_mb(fla), _back_to_back_ms(fla)]
                 rows.append(row)
-                print(f"{row[0]:>8} {row[1]:>15} {row[2]:>9.3f} {row[3]:>10.3f} {row[4]:>9.0f}", flush=True)
+                print(f"{row[0]:>8} {row[1]:>15} {row[2]:>9.3f} {row[3]:>10.3f} {row[4]:>9.0f} {row[5]:>9.3f}", flush=True)
                 if args.kernels:
                     _print_kernels("FLA", largest)
             except Exception as err:
@@ -158,7 +203,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     with open(os.path.join(args.out, "bench_gdp_train.csv"), "w", newline="") as handle:
         writer = csv.writer(handle)
-        writer.writerow(["tokens", "variant", "wall_ms", "kernel_ms", "peak_mb"])
+        writer.writerow(["tokens", "variant", "wall_ms", "kernel_ms", "peak_mb", "back_to_back_ms"])
         writer.writerows(rows)
     try:
         import matplotlib
