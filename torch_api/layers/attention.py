@@ -103,16 +103,19 @@ class BlockDiagAttention(StateTableMixin, nn.Module):
         else:
             from torch_api.attention.kernel import doc_causal_attention, resolve_kernel
             from torch_api.attention.blockdiag import QKV_CHECKS
-            from torch_api.gdp.validation import nonfinite_flags, raise_failed_checks
+            from torch_api.gdp.validation import PendingValueChecks, nonfinite_flags
 
             needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
             kernel, error = resolve_kernel(self.kernel, q.device, d, needs_grad)
             if error:
                 raise ValueError(f"BlockDiagAttention: {error}")
-            if self.check_inputs:
-                raise_failed_checks(QKV_CHECKS, nonfinite_flags(q, k, v), "BlockDiagAttention")
+            # one device: the checks are read once the attention is queued (no collective can hang)
+            pending = PendingValueChecks(QKV_CHECKS, nonfinite_flags(q, k, v), "BlockDiagAttention") \
+                if self.check_inputs else None
             o = doc_causal_attention(q, k, v, layout.attention_layout(), kernel=kernel,
                                      contain=not self.check_inputs)
+            if pending is not None:
+                pending.raise_if_failed()
         return self.o_proj(o.reshape(batch, length, c.num_heads * d))
 
     def _static_attention(self, q, k, v, layout, signature, covered: bool):
@@ -123,7 +126,7 @@ class BlockDiagAttention(StateTableMixin, nn.Module):
         from torch_api.attention.blockdiag import QKV_CHECKS
         from torch_api.attention.kernel import KERNELS, resolve_kernel
         from torch_api.attention.static import run_static_attention
-        from torch_api.gdp.validation import nonfinite_flags, raise_failed_checks
+        from torch_api.gdp.validation import PendingValueChecks, nonfinite_flags
 
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         kernel, error = resolve_kernel(self.kernel, q.device, q.shape[-1], needs_grad)
@@ -137,9 +140,13 @@ class BlockDiagAttention(StateTableMixin, nn.Module):
                            value_checks=QKV_CHECKS)
         elif error:
             raise ValueError(f"{self.AGREEMENT}: {error}")
-        elif not layout.is_cp and self.check_inputs:
-            raise_failed_checks(QKV_CHECKS, nonfinite_flags(q, k, v), "BlockDiagAttention")
-        return run_static_attention(q, k, v, layout, kernel=kernel, contain=not self.check_inputs)
+        pending = None
+        if not layout.is_cp and self.check_inputs and error is None:  # read once the attention is queued
+            pending = PendingValueChecks(QKV_CHECKS, nonfinite_flags(q, k, v), "BlockDiagAttention")
+        o = run_static_attention(q, k, v, layout, kernel=kernel, contain=not self.check_inputs)
+        if pending is not None:
+            pending.raise_if_failed()
+        return o
 
 
 STATIC_MODES = ("auto", "allgather")  # what a graph-ready layout runs (torch_api.attention.static)
