@@ -47,9 +47,10 @@ def make_g2s_copy(dtype, threads: int):
 
 
 @cute.jit
-def copy_rows_g2s(tiled_copy: cute.TiledCopy, tidx, src: cute.Tensor, dst: cute.Tensor, valid_rows):
-    """Asynchronously copy ``src`` [rows, cols] (global) to ``dst`` (shared); rows >= valid_rows
-    are zero-filled instead, so padded rows never carry stale or non-finite data."""
+def copy_rows(tiled_copy: cute.TiledCopy, tidx, src: cute.Tensor, dst: cute.Tensor, valid_rows,
+              zero_fill: cutlass.Constexpr):
+    """Copy the rows r < ``valid_rows`` of ``src`` [rows, cols] to ``dst`` with ``tiled_copy``; with
+    ``zero_fill`` the other rows of ``dst`` are set to zero instead."""
     thr = tiled_copy.get_slice(tidx)
     s = thr.partition_S(src)
     d = thr.partition_D(dst)
@@ -58,7 +59,15 @@ def copy_rows_g2s(tiled_copy: cute.TiledCopy, tidx, src: cute.Tensor, dst: cute.
         if coords[0, m, 0][0] < valid_rows:
             cute.copy(tiled_copy, s[None, m, None], d[None, m, None])
         else:
-            d[None, m, None].fill(0)
+            if cutlass.const_expr(zero_fill):
+                d[None, m, None].fill(0)
+
+
+@cute.jit
+def copy_rows_g2s(tiled_copy: cute.TiledCopy, tidx, src: cute.Tensor, dst: cute.Tensor, valid_rows):
+    """Asynchronously copy ``src`` [rows, cols] (global) to ``dst`` (shared); rows >= valid_rows
+    are zero-filled instead, so padded rows never carry stale or non-finite data."""
+    copy_rows(tiled_copy, tidx, src, dst, valid_rows, True)
 
 
 def make_s2g_copy(dtype, threads: int, cols: int = 64):
@@ -81,13 +90,7 @@ def copy_tile_s2g(tiled_copy: cute.TiledCopy, tidx, src: cute.Tensor, dst: cute.
 @cute.jit
 def copy_rows_s2g(tiled_copy: cute.TiledCopy, tidx, src: cute.Tensor, dst: cute.Tensor, valid_rows):
     """Copy the rows r < ``valid_rows`` of the shared tile ``src`` [rows, cols] to ``dst`` (global)."""
-    thr = tiled_copy.get_slice(tidx)
-    s = thr.partition_S(src)
-    d = thr.partition_D(dst)
-    coords = thr.partition_S(cute.make_identity_tensor(src.shape))
-    for m in cutlass.range_constexpr(cute.size(s.shape[1])):
-        if coords[0, m, 0][0] < valid_rows:
-            cute.copy(tiled_copy, s[None, m, None], d[None, m, None])
+    copy_rows(tiled_copy, tidx, src, dst, valid_rows, False)
 
 
 def staging_view(buffer: cute.Tensor, dtype, rows: int, cols: int, transpose: bool = False) -> cute.Tensor:
