@@ -47,6 +47,27 @@ def check_layout(layout) -> str:
     return layout
 
 
+def zigzag_gdp_option_error(summary_exchange: str, with_states: bool, check_inputs: bool) -> str | None:
+    """Why the zig-zag GDP op cannot run these options (replicated flags: the same on every rank)."""
+    if summary_exchange == "scan":
+        return "layout='zigzag' exchanges its summaries by all-gather; summary_exchange='scan' is not supported"
+    if with_states:
+        return "layout='zigzag' does not support initial_state / output_final_state yet"
+    if not check_inputs:
+        return ("layout='zigzag' needs check_inputs=True: containment of non-finite inputs (check_inputs=False) "
+                "is implemented for the contiguous layout only")
+    return None
+
+
+def zigzag_attention_mode_error(mode: str) -> str | None:
+    """Why zig-zag attention cannot run exchange ``mode``: its chunks' key ranges are not one suffix of a
+    left neighbour, so only the all-gather serves them ("auto" resolves to it)."""
+    if mode in ("auto", "allgather"):
+        return None
+    return (f"layout='zigzag' exchanges K/V by all-gather; mode={mode!r} is not supported "
+            "(use 'auto' or 'allgather')")
+
+
 def virtual_shard_count(cp_size: int, layout: str) -> int:
     """Shards of the contiguous split the layout's chunks form: ``cp`` (contiguous) or ``2·cp``."""
     return cp_size * (2 if check_layout(layout) == "zigzag" else 1)
@@ -228,4 +249,6 @@ __all__ = [
     "gathered_chunk_order",
     "virtual_rank_ranges",
     "virtual_shard_count",
+    "zigzag_attention_mode_error",
+    "zigzag_gdp_option_error",
 ]
