@@ -47,6 +47,27 @@ def check_layout(layout) -> str:
     return layout
 
 
+def zigzag_gdp_option_error(summary_exchange: str, with_states: bool, check_inputs: bool) -> str | None:
+    """Why the zig-zag GDP op cannot run these options (replicated flags: the same on every rank)."""
+    if summary_exchange == "scan":
+        return "layout='zigzag' exchanges its summaries by all-gather; summary_exchange='scan' is not supported"
+    if with_states:
+        return "layout='zigzag' does not support initial_state / output_final_state yet"
+    if not check_inputs:
+        return ("layout='zigzag' needs check_inputs=True: containment of non-finite inputs (check_inputs=False) "
+                "is implemented for the contiguous layout only")
+    return None
+
+
+def zigzag_attention_mode_error(mode: str) -> str | None:
+    """Why zig-zag attention cannot run exchange ``mode``: its chunks' key ranges are not one suffix of a
+    left neighbour, so only the all-gather serves them ("auto" resolves to it)."""
+    if mode in ("auto", "allgather"):
+        return None
+    return (f"layout='zigzag' exchanges K/V by all-gather; mode={mode!r} is not supported "
+            "(use 'auto' or 'allgather')")
+
+
 def virtual_shard_count(cp_size: int, layout: str) -> int:
     """Shards of the contiguous split the layout's chunks form: ``cp`` (contiguous) or ``2·cp``."""
     return cp_size * (2 if check_layout(layout) == "zigzag" else 1)
@@ -60,7 +81,8 @@ def rank_chunks(rank: int, cp_size: int, layout: str) -> tuple[int, ...]:
     return (rank, 2 * cp_size - 1 - rank)
 
 
-def _chunk_len(total_len: int, cp_size: int, layout: str) -> int:
+def chunk_length(total_len: int, cp_size: int, layout: str) -> int:
+    """Tokens per virtual shard, ``T / cp`` or ``T / (2·cp)``; ValueError naming the layout's divisibility rule."""
     shards = virtual_shard_count(cp_size, layout)
     if not isinstance(total_len, (int, np.integer)) or total_len <= 0 or total_len % shards:
         raise ValueError(f"T = {total_len} must be a positive multiple of {shards} (the {layout} layout over "
@@ -70,7 +92,7 @@ def _chunk_len(total_len: int, cp_size: int, layout: str) -> int:
 
 def local_positions(total_len: int, cp_size: int, rank: int, layout: str = "contiguous") -> np.ndarray:
     """int64 [L]: the global position of each of ``rank``'s local tokens."""
-    chunk = _chunk_len(total_len, cp_size, layout)
+    chunk = chunk_length(total_len, cp_size, layout)
     return np.concatenate([np.arange(c * chunk, (c + 1) * chunk) for c in rank_chunks(rank, cp_size, layout)])
 
 
@@ -163,7 +185,7 @@ def build_zigzag_cp_metadata(global_seq_idx, cp_rank: int, cp_size: int) -> Zigz
     order, T divisible by ``2·cp_size``."""
     _check_cp(cp_rank, cp_size)
     ids = validate_global_seq_idx(global_seq_idx, cp_size).reshape(1, -1)
-    _chunk_len(ids.shape[1], cp_size, "zigzag")  # names the zig-zag's own divisibility rule
+    chunk_length(ids.shape[1], cp_size, "zigzag")  # names the zig-zag's own divisibility rule
     shards = tuple(build_packed_sequence_cp_metadata(ids, chunk, 2 * cp_size)
                    for chunk in rank_chunks(cp_rank, cp_size, "zigzag"))
     return ZigzagCPMetadata(shards, cp_rank, cp_size)
@@ -195,7 +217,7 @@ def attention_block_work(doc_ids, cp_size: int, layout: str = "contiguous", *, b
     """
     ids = validate_doc_ids(doc_ids, virtual_shard_count(cp_size, layout))
     total = ids.shape[0]
-    chunk = _chunk_len(total, cp_size, layout)
+    chunk = chunk_length(total, cp_size, layout)
     index = np.arange(total)
     doc_start = np.maximum.accumulate(np.where(np.concatenate([[True], ids[1:] != ids[:-1]]), index, 0))
     work = np.zeros(cp_size, np.int64)
@@ -221,6 +243,7 @@ __all__ = [
     "attention_block_work",
     "build_zigzag_cp_metadata",
     "check_layout",
+    "chunk_length",
     "inverse_permutation",
     "layout_permutation",
     "local_positions",
@@ -228,4 +251,6 @@ __all__ = [
     "gathered_chunk_order",
     "virtual_rank_ranges",
     "virtual_shard_count",
+    "zigzag_attention_mode_error",
+    "zigzag_gdp_option_error",
 ]

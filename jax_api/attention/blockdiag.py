@@ -9,6 +9,10 @@ computes the same plan and raises the same ValueError before any collective runs
 compiled program across packings, build the plan outside ``jax.jit`` with
 ``plan_blockdiag_exchange`` and pass it (a pytree) in place of ``doc_ids``: only a change of its
 shape class (resolved mode, rounded exchange sizes, T, cp size) recompiles.
+
+Zig-zag layout (``layout="zigzag"``, ``cp_linear.zigzag``): rank r holds chunks r and 2·cp−1−r; K/V
+are all-gathered (exchange.py) and each local chunk is one query piece at its global positions, as in
+torch. The halo and a2a modes are contiguous-only (ValueError with torch's message).
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from jax.sharding import PartitionSpec as P
 from cp_linear.plan import MODE_CHOICES
 from cp_linear.validation import NONFINITE, any_in_ranges, attention_dims_error, nonfinite_rows, poison, sanitize
 from jax_api._checks import is_concrete, raise_failed_value_checks
+from cp_linear.zigzag import check_layout
+from jax_api._chunks import local_chunks
 from jax_api._mesh import place, run_mesh
 from jax_api.attention.exchange import (
     BlockDiagExchangePlan,
@@ -173,8 +179,15 @@ def _masked_attention(q, keys, values, key_positions, doc_ids, *, query_start, s
     return jnp.moveaxis(out, 0, 1).reshape(batch, slots, q_heads, head_dim)[:, :length]
 
 
+def _check_plan_layout(plan: BlockDiagExchangePlan, layout: str) -> None:
+    check_layout(layout)
+    if layout != plan.layout:
+        raise ValueError(f"layout={layout!r} differs from the plan's layout={plan.layout!r}; build the plan with "
+                         f"plan_blockdiag_exchange(doc_ids, cp_size, layout={layout!r})")
+
+
 def blockdiag_attention_shard(q, k, v, *, plan: BlockDiagExchangePlan, axis_name: str = "cp", mode: str = "auto",
-                              scale: float | None = None):
+                              scale: float | None = None, layout: str = "contiguous"):
     """Per-shard block-diagonal attention; call it *inside* your own ``jax.shard_map``.
 
     q [B, L, Hq, D], k/v [B, L, Hkv, D]: this rank's shard (tokens ``[r*L, (r+1)*L)``);
@@ -182,6 +195,8 @@ def blockdiag_attention_shard(q, k, v, *, plan: BlockDiagExchangePlan, axis_name
     shard_map replicated (``PartitionSpec()``); ``axis_name`` the mesh axis the sequence is split
     over; ``mode`` "auto" (the plan's) or the plan's own mode. Returns [B, L, Hq, D] in q's dtype:
     each query attends causally within its own document; padding rows are exactly 0.
+    ``layout``: the plan's ("contiguous", or "zigzag": the shard holds chunks r and 2·cp−1−r of 2·cp,
+    ``cp_linear.zigzag``; each chunk's queries attend at their global positions).
     All checks run at trace time, identically on every rank, before any collective.
     """
     if not isinstance(plan, BlockDiagExchangePlan):
@@ -200,13 +215,17 @@ def blockdiag_attention_shard(q, k, v, *, plan: BlockDiagExchangePlan, axis_name
             f"{cp_size} and local shards of length {q.shape[1]}"
         )
     _check_plan_mode(plan, mode)
+    _check_plan_layout(plan, layout)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    rank = jax.lax.axis_index(axis_name)
     kv = jnp.moveaxis(jnp.stack([k, v], axis=0), 2, 0)  # [L, 2, B, Hkv, D]: K and V travel together
     rows, key_positions = exchange_kv(kv, plan, axis_name=axis_name)
     doc_ids = jnp.asarray(plan.doc_ids, jnp.int32)
-    out = masked_attention(q, rows[:, 0], rows[:, 1], key_positions, doc_ids,
-                           query_start=rank * plan.local_len, scale=scale)
+    chunks = local_chunks(axis_name, plan.layout)  # one query piece per chunk, at its global positions
+    chunk_len = plan.local_len // chunks.shape[0]
+    out = jnp.concatenate([
+        masked_attention(q[:, slot * chunk_len:(slot + 1) * chunk_len], rows[:, 0], rows[:, 1], key_positions,
+                         doc_ids, query_start=chunk * chunk_len, scale=scale)
+        for slot, chunk in enumerate(chunks)], axis=1)
     return out.astype(q.dtype)
 
 
@@ -229,7 +248,7 @@ _QKV_CHECKS = tuple((name, f"{NONFINITE} in {name}") for name in ("q", "k", "v")
 
 
 def blockdiag_attention(q, k, v, doc_ids, *, mesh, axis_name: str = "cp", mode: str = "auto",
-                        scale: float | None = None, check_inputs: bool = True):
+                        scale: float | None = None, check_inputs: bool = True, layout: str = "contiguous"):
     """Block-diagonal causal softmax attention of global arrays sharded along T over ``mesh[axis_name]``.
 
     q [B, T, Hq, D], k/v [B, T, Hkv, D] (GQA: Hq a multiple of Hkv), T divisible by the axis size;
@@ -244,6 +263,11 @@ def blockdiag_attention(q, k, v, doc_ids, *, mesh, axis_name: str = "cp", mode: 
     Under ``jax.jit`` values cannot be read; non-finite inputs are then contained, as always: a
     query that may read one outputs NaN, every other output is exact. A plan passed in place of
     ``doc_ids`` is checked against its own ids when they are concrete (an edited plan raises).
+
+    layout: "contiguous" or "zigzag" (``cp_linear.zigzag``, all-gather only; halo / a2a raise): the
+    arrays' T axis then holds the shards in rank order, rank r's being chunks r and 2·cp−1−r
+    (``x[:, layout_permutation(T, cp, "zigzag")]`` of a sequence-ordered x), and so does the output;
+    ``doc_ids`` stay in sequence order. A plan passed in place of ``doc_ids`` must be of this layout.
     """
     cp_size = _mesh_axis_size(mesh, axis_name)
     _check_qkv(q, k, v, where="global arrays")
@@ -258,13 +282,14 @@ def blockdiag_attention(q, k, v, doc_ids, *, mesh, axis_name: str = "cp", mode: 
     else:
         if getattr(doc_ids, "shape", None) is not None and tuple(doc_ids.shape)[-1:] != (tokens,):
             raise ValueError(f"doc_ids must have shape [T] = [{tokens}]; received shape {tuple(doc_ids.shape)}")
-        plan = plan_blockdiag_exchange(doc_ids, cp_size, mode=mode, platform=_mesh_platform(mesh))
+        plan = plan_blockdiag_exchange(doc_ids, cp_size, mode=mode, platform=_mesh_platform(mesh), layout=layout)
     if plan.cp_size != cp_size or plan.total_len != tokens:
         raise ValueError(
             f"the plan is for cp_size = {plan.cp_size}, T = {plan.total_len}; received mesh axis {axis_name!r} "
             f"of size {cp_size} and T = {tokens}"
         )
     _check_plan_mode(plan, mode)
+    _check_plan_layout(plan, layout)
     scale = None if scale is None else float(scale)  # a static (hashable) jit argument
     return _sharded_attention(q, k, v, plan, mesh=run_mesh(mesh), axis_name=axis_name, mode=mode, scale=scale)
 
@@ -277,7 +302,7 @@ def _sharded_attention(q, k, v, plan, *, mesh, axis_name, mode, scale):
 
     def per_shard(q_shard, k_shard, v_shard, shard_plan):
         return blockdiag_attention_shard(q_shard, k_shard, v_shard, plan=shard_plan, axis_name=axis_name,
-                                         mode=mode, scale=scale)
+                                         mode=mode, scale=scale, layout=shard_plan.layout)
 
     sharded = jax.shard_map(per_shard, mesh=mesh, in_specs=(spec, spec, spec, P()), out_specs=spec)
     return sharded(q, k, v, plan)

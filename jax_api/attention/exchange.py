@@ -28,6 +28,11 @@ Exchanges (all differentiable through JAX's own transpose rules):
                from separate rows (the transpose then scatter-adds their gradients instead of
                letting one overwrite the other)
 
+Zig-zag layout (``layout="zigzag"``, ``cp_linear.zigzag``): rank r holds chunks r and 2·cp−1−r. The plan
+validates the ids as the contiguous plan of the 2·cp chunks (as torch does) and always all-gathers; the
+gathered rows stay in rank order, each labelled with its global position (``layout_permutation``), so
+the doc mask needs no reordering. The halo and a2a modes are contiguous-only (ValueError, torch's message).
+
 Shapes are static per *shape class* (``BlockDiagExchangePlan``'s meta fields, a
 ``cp_linear.plan.ExchangeShape``): the exchange sizes are rounded up to powers of two, so a new
 packing recompiles only when a rounded size, the resolved mode, ``T`` or ``cp_size`` changes.
@@ -54,6 +59,7 @@ from cp_linear.plan import (
     ragged_routing,
     validate_doc_ids,
 )
+from cp_linear.zigzag import check_layout, layout_permutation, virtual_shard_count, zigzag_attention_mode_error
 
 A2A_IMPLEMENTATIONS = ("auto", "ragged", "ppermute")
 # Platforms whose XLA backend implements the ragged-all-to-all HLO.
@@ -66,6 +72,7 @@ class BlockDiagExchangePlan:
 
     Meta (static, hashed by ``jax.jit``; a change recompiles):
       cp_size, local_len   world size and L
+      layout               "contiguous" or "zigzag" (``cp_linear.zigzag``; all-gather only)
       shape                the core's ``cp_linear.plan.ExchangeShape``: the resolved mode, the a2a
                            implementation ("ragged" | "ppermute") and the static sizes (halo rows,
                            rows per rank distance, ragged buffer rows); read through the properties
@@ -82,6 +89,7 @@ class BlockDiagExchangePlan:
     cp_size: int
     local_len: int
     shape: ExchangeShape
+    layout: str = "contiguous"
 
     @property
     def total_len(self) -> int:
@@ -96,7 +104,7 @@ class BlockDiagExchangePlan:
 
 
 jax.tree_util.register_dataclass(BlockDiagExchangePlan, data_fields=["doc_ids", "routing"],
-                                 meta_fields=["cp_size", "local_len", "shape"])
+                                 meta_fields=["cp_size", "local_len", "shape", "layout"])
 
 
 def default_a2a_impl(platform: str) -> str:
@@ -105,7 +113,7 @@ def default_a2a_impl(platform: str) -> str:
 
 def plan_blockdiag_exchange(doc_ids, cp_size: int, *, mode: str = "auto", platform: str | None = None,
                             a2a_impl: str = "auto", bucket_sizes: bool = True,
-                            shape: ExchangeShape | None = None) -> BlockDiagExchangePlan:
+                            shape: ExchangeShape | None = None, layout: str = "contiguous") -> BlockDiagExchangePlan:
     """Build the exchange plan from concrete replicated ``doc_ids`` int [T] (0 = padding).
 
     Identical on every host (host ints, no communication). ``platform`` ("cpu", "gpu", ...;
@@ -119,9 +127,16 @@ def plan_blockdiag_exchange(doc_ids, cp_size: int, *, mode: str = "auto", platfo
     ValueError when this packing needs more than it holds.
     Raises ValueError for bad ids (reappearing documents, T not divisible by cp_size, ...) and
     for ``mode="halo"`` when a document spans more than two ranks.
+    ``layout``: "contiguous" or "zigzag" (``cp_linear.zigzag``: T divisible by 2·cp, ``mode`` "auto" or
+    "allgather", no fixed ``shape`` of another mode); the ids stay in global order.
     """
     if a2a_impl not in A2A_IMPLEMENTATIONS:
         raise ValueError(f"a2a_impl must be one of {A2A_IMPLEMENTATIONS}; received {a2a_impl!r}")
+    if check_layout(layout) == "zigzag":
+        mode_error = zigzag_attention_mode_error(mode)
+        if mode_error or (shape is not None and shape != ExchangeShape("allgather")):
+            raise ValueError(mode_error or f"layout='zigzag' exchanges K/V by all-gather; received the fixed "
+                                           f"shape {shape}")
     if isinstance(doc_ids, jax.Array):
         try:
             doc_ids = np.asarray(doc_ids)
@@ -131,20 +146,23 @@ def plan_blockdiag_exchange(doc_ids, cp_size: int, *, mode: str = "auto", platfo
                 "outside jax.jit with jax_api.attention.blockdiag.plan_blockdiag_exchange(doc_ids, cp_size) and "
                 "pass the plan (a pytree) through jit in place of doc_ids"
             ) from err
-    ids = validate_doc_ids(doc_ids, cp_size)  # int64 [T] on the host; ValueError for bad ids
-    host_plan = build_blockdiag_plan(ids, cp_size)
+    shards = virtual_shard_count(cp_size, layout)  # zig-zag: the plan of the 2·cp chunks checks the ids
+    ids = validate_doc_ids(doc_ids, shards)  # int64 [T] on the host; ValueError for bad ids
+    host_plan = build_blockdiag_plan(ids, shards)
     if ids.max() > np.iinfo(np.int32).max:
         raise ValueError(f"doc_ids must fit in int32; received a maximum of {int(ids.max())}")
     impl = a2a_impl
     if impl == "auto":
         impl = default_a2a_impl(platform or jax.default_backend())
-    if shape is None:
+    if layout == "zigzag":
+        shape = ExchangeShape("allgather")
+    elif shape is None:
         shape = exchange_shape(host_plan, mode, a2a_impl=impl, bucket=bucket_sizes)  # ValueError: impossible halo
     else:
         _check_fixed_shape(host_plan, shape, mode, a2a_impl)
     routing = ragged_routing(host_plan, shape) if shape.a2a_impl == "ragged" else ()
     return BlockDiagExchangePlan(doc_ids=ids.astype(np.int32), routing=routing, cp_size=int(cp_size),
-                                 local_len=host_plan.local_len, shape=shape)
+                                 local_len=ids.shape[0] // cp_size, shape=shape, layout=layout)
 
 
 def _check_fixed_shape(host_plan, shape: ExchangeShape, mode: str, a2a_impl: str) -> None:
@@ -189,9 +207,12 @@ def _plan_problem(plan: BlockDiagExchangePlan, ids: np.ndarray) -> str | None:
     if ids.ndim != 1 or ids.shape[0] != plan.total_len:
         return f"doc_ids have shape {ids.shape}; the plan is for T = cp_size * L = {plan.cp_size} * {plan.local_len}"
     try:
-        host_plan = build_blockdiag_plan(validate_doc_ids(ids, plan.cp_size), plan.cp_size)
+        shards = virtual_shard_count(plan.cp_size, plan.layout)
+        host_plan = build_blockdiag_plan(validate_doc_ids(ids, shards), shards)
     except ValueError as err:
         return str(err)
+    if plan.layout == "zigzag" and plan.shape != ExchangeShape("allgather"):
+        return f"a zig-zag plan all-gathers; it holds the exchange {plan.shape}"
     problem = exchange_shape_error(host_plan, plan.shape)
     if problem is None and plan.a2a_impl == "ragged":
         expected = ragged_routing(host_plan, plan.shape)
@@ -211,6 +232,8 @@ def received_tokens_per_rank(plan: BlockDiagExchangePlan) -> list[int]:
     exactly the needed rows (``cp_linear.plan.exchange_tokens_received``). Multiply by
     ``2 * B * Hkv * D * itemsize`` for bytes (K and V), or use ``cp_linear.exchange_bytes``.
     """
+    if plan.layout == "zigzag":  # the all-gather: every other rank's L tokens
+        return [(plan.cp_size - 1) * plan.local_len] * plan.cp_size
     host_plan = build_blockdiag_plan(np.asarray(plan.doc_ids), plan.cp_size)
     return exchange_tokens_received(host_plan, plan.shape)
 
@@ -220,10 +243,12 @@ def received_tokens_per_rank(plan: BlockDiagExchangePlan) -> list[int]:
 # positions int32 [N]) with position -1 for rows that hold no token.
 
 
-def allgather_kv(kv, *, axis_name: str):
-    """Every rank receives every shard: rows [T, ...], positions 0..T-1."""
+def allgather_kv(kv, *, axis_name: str, layout: str = "contiguous"):
+    """Every rank receives every shard: rows [T, ...] in rank order, positions the global index of each
+    row (0..T-1 for the contiguous layout, ``layout_permutation`` for zig-zag)."""
     gathered = jax.lax.all_gather(kv, axis_name, axis=0, tiled=True)
-    return gathered, jnp.arange(gathered.shape[0], dtype=jnp.int32)
+    positions = layout_permutation(gathered.shape[0], jax.lax.axis_size(axis_name), layout)
+    return gathered, jnp.asarray(positions, jnp.int32)
 
 
 def _suffix_from_left(kv, rank, *, distance: int, rows: int, axis_name: str, cp_size: int):
@@ -285,7 +310,7 @@ def needed_kv_ragged(kv, routing, *, recv_len: int, send_len: int, axis_name: st
 def exchange_kv(kv, plan: BlockDiagExchangePlan, *, axis_name: str):
     """Run the plan's exchange on kv [L, ...]; return (rows [N, ...], positions int32 [N])."""
     if plan.mode == "allgather":
-        return allgather_kv(kv, axis_name=axis_name)
+        return allgather_kv(kv, axis_name=axis_name, layout=plan.layout)
     if plan.mode == "halo":
         return halo_kv(kv, halo_len=plan.halo_len, axis_name=axis_name, cp_size=plan.cp_size)
     if plan.a2a_impl == "ppermute":

@@ -32,6 +32,9 @@ Worked example: lengths [5, 4, 7], cp = 4 (L = 4)::
 the ids when they are concrete (rounded up to a power of two, so that packings share programs);
 traced ids need it passed, else the bound is L (every token its own sequence), which is always
 correct but makes the chunk buffers up to 64 / n_h times larger.
+
+``layout="zigzag"`` (rank r holds chunks r and 2·cp−1−r, ``cp_linear.zigzag``) runs the same steps
+per chunk, with each chunk a shard of a 2·cp-way split: ``jax_api.gdp.zigzag``.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from cp_linear.summary import (
     split_packed,
 )
 from cp_linear.summary_exchange import SUMMARY_EXCHANGES, resolve_summary_exchange
+from cp_linear.zigzag import check_layout, chunk_length
 from cp_linear.validation import (
     GDP_VALUE_CHECKS,
     gdp_bad_tokens,
@@ -86,6 +90,28 @@ def _as_single_summary(state: jax.Array) -> jax.Array:
     return jnp.concatenate([state, zeros], axis=-1)[None]
 
 
+def poisoned_summary(summary, trailing_bad: jax.Array) -> jax.Array:
+    """A prepared summary as the packed array [(B,) H, K, V + K], NaN in the heads whose trailing fragment
+    holds a non-finite input (``trailing_bad`` bool [B or 1, H])."""
+    packed_summary = as_packed_array(summary)
+    marks = trailing_bad.reshape(*trailing_bad.shape[packed_summary.ndim == 3:], 1, 1)
+    return poison(packed_summary, marks)
+
+
+def incoming_state_summary(gathered: jax.Array, start, stop) -> tuple[jax.Array, jax.Array]:
+    """Fold ``gathered[start:stop]`` ascending into the incoming state; returns it as the one summary
+    ``[S | 0]`` [1, (B,) H, K, V + K] the backend applies, zero in the heads that came in non-finite, and
+    those heads (``incoming_bad`` bool [(B,) H])."""
+    incoming = compose_forward_range(gathered, start, stop)  # [(B,) H, K, V]
+    incoming_bad = nonfinite_rows(incoming, 2)
+    return _as_single_summary(jnp.where(incoming_bad[..., None, None], 0.0, incoming)), incoming_bad
+
+
+def outgoing_grad_summary(gathered: jax.Array, start, stop) -> jax.Array:
+    """Fold ``gathered[start:stop]`` descending into the outgoing state-gradient, as ``[dS | 0]``."""
+    return _as_single_summary(compose_backward_range(gathered, start, stop))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnames=_NONDIFF)
 def _context_parallel(q, k, v, g, beta, local_initial, cu_seqlens, preceding_rank_start, following_rank_stop,
                       trailing_bad, scan_stops, axis_name, backend, scale, num_householder, use_qk_l2norm_in_kernel,
@@ -110,9 +136,7 @@ def _context_parallel_fwd(q, k, v, g, beta, local_initial, cu_seqlens, preceding
     inputs = GDPInputs(q, k, v, g, beta, scale, num_householder, use_qk_l2norm_in_kernel, cu_seqlens,
                        local_initial, output_final_state)
     summary, local = backend.cp_forward_prepare(inputs)
-    packed_summary = as_packed_array(summary)  # [(B,) H, K, V + K]
-    marks = trailing_bad.reshape(*trailing_bad.shape[packed_summary.ndim == 3:], 1, 1)
-    packed_summary = poison(packed_summary, marks)
+    packed_summary = poisoned_summary(summary, trailing_bad)  # [(B,) H, K, V + K]
     rank = jax.lax.axis_index(axis_name)
     with jax.default_matmul_precision("highest"):  # float32 folds on GPUs too (no TF32), as torch
         if summary_exchange == "scan":  # the fold of [preceding_rank_start, rank), [0 | I] when empty
@@ -124,9 +148,7 @@ def _context_parallel_fwd(q, k, v, g, beta, local_initial, cu_seqlens, preceding
             preceding = (_as_single_summary(split_packed(folded)[0]) if local_initial is None else folded[None])
         elif local_initial is None:  # the folded state travels as [S | 0]
             gathered = jax.lax.all_gather(packed_summary, axis_name)  # [cp, (B,) H, K, V + K]
-            incoming = compose_forward_range(gathered, preceding_rank_start, rank)  # [(B,) H, K, V]
-            incoming_bad = nonfinite_rows(incoming, 2)
-            preceding = _as_single_summary(jnp.where(incoming_bad[..., None, None], 0.0, incoming))
+            preceding, incoming_bad = incoming_state_summary(gathered, preceding_rank_start, rank)
         else:  # keep M: the backend folds it from the continuing sequence's initial state (M S0 + E)
             gathered = jax.lax.all_gather(packed_summary, axis_name)
             folded = fold_forward_range_summary(gathered, preceding_rank_start, rank)  # [(B,) H, K, V + K]
@@ -149,11 +171,11 @@ def _context_parallel_bwd(axis_name, backend, scale, num_householder, use_qk_l2n
         if summary_exchange == "scan":  # fold of [rank + 1, following_rank_stop) descending; its gamma from zero
             folded = scan_fold(as_packed_array(summary), axis_name, stop=backward_stop,
                                empty=following_rank_stop == rank + 1, descending=True)
-            outgoing_grad = split_packed(folded)[0]
+            following = _as_single_summary(split_packed(folded)[0])
         else:
             gathered = jax.lax.all_gather(as_packed_array(summary), axis_name)
-            outgoing_grad = compose_backward_range(gathered, rank + 1, following_rank_stop)
-    grads = backend.cp_backward_apply(context, _as_single_summary(outgoing_grad))
+            following = outgoing_grad_summary(gathered, rank + 1, following_rank_stop)
+    grads = backend.cp_backward_apply(context, following)
     initial_grad = None if len(grads) < 6 else grads[5]
     # cu_seqlens, rank bounds, poison marks, scan stops: integers
     return (*grads[:5], initial_grad, None, None, None, None, None)
@@ -198,6 +220,19 @@ def packed_shard_metadata(global_seq_idx: jax.Array, rank, local_len: int, max_s
     return cu_seqlens_from_seq_idx(local, max_sequences), preceding_rank_start, following_rank_stop
 
 
+def shard_metadata(global_seq_idx: jax.Array | None, shard, shard_len: int, shard_count: int,
+                   max_sequences: int | None):
+    """Metadata of shard ``shard`` (traced) of ``shard_count`` equal ones: a rank, or a zig-zag chunk as a
+    virtual shard. Returns (local cu_seqlens int32 [bound + 1] or None for batch rows, preceding_rank_start,
+    following_rank_stop, sequence start index int32 [shard_len]); ``max_sequences`` None bounds by the length."""
+    if global_seq_idx is None:  # every batch row one sequence over all shards
+        return None, jnp.int32(0), jnp.int32(shard_count), jnp.zeros((shard_len,), jnp.int32)
+    bound = shard_len if max_sequences is None else _check_max_sequences(max_sequences, shard_len)
+    cu_seqlens, preceding_rank_start, following_rank_stop = packed_shard_metadata(global_seq_idx, shard, shard_len,
+                                                                                  bound)
+    return cu_seqlens, preceding_rank_start, following_rank_stop, sequence_start_index(cu_seqlens, shard_len)
+
+
 def local_sequence_rows(global_seq_idx: jax.Array | None, rank, local_len: int, cp_size: int, local_count: int,
                         num_sequences: int, preceding_rank_start, following_rank_stop):
     """Traced counterpart of ``cp_linear.plan.SequenceStateRouting`` for one shard, static shapes.
@@ -233,7 +268,8 @@ def gdp_chunkwise_context_parallel_shard(q, k, v, g, beta, *, axis_name: str = "
                                          max_sequences: int | None = None, scale: float | None = None,
                                          num_householder: int = 1, use_qk_l2norm_in_kernel: bool = False,
                                          backend: Any = None, initial_state=None, output_final_state: bool = False,
-                                         num_sequences: int | None = None, summary_exchange: str = "all_gather"):
+                                         num_sequences: int | None = None, summary_exchange: str = "all_gather",
+                                         layout: str = "contiguous"):
     """Chunkwise-CP Gated DeltaProduct on one shard: call it *inside* your own ``jax.shard_map``.
 
     q [B, L, H, K], k [B, L*n_h, H, K], v [B, L*n_h, H, V], g [B, L, H], beta [B, L*n_h, H] are
@@ -264,6 +300,11 @@ def gdp_chunkwise_context_parallel_shard(q, k, v, g, beta, *, axis_name: str = "
     log-depth prefix fold over ceil(log2 cp) ``ppermute`` rounds, ``jax_api.gdp.summary_exchange``)
     or "auto" (scan from ``SCAN_MIN_WORLD`` ranks, as torch); equal results up to float32
     reassociation (docs/cp_options.md).
+
+    ``layout``: "contiguous" (above) or "zigzag": the shard holds chunks r and 2·cp−1−r of 2·cp equal
+    chunks, in that order (``cp_linear.zigzag``; L even); ``global_seq_idx`` stays in sequence order and
+    ``max_sequences`` bounds the sequences of one chunk. Sequence states and the scan exchange are not
+    supported there (ValueError, as torch); ``jax_api.gdp.zigzag``.
     """
     cp_size = _axis_size(axis_name)
     exchange = _resolve_exchange(summary_exchange, cp_size)
@@ -271,17 +312,18 @@ def gdp_chunkwise_context_parallel_shard(q, k, v, g, beta, *, axis_name: str = "
     check_gdp_inputs(q, k, v, g, beta, num_householder)
     backend, scale = _resolve(q, k, v, num_householder, backend, scale)
     batch, local_len = q.shape[:2]
-    if global_seq_idx is None:
-        cu_seqlens = None
-        preceding_rank_start, following_rank_stop = jnp.int32(0), jnp.int32(cp_size)
-        start = jnp.zeros((local_len,), jnp.int32)
-    else:
+    if global_seq_idx is not None:
         _check_seq_idx_shape(global_seq_idx, batch, local_len * cp_size)
-        bound = local_len if max_sequences is None else _check_max_sequences(max_sequences, local_len)
-        rank = jax.lax.axis_index(axis_name)
-        cu_seqlens, preceding_rank_start, following_rank_stop = packed_shard_metadata(
-            global_seq_idx, rank, local_len, bound)
-        start = sequence_start_index(cu_seqlens, local_len)
+    if check_layout(layout) == "zigzag":
+        from jax_api.gdp.zigzag import zigzag_gdp_shard
+
+        with_states = initial_state is not None or bool(output_final_state)
+        return zigzag_gdp_shard(q, k, v, g, beta, axis_name=axis_name, global_seq_idx=global_seq_idx,
+                                max_sequences=max_sequences, scale=scale, num_householder=num_householder,
+                                use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel), backend=backend,
+                                summary_exchange=exchange, with_states=with_states)
+    cu_seqlens, preceding_rank_start, following_rank_stop, start = shard_metadata(
+        global_seq_idx, jax.lax.axis_index(axis_name), local_len, cp_size, max_sequences)
     scan_stops = jnp.zeros((2,), bool)  # read by the scan only
     if exchange == "scan":
         rank = jax.lax.axis_index(axis_name)
@@ -359,7 +401,8 @@ def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, mesh, axis_name: str = "
                                    max_sequences: int | None = None, scale: float | None = None,
                                    num_householder: int = 1, use_qk_l2norm_in_kernel: bool = False,
                                    backend: Any = None, check_inputs: bool = True, initial_state=None,
-                                   output_final_state: bool = False, summary_exchange: str = "all_gather"):
+                                   output_final_state: bool = False, summary_exchange: str = "all_gather",
+                                   layout: str = "contiguous"):
     """Chunkwise-CP Gated DeltaProduct on *global* arrays split along T over ``mesh[axis_name]``.
 
     q [B, T, H, K], k [B, T*n_h, H, K], v [B, T*n_h, H, V], g [B, T, H], beta [B, T*n_h, H]
@@ -384,6 +427,11 @@ def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, mesh, axis_name: str = "
     gradients reach ``initial_state``. N is read from concrete ids (traced ids need an initial_state).
 
     ``summary_exchange``: "all_gather" | "scan" | "auto", as ``gdp_chunkwise_context_parallel_shard``.
+
+    ``layout="zigzag"`` (``cp_linear.zigzag``): the arrays' T axis holds the shards in rank order, rank r's
+    being chunks r and 2·cp−1−r of 2·cp (``x[:, layout_permutation(T, cp, "zigzag")]`` of a sequence-ordered
+    x; T divisible by 2·cp), and o comes back in the same order; ``global_seq_idx`` stays in sequence order.
+    No sequence states nor scan exchange there (ValueError).
     """
     if axis_name not in getattr(mesh, "axis_names", ()):
         raise ValueError(f"mesh has no axis {axis_name!r}; its axes are {tuple(getattr(mesh, 'axis_names', ()))}")
@@ -395,6 +443,11 @@ def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, mesh, axis_name: str = "
     batch, tokens = q.shape[:2]
     if tokens % cp_size:
         raise ValueError(f"T = {tokens} must be divisible by the size of mesh axis {axis_name!r} ({cp_size})")
+    shard_len = chunk_length(tokens, cp_size, check_layout(layout))  # a zig-zag chunk: one of 2·cp
+    if layout == "zigzag":  # before the states' own checks, as torch
+        from jax_api.gdp.zigzag import check_zigzag_options
+
+        check_zigzag_options(exchange, initial_state is not None or bool(output_final_state))
     arrays = (q, k, v, g, beta)
     if check_inputs and is_concrete(*arrays):
         raise_failed_value_checks(GDP_VALUE_CHECKS, gdp_value_flags, *arrays, what="gdp_chunkwise_context_parallel")
@@ -405,11 +458,12 @@ def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, mesh, axis_name: str = "
         host_ids = host_value_or_none(global_seq_idx)
         sequences = None
         if host_ids is not None:  # concrete ids are checked on the host; traced ones cannot be
-            ids = validate_global_seq_idx(host_ids, cp_size)
-            bound = max_shard_sequences(ids, cp_size)
+            shards = tokens // shard_len
+            ids = validate_global_seq_idx(host_ids, shards)
+            bound = max_shard_sequences(ids, shards)
             sequences = 1 + int(np.count_nonzero(np.diff(ids)))
         if max_sequences is not None:
-            bound = _check_max_sequences(max_sequences, tokens // cp_size)
+            bound = _check_max_sequences(max_sequences, shard_len)
         arrays += (global_seq_idx,)
     if initial_state is not None or output_final_state:
         sequences = _state_rows(initial_state, sequences, global_seq_idx, q, v)
@@ -419,7 +473,7 @@ def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, mesh, axis_name: str = "
             arrays += (initial_state,)
     program = _global_program(run_mesh(mesh), axis_name, global_seq_idx is not None, bound, scale, num_householder,
                               bool(use_qk_l2norm_in_kernel), backend, initial_state is not None,
-                              bool(output_final_state), sequences, exchange)
+                              bool(output_final_state), sequences, exchange, layout)
     return program(*arrays)
 
 
@@ -427,13 +481,13 @@ def gdp_chunkwise_context_parallel(q, k, v, g, beta, *, mesh, axis_name: str = "
 def _global_program(mesh, axis_name: str, packed: bool, max_sequences: int | None, scale: float,
                     num_householder: int, use_qk_l2norm_in_kernel: bool, backend, has_initial: bool = False,
                     output_final_state: bool = False, num_sequences: int | None = None,
-                    summary_exchange: str = "all_gather"):
+                    summary_exchange: str = "all_gather", layout: str = "contiguous"):
     """jit(place inputs, then shard_map the per-shard function), built once per configuration so
     that eager calls reuse their compiled program too."""
     options = dict(axis_name=axis_name, scale=scale, num_householder=num_householder,
                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, backend=backend, max_sequences=max_sequences,
                    output_final_state=output_final_state, num_sequences=num_sequences,
-                   summary_exchange=summary_exchange)
+                   summary_exchange=summary_exchange, layout=layout)
 
     def per_shard(q, k, v, g, beta, *extra):
         seq_idx = extra[0] if packed else None

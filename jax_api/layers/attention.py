@@ -51,7 +51,8 @@ class BlockDiagAttention(StateTableMixin, nnx.Module):
         if axis_name is not None:
             from jax_api.attention.blockdiag import blockdiag_attention_shard
 
-            o = blockdiag_attention_shard(q, k, v, plan=layout.attention_plan, axis_name=axis_name, mode=self.mode)
+            o = blockdiag_attention_shard(q, k, v, plan=layout.attention_plan, axis_name=axis_name, mode=self.mode,
+                                          layout=layout.shard_layout)
         else:
             from jax_api.attention.blockdiag import masked_attention
 

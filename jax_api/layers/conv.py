@@ -6,6 +6,9 @@ W - 1 tokens before the shard come from the left neighbour through one ``lax.ppe
 transpose sends the halo's gradient back); rank 0 receives zeros::
 
     rank r-1  ... a5 a6 a7 | rank r  a8 a9 b0 b1      window (W = 4): a5 a6 a7 a8 a9 b0 b1
+
+Zig-zag (``cp_linear.zigzag``): each of the rank's two chunks gets its own window
+(``zigzag_conv_windows``); chunk c reads the tail of chunk c − 1, wherever that lives.
 """
 
 from __future__ import annotations
@@ -25,6 +28,27 @@ def conv_window(x: jax.Array, halo_len: int, axis_name: str | None = None) -> ja
     return jnp.concatenate([halo, x], axis=1)
 
 
+def zigzag_conv_windows(x: jax.Array, halo_len: int, axis_name: str) -> tuple[jax.Array, jax.Array]:
+    """x [B, L, C] holding chunks r and 2·cp−1−r (zig-zag) -> one window [B, halo_len + L / 2, C] per chunk.
+
+    Chunk r's left context, chunk r − 1, is the first chunk of rank r − 1 (zeros for chunk 0); chunk
+    2·cp−1−r's, chunk 2·cp−2−r, is the second chunk of rank r + 1, or this rank's first chunk on the
+    last rank. Two ppermutes of ``halo_len`` tokens (torch gathers every rank's tails instead: the same
+    windows); their transposes send the halos' gradients back. Needs ``halo_len <= L / 2``.
+    """
+    chunk = x.shape[1] // 2
+    first, second = x[:, :chunk], x[:, chunk:]
+    if halo_len == 0:
+        return first, second
+    cp_size = jax.lax.axis_size(axis_name)
+    first_tail, second_tail = first[:, chunk - halo_len:], second[:, chunk - halo_len:]
+    first_halo = jax.lax.ppermute(first_tail, axis_name, [(r, r + 1) for r in range(cp_size - 1)])
+    second_halo = jax.lax.ppermute(second_tail, axis_name, [(r + 1, r) for r in range(cp_size - 1)])
+    last_rank = jax.lax.axis_index(axis_name) == cp_size - 1
+    second_halo = jnp.where(last_rank, first_tail, second_halo)
+    return jnp.concatenate([first_halo, first], axis=1), jnp.concatenate([second_halo, second], axis=1)
+
+
 def masked_causal_conv(window: jax.Array, weight: jax.Array, bias: jax.Array | None, positions: jax.Array) -> jax.Array:
     """Depthwise causal conv of the last L tokens of window [B, W - 1 + L, C] that never crosses a
     sequence start. weight [C, 1, W] (tap W - 1 multiplies the current token), bias [C] or None,
@@ -40,4 +64,4 @@ def masked_causal_conv(window: jax.Array, weight: jax.Array, bias: jax.Array | N
     return out if bias is None else out + bias
 
 
-__all__ = ["conv_window", "masked_causal_conv"]
+__all__ = ["conv_window", "masked_causal_conv", "zigzag_conv_windows"]

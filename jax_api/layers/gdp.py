@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_api.layers.blocks import GatedRMSNorm, Linear, RMSNorm, ShortConvolution
-from jax_api.layers.conv import conv_window
+from jax_api.layers.conv import conv_window, zigzag_conv_windows
 from jax_api.layers.layout import resolve_layout
 from cp_linear.model_config import GDPConfig, REQUIRED, document_layer_signature, resolve_config
 from cp_linear.summary_exchange import SUMMARY_EXCHANGES
@@ -88,11 +88,17 @@ class GatedDeltaProduct(StateTableMixin, nnx.Module):
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if not c.use_short_conv:
             return jax.nn.silu(q), jax.nn.silu(k), jax.nn.silu(v)
-        window = conv_window(jnp.concatenate([q, k, v], axis=-1), c.conv_size - 1, axis_name)
-        positions = layout.local(layout.position, axis_name)
+        qkv, positions = jnp.concatenate([q, k, v], axis=-1), layout.local(layout.position, axis_name)
+        if axis_name is not None and layout.zigzag:  # one window per chunk, each with its chunk's positions
+            pieces = zip(zigzag_conv_windows(qkv, c.conv_size - 1, axis_name), jnp.split(positions, 2))
+        else:
+            pieces = [(conv_window(qkv, c.conv_size - 1, axis_name), positions)]
         q_ch, k_ch, _ = c.conv_channels
-        q_win, k_win, v_win = jnp.split(window, [q_ch, q_ch + k_ch], axis=-1)
-        return self.q_conv1d(q_win, positions), self.k_conv1d(k_win, positions), self.v_conv1d(v_win, positions)
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        outputs = [[conv(part, piece_positions) for conv, part in zip(convs, jnp.split(window, [q_ch, q_ch + k_ch],
+                                                                                      axis=-1))]
+                   for window, piece_positions in pieces]
+        return tuple(jnp.concatenate(parts, axis=1) for parts in zip(*outputs))
 
     def __call__(self, hidden_states: jax.Array, *, layout=None, axis_name: str | None = None, cu_seqlens=None,
                  seq_idx=None, initial_state=None, output_final_state: bool = False, num_sequences: int | None = None):
@@ -101,8 +107,9 @@ class GatedDeltaProduct(StateTableMixin, nnx.Module):
         layout = resolve_layout(x, layout=layout, axis_name=axis_name, seq_idx=seq_idx, cu_seqlens=cu_seqlens)
         if x.shape[-1] != c.hidden_size:
             raise ValueError(f"hidden_states must have D = {c.hidden_size}; received shape {tuple(x.shape)}")
-        if axis_name is not None and c.use_short_conv and c.conv_size - 1 > layout.local_len:
-            raise ValueError(f"conv_size - 1 = {c.conv_size - 1} exceeds the local length L = {layout.local_len}")
+        if axis_name is not None and c.use_short_conv and c.conv_size - 1 > layout.conv_reach:
+            piece = "the zig-zag chunk length L / 2" if layout.zigzag else "the local length L"
+            raise ValueError(f"conv_size - 1 = {c.conv_size - 1} exceeds {piece} = {layout.conv_reach}")
         batch, length, _ = x.shape
         q, k, v = self._short_conv(x, layout, axis_name)
         q = q.reshape(batch, length, c.num_heads, c.head_dim)
@@ -134,7 +141,7 @@ class GatedDeltaProduct(StateTableMixin, nnx.Module):
                 q, k, v, g, beta, axis_name=axis_name, global_seq_idx=layout.seq_idx if layout.packed else None,
                 max_sequences=layout.max_shard_sequences, initial_state=initial_state,
                 output_final_state=bool(output_final_state), num_sequences=sequences,
-                summary_exchange=self.cp_summary_exchange, **options)
+                summary_exchange=self.cp_summary_exchange, layout=layout.shard_layout, **options)
             if output_final_state:
                 o, final_state = o
         else:

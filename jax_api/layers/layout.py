@@ -15,6 +15,12 @@ part by ``lax.axis_index``, so one compiled program serves every packing of the 
                               layout (``cp_linear.chunking.max_shard_sequences``)
 
 ``cp_linear.packing.PackedLayout`` (numpy, shared with torch) derives the arrays.
+
+Zig-zag (``build_layout(..., layout="zigzag")``, ``cp_linear.zigzag``): rank r holds chunks r and
+2·cp−1−r of 2·cp equal chunks, in that order. The arrays above stay in global order; ``local`` takes
+the rank's two chunks, so conv and RoPE positions are global; the conv halo is per chunk
+(``jax_api.layers.conv.zigzag_conv_windows``), the GDP runs its zig-zag op and attention all-gathers.
+The caller feeds rank r the tokens of its chunks (``cp_apply``: ``x[:, layout_permutation(T, cp, "zigzag")]``).
 """
 
 from __future__ import annotations
@@ -27,11 +33,14 @@ import numpy as np
 
 from cp_linear.chunking import max_shard_sequences
 from cp_linear.packing import PackedLayout, layout_from_ids
+from cp_linear.zigzag import chunk_length, virtual_shard_count
+from jax_api._chunks import local_values
 
 
 @dataclasses.dataclass(frozen=True)
 class TokenLayout:
-    """Global per-token arrays (data) and static facts (meta: ``packed``, ``cp_size``).
+    """Global per-token arrays (data) and static facts (meta: ``packed``, ``cp_size``, ``shard_layout``
+    "contiguous" or "zigzag", ``max_shard_sequences``: the bound per shard, per chunk under zig-zag).
 
     ``cu_seqlens`` int32 [N + 1] serves the one-device GDP (cp_size 1, packed; else None); its
     length is the static bound ``max_shard_sequences`` + 1 (part of the compiled shape, like the
@@ -46,6 +55,7 @@ class TokenLayout:
     cp_size: int = 1
     cu_seqlens: jax.Array | None = None
     max_shard_sequences: int | None = None
+    shard_layout: str = "contiguous"
 
     @property
     def total_len(self) -> int:
@@ -55,26 +65,37 @@ class TokenLayout:
     def local_len(self) -> int:
         return self.total_len // self.cp_size
 
+    @property
+    def zigzag(self) -> bool:
+        return self.shard_layout == "zigzag"
+
+    @property
+    def conv_reach(self) -> int:
+        """Most tokens the conv halo may take from before a piece: L (contiguous) or L / 2 (zig-zag chunk)."""
+        return self.local_len // 2 if self.zigzag else self.local_len
+
     def local(self, values: jax.Array, axis_name: str | None) -> jax.Array:
-        """This rank's slice of a per-token array [T] (all of it on one device)."""
+        """This rank's entries of a per-token array [T], in local order (all of it on one device)."""
         if axis_name is None:
             return values
-        rank = jax.lax.axis_index(axis_name)
-        return jax.lax.dynamic_slice_in_dim(values, rank * self.local_len, self.local_len)
+        return local_values(values, axis_name, self.shard_layout)
 
 
 jax.tree_util.register_dataclass(TokenLayout,
                                  data_fields=["seq_idx", "doc_ids", "position", "attention_plan", "cu_seqlens"],
-                                 meta_fields=["packed", "cp_size", "max_shard_sequences"])
+                                 meta_fields=["packed", "cp_size", "max_shard_sequences", "shard_layout"])
 
 
 def layout_from_packed(packed: PackedLayout, *, cp_size: int = 1, attention_mode: str = "auto",
                        platform: str | None = None, min_halo_len: int = 0, min_shard_sequences: int = 1,
-                       attention_shape=None) -> TokenLayout:
+                       attention_shape=None, layout: str = "contiguous") -> TokenLayout:
     packed.check_cp_size(cp_size)
+    chunk_length(packed.total_len, cp_size, layout)  # zig-zag: T divisible by 2·cp, named as such
+    # the GDP op's bound is per zig-zag chunk under CP; one device runs the whole sequence whatever the layout
+    shards = virtual_shard_count(cp_size, layout) if cp_size > 1 else 1
     plan = bound = cu = None
     if packed.packed:
-        bound = max_shard_sequences(packed.seq_idx, cp_size, floor=min_shard_sequences)
+        bound = max_shard_sequences(packed.seq_idx, shards, floor=min_shard_sequences)
     if cp_size == 1 and packed.packed:
         # padded with empty sequences to the static bound: the number of documents of a packing is
         # not a shape (an [N + 1] array would retrace the one-device program for every new N)
@@ -84,7 +105,7 @@ def layout_from_packed(packed: PackedLayout, *, cp_size: int = 1, attention_mode
         from jax_api.attention.blockdiag import plan_blockdiag_exchange
 
         plan = plan_blockdiag_exchange(packed.doc_ids, cp_size, mode=attention_mode, platform=platform,
-                                       shape=attention_shape)
+                                       shape=attention_shape, layout=layout)
         if plan.mode == "halo" and plan.halo_len < min_halo_len:
             # extra halo rows hold other documents' tokens, which the doc mask drops; a fixed
             # halo keeps the plan's static shape (and so the compiled program) across packings
@@ -94,12 +115,12 @@ def layout_from_packed(packed: PackedLayout, *, cp_size: int = 1, attention_mode
                        doc_ids=jnp.asarray(packed.doc_ids, jnp.int32),
                        position=jnp.asarray(packed.position, jnp.int32),
                        attention_plan=plan, packed=packed.packed, cp_size=int(cp_size), cu_seqlens=cu,
-                       max_shard_sequences=bound)
+                       max_shard_sequences=bound, shard_layout=layout)
 
 
 def build_layout(*, total_len: int, doc_ids=None, seq_idx=None, cu_seqlens=None, cp_size: int = 1,
                  attention_mode: str = "auto", platform: str | None = None, min_halo_len: int = 0,
-                 min_shard_sequences: int = 1, attention_shape=None) -> TokenLayout:
+                 min_shard_sequences: int = 1, attention_shape=None, layout: str = "contiguous") -> TokenLayout:
     """A ``TokenLayout`` from concrete *global* ids (host-read; call outside ``jax.jit``).
 
     At most one of ``doc_ids`` (int [T], 0 = padding), ``seq_idx`` (int [1, T] nondecreasing),
@@ -115,6 +136,9 @@ def build_layout(*, total_len: int, doc_ids=None, seq_idx=None, cu_seqlens=None,
     Likewise the GDP chunk layout (and the one-device ``cu_seqlens``) is sized for the most
     sequences a shard holds, rounded up to a power of two and at least ``min_shard_sequences``.
     Layouts with the same T, cp_size and static bounds share one compiled program.
+    ``layout``: "contiguous" (rank r holds tokens [r·L, (r+1)·L)) or "zigzag" (chunks r and 2·cp−1−r of
+    2·cp, ``cp_linear.zigzag``; T divisible by 2·cp, attention all-gathers: ``attention_mode`` "auto" or
+    "allgather"); the ids stay in global order either way (module docstring).
     """
     for name, value in (("doc_ids", doc_ids), ("seq_idx", seq_idx), ("cu_seqlens", cu_seqlens)):
         if isinstance(value, jax.core.Tracer):
@@ -124,7 +148,7 @@ def build_layout(*, total_len: int, doc_ids=None, seq_idx=None, cu_seqlens=None,
     packed = layout_from_ids(total_len=total_len, **host)
     return layout_from_packed(packed, cp_size=cp_size, attention_mode=attention_mode, platform=platform,
                               min_halo_len=min_halo_len, min_shard_sequences=min_shard_sequences,
-                              attention_shape=attention_shape)
+                              attention_shape=attention_shape, layout=layout)
 
 
 def resolve_layout(x, *, layout, axis_name, doc_ids=None, seq_idx=None, cu_seqlens=None) -> TokenLayout:

@@ -56,7 +56,7 @@ from cp_linear.validation import NONFINITE, attention_dims_error, digest
 from torch_api._dist import agree_or_raise, nonfinite_flags, resolve_group
 from torch_api.attention.exchange import all_gather_kv, left_halo_kv, needed_kv_all_to_all
 from torch_api.attention.kernel import KERNELS, DocCausalLayout, resolve_kernel
-from cp_linear.zigzag import LAYOUTS, inverse_permutation, layout_permutation, rank_chunks
+from cp_linear.zigzag import LAYOUTS, inverse_permutation, layout_permutation, rank_chunks, zigzag_attention_mode_error
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _CACHE_SIZE = 8
@@ -185,9 +185,9 @@ def _build_zigzag_routing(doc_ids, group, rank: int, cp_size: int, mode: str) ->
     """The zig-zag routing: the contiguous plan of the 2·cp chunks, one query piece per local chunk."""
     ids = plan = None
     try:
-        if mode not in ("auto", "allgather"):
-            raise ValueError(f"layout='zigzag' exchanges K/V by all-gather; mode={mode!r} is not supported "
-                             "(use 'auto' or 'allgather')")
+        mode_error = zigzag_attention_mode_error(mode)
+        if mode_error:
+            raise ValueError(mode_error)
         ids = validate_doc_ids(doc_ids, 2 * cp_size)
         plan = build_blockdiag_plan(ids, 2 * cp_size)
         chunk = plan.local_len

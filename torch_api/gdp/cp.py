@@ -38,6 +38,7 @@ from cp_linear.zigzag import (
     build_zigzag_cp_metadata,
     gathered_chunk_order,
     virtual_rank_ranges,
+    zigzag_gdp_option_error,
 )
 from cp_linear.summary import (
     CPBackwardPackedSummary,
@@ -60,7 +61,6 @@ from torch_api.gdp.isolation import (
     trailing_bad,
 )
 from torch_api.gdp.types import GDPInputGradients, GDPInputs, float32_region
-from torch_api.gdp.zigzag import zigzag_option_error
 from torch_api.gdp.validation import (
     dtype_code,
     float_bits,
@@ -543,7 +543,7 @@ def context_parallel_gdp(q, k, v, g, beta, *, cp_group, global_seq_idx=None, met
     zigzag = layout == "zigzag"
     if error is None:
         error = (f"layout must be one of {LAYOUTS}; received {layout!r}" if layout not in LAYOUTS else
-                 zigzag_option_error(exchange, with_states, check_inputs) if zigzag else None)
+                 zigzag_gdp_option_error(exchange, with_states, check_inputs) if zigzag else None)
     if error is None and global_seq_idx is not None:
         if metadata is not None:
             error = "pass global_seq_idx or metadata, not both"

@@ -14,7 +14,7 @@ itself is the backends' (``cp_linear.summary``), as in the contiguous layout. By
 two summaries and receives ``2·cp − 2``, twice the contiguous all-gather (docs/cp_options.md).
 Supported: the all-gather exchange with ``check_inputs=True``, packed ids or batch rows; not (yet)
 sequence states, the scan exchange or containment (``check_inputs=False``): those raise a ValueError
-on every rank before any collective (``zigzag_option_error``).
+on every rank before any collective (``cp_linear.zigzag.zigzag_gdp_option_error``).
 """
 
 from __future__ import annotations
@@ -28,18 +28,6 @@ from cp_linear.protocol import CPSavedContext
 from cp_linear.validation import GDP_VALUE_CHECKS
 from torch_api.gdp.types import GDPInputGradients, GDPInputs, float32_region
 from torch_api.gdp.validation import dtype_code, gdp_value_flags, nonfinite_flags
-
-
-def zigzag_option_error(summary_exchange: str, with_states: bool, check_inputs: bool) -> str | None:
-    """Why the zig-zag GDP op cannot run these options (replicated flags: the same on every rank)."""
-    if summary_exchange == "scan":
-        return "layout='zigzag' exchanges its summaries by all-gather; summary_exchange='scan' is not supported"
-    if with_states:
-        return "layout='zigzag' does not support initial_state / output_final_state yet"
-    if not check_inputs:
-        return ("layout='zigzag' needs check_inputs=True: containment of non-finite inputs (check_inputs=False) "
-                "is implemented for the contiguous layout only")
-    return None
 
 
 @dataclass(frozen=True)
@@ -145,4 +133,4 @@ class ZigzagGDP(torch.autograd.Function):
         return None, joined.dq, joined.dk, joined.dv, joined.dg, joined.dbeta
 
 
-__all__ = ["ZigzagCall", "ZigzagGDP", "zigzag_option_error"]
+__all__ = ["ZigzagCall", "ZigzagGDP"]
