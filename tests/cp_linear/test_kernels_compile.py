@@ -61,3 +61,31 @@ def test_configs_are_hashable_cache_keys_and_reject_unsupported_sizes():
         ChunkScanConfig("bfloat16", 64, 64, "summary", 32).validate()
     with pytest.raises(ValueError, match="row_block"):
         ChunkScanConfig("bfloat16", 64, 128, "output", 32, 128).validate()
+
+
+def test_backward_split_configs_validate_and_every_launch_orders_its_arguments():
+    """The states scan reads no queries; the gradient pass takes 64- or 128-row blocks of V; every launch
+    lists inputs, then outputs, then scalars (what a JAX custom call needs), and the library holds each."""
+    from cp_linear.kernels import configs as kcfg
+    from cp_linear.kernels import launch as kl
+
+    kcfg.ChunkScanConfig("bfloat16", 128, 128, "states").validate()
+    with pytest.raises(ValueError, match="mode 'states' reads no queries"):
+        kcfg.ChunkScanConfig("bfloat16", 128, 128, "states", 32).validate()
+    assert kcfg.ChunkReverseScanConfig("bfloat16", 128, 128, 32).rows_per_cta == 64
+    assert kcfg.ChunkReverseScanConfig("bfloat16", 128, 128, 32, 128).rows_per_cta == 128
+    with pytest.raises(ValueError, match="row_block"):
+        kcfg.ChunkReverseScanConfig("bfloat16", 128, 64, 32, 128).validate()
+    for launch in kl.LAUNCHES.values():
+        inputs, outputs, scalars = launch.argument_roles()
+        assert set(outputs) == set(launch.OUTPUTS) and not set(inputs) & set(outputs)
+    assert kl.ChunkReverseScanLaunch.argument_roles()[1] == ("chunk_grads", "grad_in")
+    # the states scan writes [C, H, V·K] rows through the output argument; the output mode [T, H, V]
+    fake = {mode: kl._extent(kcfg.ChunkScanConfig("bfloat16", 128, 64, mode, 0 if mode == "states" else 32),
+                             "scan_output") for mode in ("states", "output")}
+    assert fake == {"states": 128 * 64, "output": 64}
+    library = kcfg.all_configs()
+    for dtype in kcfg.TENSOR_CORE_DTYPES:
+        assert kcfg.ChunkReverseScanConfig(dtype, 128, 128, 32) in library
+        assert kcfg.ChunkScanConfig(dtype, 128, 128, "states", 0, 64, "wgmma" if dtype == "bfloat16" else "sync") \
+            in library
