@@ -122,7 +122,7 @@ class _GradientRowsKernel:
                 index = tidx + j * self.threads
                 s_scalars[index // C, index % C, stage] = scalar_next[j]
             if cutlass.const_expr(store_grads):  # staged, then stored as whole rows after the sync below
-                store_rows(grad, grad_coords, s_out, self.dtype)
+                _mma.stage_accumulator(grad, grad_coords, s_out)
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
             if cutlass.const_expr(store_grads):  # s_out is rewritten after the loop's last sync
@@ -303,14 +303,6 @@ def make_step_rows_mma(dtype, warps: int):
 
 
 @cute.jit
-def store_rows(acc: cute.Tensor, coords: cute.Tensor, dst: cute.Tensor, dtype: cutlass.Constexpr):
-    """Shared ``dst[r, c] = acc`` (rounded to ``dtype``) at each accumulator element's coordinates."""
-    for e in cutlass.range_constexpr(cute.size(acc)):
-        r, c = coords[e]
-        dst[r, c] = acc[e].to(dtype)
-
-
-@cute.jit
 def column_sums(acc: cute.Tensor, coords: cute.Tensor, s_red: cute.Tensor, tidx):
     """Per-column sums of an mma.sync accumulator over the rows a warp holds, in a fixed order
     (deterministic): a thread adds its rows (the (2, 2) atom's row bit and the M tiles), lanes 4
@@ -462,11 +454,11 @@ class ChunkReverseKernel:
             y[e] = d_acc[e] * m1[e]
             m1[e] = m1[e] * s_sc[0, step_coords[e][1]]
         column_sums(y, step_coords, s_red, tidx)  # every warp holds every column: no clearing
-        store_rows(d_acc, step_coords, s_d, dtype)
+        _mma.stage_accumulator(d_acc, step_coords, s_d)
         # dD = M1 diag(b) + dO^T P, staged, then dv^T = dD Tb (written transposed) and Z = dD Ta
         do_t = _mma.SmemOperand(rows_mma, tidx, _mma.transposed_view(s_do, NQ, V), dtype, operand="A", transpose=True)
         _mma.gemm_smem_ab(rows_mma, m1, do_t, _b_operand(rows_mma, tidx, _mma.transposed_view(s_p, NQ, C), dtype, True))
-        store_rows(m1, step_coords, s_dd, dtype)
+        _mma.stage_accumulator(m1, step_coords, s_dd)
         dd_a = _mma.accumulator_as_a(m1, dtype)
         dv_t = cute.make_rmem_tensor(thr.partition_shape_C((V, C)), Float32)
         dv_t.fill(0.0)
@@ -475,7 +467,7 @@ class ChunkReverseKernel:
         z = cute.make_rmem_tensor(thr.partition_shape_C((V, C)), Float32)
         z.fill(0.0)
         _mma.gemm_smem_b(rows_mma, z, dd_a, _b_operand(rows_mma, tidx, _mma.transposed_view(s_ta, C, C), dtype, True))
-        store_rows(z, step_coords, s_z, dtype)
+        _mma.stage_accumulator(z, step_coords, s_z)
         # dd = sum(X * dX) over the stored (rounded) tiles, each thread a strided share
         partial = Float32(0.0)
         for i in cutlass.range_constexpr(V * K // self.threads):

@@ -198,9 +198,7 @@ class ChunkScanKernel:
                     index = tidx + j * self.threads
                     s_scalars[index // C, index % C, stage] = scalar_next[j]
                 if cutlass.const_expr(self.states):
-                    for e in cutlass.range_constexpr(cute.size(state)):
-                        r, c = state_coords[e]
-                        s_out[r, c] = state[e].to(self.dtype)
+                    _mma.stage_accumulator(state, state_coords, s_out)
                 cute.arch.cp_async_wait_group(0)
                 if cutlass.const_expr(self.wgmma):
                     cute.arch.fence_view_async_shared()  # cp.async/st.shared data -> the async proxy of wgmma
