@@ -1,5 +1,6 @@
 """The backward kernels, emulated launch by launch in torch (the CPU oracle of ``chunk_reverse`` and
-``chunk_prep_backward``; the chunk-state recompute is ``chunk_scan`` mode "states", in ``emulation``), rounding to the input dtype where the kernels feed a tensor-core operand.
+``chunk_prep_backward``; the chunk-state recompute is ``chunk_scan`` mode "states", in ``emulation``),
+rounding to the input dtype where the kernels feed a tensor-core operand.
 
 The per-chunk algebra is ``backward_algorithm`` (checked against autograd); this module applies it
 to the launches' buffers and layouts: value rows transposed (dX = dS^T), chunk tables, segments.
@@ -35,6 +36,16 @@ def _chunk_tiles(launch, chunk: int, *, with_values: bool):
                 tb=None if not with_values else launch.tb[chunk].float())
 
 
+def _gamma_step(X, t: dict, do, rnd):
+    """One chunk of the state-gradient recurrence on rows X (``chunk_reverse.gamma_step``): dD = rnd(X) k^T
+    diag(b) + dO^T P, Z = rnd(dD) Ta, X <- d X + dO^T rnd(diag(c) q) - rnd(Z) k; ``do`` holds dO^T rows."""
+    b, c, d = t["sc"][:, 0], t["sc"][:, 1, :t["q"].shape[1]], t["sc"][:, 2, 0]
+    dD = (rnd(X) @ t["k"].transpose(1, 2)) * b[:, None, :] + do @ t["p"]
+    Z = rnd(dD) @ t["ta"]
+    qc = rnd(c[:, :, None] * t["q"])
+    return d[:, None, None] * X + do @ qc - rnd(Z) @ t["k"]
+
+
 def emulate_chunk_gamma(launch) -> None:
     import torch
 
@@ -49,11 +60,7 @@ def emulate_chunk_gamma(launch) -> None:
         for chunk in reversed(range(first_chunk, first_chunk + int(launch.seg_chunks[segment]))):
             t = _chunk_tiles(launch, chunk, with_values=False)
             do = torch.cat([t["do"], torch.zeros(heads, key_dim, t["do"].shape[2])], 1)  # transition rows: no dO
-            b, c, d = t["sc"][:, 0], t["sc"][:, 1, :t["q"].shape[1]], t["sc"][:, 2, 0]
-            dD = (rnd(X) @ t["k"].transpose(1, 2)) * b[:, None, :] + do @ t["p"]
-            Z = rnd(dD) @ t["ta"]
-            qc = rnd(c[:, :, None] * t["q"])
-            X = d[:, None, None] * X + do @ qc - rnd(Z) @ t["k"]
+            X = _gamma_step(X, t, do, rnd)
         launch.summaries[segment] = X
 
 
@@ -65,11 +72,7 @@ def emulate_chunk_reverse_scan(launch) -> None:
         for chunk in reversed(range(first_chunk, first_chunk + int(launch.seg_chunks[segment]))):
             t = _chunk_tiles(launch, chunk, with_values=False)
             launch.chunk_grads[chunk] = dX.to(launch.chunk_grads.dtype)
-            b, c, d = t["sc"][:, 0], t["sc"][:, 1, :t["q"].shape[1]], t["sc"][:, 2, 0]
-            dD = (rnd(dX) @ t["k"].transpose(1, 2)) * b[:, None, :] + t["do"] @ t["p"]
-            Zb = rnd(rnd(dD) @ t["ta"])
-            qc = rnd(c[:, :, None] * t["q"])
-            dX = d[:, None, None] * dX + t["do"] @ qc - Zb @ t["k"]
+            dX = _gamma_step(dX, t, t["do"], rnd)
         launch.grad_in[segment] = dX
 
 
