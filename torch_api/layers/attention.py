@@ -141,7 +141,7 @@ class BlockDiagAttention(StateTableMixin, nn.Module):
         elif error:
             raise ValueError(f"{self.AGREEMENT}: {error}")
         pending = None
-        if not layout.is_cp and self.check_inputs and error is None:  # read once the attention is queued
+        if not layout.is_cp and self.check_inputs:  # read once the attention is queued
             pending = PendingValueChecks(QKV_CHECKS, nonfinite_flags(q, k, v), "BlockDiagAttention")
         o = run_static_attention(q, k, v, layout, kernel=kernel, contain=not self.check_inputs)
         if pending is not None:
