@@ -42,7 +42,9 @@ from tests.torch_api.test_zigzag import (  # noqa: E402
     LOCAL_LEN,
     VALUE_DIM,
     attention_cases,
+    attention_float64,
     attention_inputs,
+    check_attention_layouts,
     decoder_doc_ids,
     decoder_inputs,
     gdp_case_data,
@@ -203,22 +205,12 @@ def run_attention(doc_ids, inputs, world, layout):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_attention_zigzag_matches_contiguous_and_full_sequence(world):
-    from torch_api.attention.naive import naive_blockdiag_attention
-
     tol = tolerance(attention_length(world * LOCAL_LEN, 8))
     for index, (name, doc_ids) in enumerate(attention_cases(world).items()):
         inputs = attention_inputs(index, world * LOCAL_LEN)
-        leaves = [torch.tensor(x, requires_grad=True) for x in inputs[:3]]
-        out = naive_blockdiag_attention(*leaves, torch.from_numpy(doc_ids))  # float64
-        out.backward(torch.tensor(inputs[3]))
-        expected = {"o": out.detach().numpy(), **{f"d{n}": t.grad.numpy() for n, t in zip("qkv", leaves)}}
+        expected = attention_float64(doc_ids, *inputs)
         zigzag, contiguous = (run_attention(doc_ids, inputs, world, layout) for layout in ("zigzag", "contiguous"))
-        padding = doc_ids == 0
-        for key in expected:
-            label = f"{name} (world {world}) {key}"
-            check_close(f"{label} zigzag vs float64", zigzag[key], expected[key], tol)
-            check_close(f"{label} zigzag vs contiguous", zigzag[key], contiguous[key], 2 * tol)
-            assert not np.any(zigzag[key][:, padding]), f"{label}: padding rows must be exactly 0"
+        check_attention_layouts(f"{name} (world {world})", expected, zigzag, contiguous, doc_ids, tol)
 
 
 # --------------------------------------------------------------------------- HybridDecoder

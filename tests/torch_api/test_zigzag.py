@@ -145,6 +145,26 @@ def attention_inputs(seed, total):
     return q, k, v, rng.normal(size=q.shape)
 
 
+def attention_float64(doc_ids, q, k, v, grad_out) -> dict:
+    """The whole sequence's output and q, k, v gradients by the float64 reference."""
+    from torch_api.attention.naive import naive_blockdiag_attention
+
+    leaves = [torch.tensor(x, requires_grad=True) for x in (q, k, v)]
+    out = naive_blockdiag_attention(*leaves, torch.from_numpy(doc_ids))
+    out.backward(torch.tensor(grad_out))
+    return {"o": out.detach().numpy(), **{f"d{n}": t.grad.numpy() for n, t in zip("qkv", leaves)}}
+
+
+def check_attention_layouts(label, expected, zigzag, contiguous, doc_ids, tol):
+    """Zig-zag against float64 and the contiguous layout (global order), padding rows exactly zero."""
+    padding = doc_ids == 0
+    for key in expected:
+        name = f"{label} {key}"
+        check_close(f"{name} zigzag vs float64", zigzag[key], expected[key], tol)
+        check_close(f"{name} zigzag vs contiguous", zigzag[key], contiguous[key], 2 * tol)
+        assert not np.any(zigzag[key][:, padding]), f"{name}: padding rows must be exactly 0"
+
+
 def run_attention_layouts(rank, world, cases):
     from torch_api.attention.blockdiag import blockdiag_attention
 
@@ -167,25 +187,15 @@ def run_attention_layouts(rank, world, cases):
 @pytest.mark.parametrize("world", WORLDS)
 def test_attention_zigzag_matches_contiguous_and_full_sequence(gloo_pools, world):
     from tests.tolerance import attention_length
-    from torch_api.attention.naive import naive_blockdiag_attention
 
     cases = attention_cases(world)
     results = gloo_pools(world).run(run_attention_layouts, cases)
     tol = tolerance(attention_length(world * LOCAL_LEN, 8))
     for index, (name, doc_ids) in enumerate(cases.items()):
-        q, k, v, grad_out = attention_inputs(index, world * LOCAL_LEN)
-        leaves = [torch.tensor(x, requires_grad=True) for x in (q, k, v)]
-        out = naive_blockdiag_attention(*leaves, torch.from_numpy(doc_ids))
-        out.backward(torch.tensor(grad_out))
-        expected = {"o": out.detach().numpy(), **{f"d{n}": t.grad.numpy() for n, t in zip("qkv", leaves)}}
+        expected = attention_float64(doc_ids, *attention_inputs(index, world * LOCAL_LEN))
         zigzag = scatter_to_global([r[index]["zigzag"] for r in results], world, "zigzag", 1)
         contiguous = scatter_to_global([r[index]["contiguous"] for r in results], world, "contiguous", 1)
-        padding = doc_ids == 0
-        for key in expected:
-            label = f"{name} (world {world}) {key}"
-            check_close(f"{label} zigzag vs float64", zigzag[key], expected[key], tol)
-            check_close(f"{label} zigzag vs contiguous", zigzag[key], contiguous[key], 2 * tol)
-            assert not np.any(zigzag[key][:, padding]), f"{label}: padding rows must be exactly 0"
+        check_attention_layouts(f"{name} (world {world})", expected, zigzag, contiguous, doc_ids, tol)
 
 
 def attention_errors(rank, world, mode, layout):
