@@ -192,18 +192,18 @@ def one_device_case(lengths, heads, key_dim, value_dim, n_h, dtype, segment_chun
     check(f"{tag} ours / FLA error ratio", ours / max(theirs, 1e-30), 1.0)
 
 
-def backward_case(lengths, heads, dim, n_h, segment_chunks):
+def backward_case(lengths, heads, dim, n_h, segment_chunks, mma="auto"):
     """The kernel backward stage by stage against its emulation, then every gradient against float64."""
     from cp_linear.kernels import backward_algorithm as ba
     from torch_api import gated_delta_product
 
-    tag = f"[bwd {'+'.join(map(str, lengths))} H{heads} K=V={dim} nh{n_h} seg{segment_chunks}]"
+    tag = f"[bwd {'+'.join(map(str, lengths))} H{heads} K=V={dim} nh{n_h} seg{segment_chunks} {mma}]"
     q, k, v, g, beta = make_inputs(lengths, heads, dim, dim, n_h, torch.bfloat16, seed=7 + n_h)
     cu = torch.tensor(np.cumsum([0] + lengths), dtype=torch.int32, device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(3)
     do = torch.randn(1, sum(lengths), heads, dim, device="cuda", generator=gen).bfloat16()
     dfinal = torch.randn(len(lengths), heads, dim, dim, device="cuda", generator=gen)
-    backend = cutedsl.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=segment_chunks, backward="kernels")
+    backend = cutedsl.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=segment_chunks, backward="kernels", mma=mma)
 
     def grads():
         leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
@@ -346,7 +346,8 @@ def main() -> int:
     for case in cases:
         _guarded(f"{case}", one_device_case, *case)
     if args.backward:
-        for case in (([700, 1300, 64], 2, 128, 2, 4), ([1024], 2, 128, 1, None), ([500, 548], 2, 64, 3, 3)):
+        for case in (([700, 1300, 64], 2, 128, 2, 4), ([1024], 2, 128, 1, None), ([500, 548], 2, 64, 3, 3),
+                     ([999, 1049], 2, 128, 3, 4), ([700, 1300, 64], 2, 128, 2, 4, "sync")):
             _guarded(f"backward {case}", backward_case, *case)
     for layout in () if args.no_cp else ("spanning", "packed", "rows"):
         _guarded(f"CP {layout}", cp_case, layout, 2, torch.bfloat16)

@@ -206,6 +206,21 @@ def wgmma_tile_layout(dtype, rows: int, cols: int, stages: int):
     return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
 
 
+def wgmma_tile(allocator, dtype, rows: int, cols: int) -> cute.Tensor:
+    """A single [rows, cols] shared tile in ``wgmma_tile_layout`` (the swizzle on the pointer, as warpgroup
+    MMA descriptors want it)."""
+    layout = wgmma_tile_layout(dtype, rows, cols, 1)
+    return allocator.allocate_tensor(dtype, layout.outer, 1024, swizzle=layout.inner)[None, None, 0]
+
+
+def wgmma_tile_at(region: cute.Tensor, byte_offset: int, dtype, rows: int, cols: int) -> cute.Tensor:
+    """A [rows, cols] ``wgmma_tile_layout`` tile carved out of the float32 shared ``region`` at
+    ``byte_offset`` (a multiple of 1024): tiles that share memory with a later use of the region."""
+    layout = wgmma_tile_layout(dtype, rows, cols, 1)
+    pointer = cute.recast_ptr(region.iterator + byte_offset // 4, layout.inner, dtype)
+    return cute.make_tensor(pointer, layout.outer)[None, None, 0]
+
+
 def wgmma_transposed_view(tile: cute.Tensor, dtype, rows: int, cols: int, stages: int) -> cute.Tensor:
     """The memory of a ``wgmma_tile_layout(dtype, rows, cols, stages)`` tile indexed [cols, rows, stages],
     as an MN-major operand: the MN-major 128-byte atom, tiled K mode first, maps (c, r) to the offset
@@ -217,15 +232,18 @@ def wgmma_transposed_view(tile: cute.Tensor, dtype, rows: int, cols: int, stages
     return cute.make_tensor(cute.recast_ptr(tile.iterator, layout.inner, dtype), layout.outer)
 
 
-def make_wgmma(dtype, warpgroups: int, n: int, *, a_from_smem: bool = False, b_mn_major: bool = False):
+def make_wgmma(dtype, warpgroups: int, n: int, *, a_from_smem: bool = False, a_mn_major: bool = False,
+               b_mn_major: bool = False):
     """Warpgroup MMA tiled over ``warpgroups`` x 64 rows, N = ``n``: A from registers (K-major) or
-    from shared memory (MN-major), B from shared memory (K-major or MN-major)."""
+    from shared memory (K-major or MN-major), B from shared memory (K-major or MN-major)."""
     from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
+    if a_mn_major and not a_from_smem:
+        raise ValueError("an A operand from registers is K-major")
     op = warpgroup.MmaF16BF16Op(
         dtype, cutlass.Float32, (64, n, 16),
         warpgroup.OperandSource.SMEM if a_from_smem else warpgroup.OperandSource.RMEM,
-        OperandMajorMode.MN if a_from_smem else OperandMajorMode.K,
+        OperandMajorMode.MN if a_mn_major else OperandMajorMode.K,
         OperandMajorMode.MN if b_mn_major else OperandMajorMode.K)
     return cute.make_tiled_mma(cute.make_mma_atom(op), cute.make_layout((warpgroups, 1, 1)))
 

@@ -325,7 +325,7 @@ class _WgmmaProducts:
         self.kernel = kernel
         self.state_mma = _mma.make_wgmma(dtype, groups, K, b_mn_major=True)  # X += A k (k read as k^T)
         self.step_mma = _mma.make_wgmma(dtype, groups, C)  # Y = X k^T, D -= Y Ta^T
-        self.value_mma = _mma.make_wgmma(dtype, groups, C, a_from_smem=True)  # D = v^T Tb^T
+        self.value_mma = _mma.make_wgmma(dtype, groups, C, a_from_smem=True, a_mn_major=True)  # D = v^T Tb^T
         self.state_thr = self.state_mma.get_slice(tidx)
         self.step_thr = self.step_mma.get_slice(tidx)
         value_thr = self.value_mma.get_slice(tidx)

@@ -177,12 +177,17 @@ class ChunkReverseConfig:
     key_dim: int
     value_dim: int
     query_tile: int
+    mma: str = "sync"  # "sync": warp mma.sync (8 warps); "wgmma": two warpgroups (chunk_reverse_wgmma, V = 128)
 
     def validate(self) -> None:
         _check_tensor_core_dtype(self.dtype)
         _check_head_dim("key_dim", self.key_dim)
         _check_head_dim("value_dim", self.value_dim)
         _check_query_tile(self.query_tile)
+        if self.mma not in MMA_KINDS:
+            raise ValueError(f"mma must be one of {MMA_KINDS}; received {self.mma!r}")
+        if self.mma == "wgmma" and self.value_dim != 128:
+            raise ValueError(f"the warpgroup-MMA ChunkReverseKernel needs value_dim 128; received {self.value_dim}")
 
 
 @dataclass(frozen=True)
@@ -244,6 +249,8 @@ def backward_configs() -> list:
                     configs.append(ChunkGammaConfig(dtype, key_dim, value_dim, tile))
                     configs.append(ChunkReverseScanConfig(dtype, key_dim, value_dim, tile))
                     configs.append(ChunkReverseConfig(dtype, key_dim, value_dim, tile))
+                    if value_dim == 128:
+                        configs.append(ChunkReverseConfig(dtype, key_dim, value_dim, tile, "wgmma"))
     return configs
 
 

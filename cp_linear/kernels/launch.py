@@ -226,6 +226,7 @@ class ChunkReverseLaunch(_Launch):
     d_scalars rows: 0 db, 1 dc, 2 dd (column 0), 3 unused."""
 
     KERNEL: ClassVar[str] = "cp_linear.kernels.chunk_reverse:ChunkReverseKernel"
+    KERNEL_WGMMA: ClassVar[str] = "cp_linear.kernels.chunk_reverse_wgmma:ChunkReverseWgmmaKernel"  # config.mma
     OUTPUTS: ClassVar[tuple[str, ...]] = ("dv", "dq_scan", "dk_scan", "d_ta", "d_tb", "d_p", "d_scalars")
     config: cfg.ChunkReverseConfig
     k: Any = _spec(None, None, "key_dim", align=16)
@@ -326,7 +327,10 @@ def fake_arguments(config) -> tuple:
 def kernel_class(config):
     import importlib
 
-    module, name = LAUNCHES[type(config)].KERNEL.split(":")
+    launch = LAUNCHES[type(config)]
+    # a kernel written separately for warpgroup MMAs (other kernels switch inside one class)
+    path = getattr(launch, "KERNEL_WGMMA", launch.KERNEL) if getattr(config, "mma", "sync") == "wgmma" else launch.KERNEL
+    module, name = path.split(":")
     return getattr(importlib.import_module(module), name)
 
 
@@ -350,6 +354,12 @@ def scan_mma(requested: str, dtype: str, key_dim: int, value_dim: int) -> str:
     if requested != "auto":
         return requested
     return "wgmma" if dtype == "bfloat16" and key_dim == value_dim == 128 else "sync"
+
+
+def reverse_mma(requested: str, value_dim: int) -> str:
+    """``ChunkReverseConfig.mma``: the two-warpgroup kernel where it is compiled (V = 128) unless
+    "sync" is requested."""
+    return "wgmma" if requested != "sync" and value_dim == 128 else "sync"
 
 
 def segment_chunks_for(total_chunks_bound: int, heads: int, row_blocks: int, sm_count: int,

@@ -461,7 +461,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
             dict(chunk_grads=(chunks, heads, value_dim, key_dim), grad_in=grad_out.shape),
             dict(num_householder=inputs.num_householder))
         reverse = self._launch(
-            kl.ChunkReverseLaunch, kcfg.ChunkReverseConfig(shard.dtype, key_dim, value_dim, tile),
+            kl.ChunkReverseLaunch,
+            kcfg.ChunkReverseConfig(shard.dtype, key_dim, value_dim, tile, kl.reverse_mma(self.mma, value_dim)),
             dict(k=shard.k, v=shard.v, q=shard.q, do=do, ta=shard.ta, tb=shard.tb, p=shard.p, scalars=shard.scalars,
                  **shard.tables("chunk_first_step", "chunk_steps", "num_chunks"),
                  chunk_states=flat_states.reshape(chunks, heads, value_dim, key_dim), chunk_grads=scan["chunk_grads"]),

@@ -689,7 +689,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         d_p = torch.empty(chunks, heads, tile, 64, **f32)
         d_scalars = torch.empty(chunks, heads, 4, 64, **f32)
         kl.ChunkReverseLaunch(
-            kcfg.ChunkReverseConfig(shard.dtype, key_dim, value_dim, tile),
+            kcfg.ChunkReverseConfig(shard.dtype, key_dim, value_dim, tile, kl.reverse_mma(self.mma, value_dim)),
             k=shard.k, v=shard.v, q=shard.q, do=do, ta=shard.ta, tb=shard.tb, p=shard.p, scalars=shard.scalars,
             chunk_first_step=layout.chunk_first_step, chunk_steps=layout.chunk_steps, num_chunks=layout.num_chunks,
             chunk_states=chunk_states, chunk_grads=chunk_grads, dv=dv, dq_scan=dq_scan, dk_scan=dk_scan, d_ta=d_ta,
