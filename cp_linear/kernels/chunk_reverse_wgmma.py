@@ -93,9 +93,10 @@ class ChunkReverseWgmmaKernel:
         g2s = _mma.make_g2s_copy(self.dtype, self.threads)
         s2g_values = _mma.make_s2g_copy(self.dtype, self.threads, self.value_dim)
         s2g_square = _mma.make_s2g_copy(Float32, WARPGROUP, C)  # one warpgroup's [., 64] float32 outputs
+        s2r_keys = _mma.make_s2g_copy(self.dtype, self.threads, self.key_dim)  # 16-byte reads of [., K] tiles
         self.kernel(k, v, q, do, ta, tb, p, scalars, chunk_first_step, chunk_steps, num_chunks, chunk_states,
                     chunk_grads, dv, dq_scan, dk_scan, d_ta, d_tb, d_p, d_scalars, num_householder, g2s,
-                    s2g_values, s2g_square).launch(
+                    s2g_values, s2g_square, s2r_keys).launch(
             grid=(chunk_first_step.shape[0], k.shape[1], 1), block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
@@ -105,7 +106,7 @@ class ChunkReverseWgmmaKernel:
                chunk_grads: cute.Tensor, dv: cute.Tensor, dq_scan: cute.Tensor, dk_scan: cute.Tensor,
                d_ta: cute.Tensor, d_tb: cute.Tensor, d_p: cute.Tensor, d_scalars: cute.Tensor,
                num_householder: Int32, g2s: cute.TiledCopy, s2g_values: cute.TiledCopy,
-               s2g_square: cute.TiledCopy):
+               s2g_square: cute.TiledCopy, s2r_keys: cute.TiledCopy):
         K, V, NQ, NH, dtype = self.key_dim, self.value_dim, self.query_tile, num_householder, self.dtype
         tidx, _, _ = cute.arch.thread_idx()
         chunk, head, _ = cute.arch.block_idx()
@@ -127,7 +128,8 @@ class ChunkReverseWgmmaKernel:
             first, steps = chunk_first_step[chunk], chunk_steps[chunk]
             self.load(g2s, tidx, chunk, head, k, v, q, do, ta, tb, p, scalars, chunk_states, chunk_grads, first,
                       steps, s, s_sc, NH)
-            self.values_phase(tidx, s, s_sc, s_red, s_stage0, s2g_values, dv, d_scalars, chunk, head, first, steps)
+            self.values_phase(tidx, s, s_sc, s_red, s_stage0, s2g_values, s2r_keys, dv, d_scalars, chunk, head, first,
+                              steps)
             warpgroup = tidx // WARPGROUP
             local = tidx % WARPGROUP
             if warpgroup == 0:
@@ -169,7 +171,8 @@ class ChunkReverseWgmmaKernel:
         return _mma.wgmma_transposed_view(tile, self.dtype, rows, cols, 1)[None, None, 0]
 
     @cute.jit
-    def values_phase(self, tidx, s, s_sc, s_red, s_stage0, s2g_values, dv, d_scalars, chunk, head, first, steps):
+    def values_phase(self, tidx, s, s_sc, s_red, s_stage0, s2g_values, s2r_keys, dv, d_scalars, chunk, head, first,
+                     steps):
         """Rows = value rows (both warpgroups): D (recomputed), M1, dD, dv, Z, the reductions db and dd,
         and D, dD, -Z rounded into shared memory for the steps phase."""
         K, V, NQ, dtype = self.key_dim, self.value_dim, self.query_tile, self.dtype
@@ -208,12 +211,14 @@ class ChunkReverseWgmmaKernel:
         z = _accumulator(thr_a, V, C)
         _mma.wgmma(regs_a_bt, z, dd_a, _operand(thr_r_bt, self._transposed(s["ta"], C, C), "B"), False)
         _mma.stage_accumulator(_scaled(z, -1.0), coords, s["z"])
-        # dd = sum(X * dX) over the stored (rounded) tiles, each thread a strided share
-        partial = Float32(0.0)
-        for i in cutlass.range_constexpr(V * K // self.threads):
-            index = tidx + i * self.threads
-            r, c = index // K, index % K
-            partial = partial + s["x"][r, c].to(Float32) * s["dx"][r, c].to(Float32)
+        # dd = sum(X * dX) over the stored (rounded) tiles, read as 16-byte vectors (the swizzle keeps them whole)
+        thr_rows = s2r_keys.get_slice(tidx)
+        x_part, dx_part = thr_rows.partition_S(s["x"]), thr_rows.partition_S(s["dx"])
+        x_regs, dx_regs = cute.make_fragment_like(x_part), cute.make_fragment_like(dx_part)
+        cute.copy(s2r_keys, x_part, x_regs)
+        cute.copy(s2r_keys, dx_part, dx_regs)
+        products = x_regs.load().to(Float32) * dx_regs.load().to(Float32)
+        partial = products.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
         partial = cute.arch.warp_reduction_sum(partial)
         cute.arch.fence_view_async_shared()  # D, dD, -Z written by threads -> the steps phase's MMAs
         cute.arch.sync_threads()  # db partials, the staged dv and the rounded tiles are complete
