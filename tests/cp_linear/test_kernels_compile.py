@@ -89,3 +89,31 @@ def test_backward_split_configs_validate_and_every_launch_orders_its_arguments()
         assert kcfg.ChunkReverseScanConfig(dtype, 128, 128, 32) in library
         assert kcfg.ChunkScanConfig(dtype, 128, 128, "states", 0, 64, "wgmma" if dtype == "bfloat16" else "sync") \
             in library
+
+
+def test_chunk_reverse_warpgroup_variant_is_chosen_for_value_dim_128_and_maps_to_its_own_kernel():
+    """ChunkReverseConfig.mma "wgmma" (two warpgroups, 64 value rows each) exists only for V = 128: the
+    config refuses other V, ``reverse_mma`` picks it there unless "sync" is asked for, the library holds
+    it for every dtype, K and query tile, and ``kernel_class`` maps it to the separate kernel class."""
+    from cp_linear.kernels import configs as kcfg
+    from cp_linear.kernels import launch as kl
+
+    with pytest.raises(ValueError, match="value_dim 128"):
+        kcfg.ChunkReverseConfig("bfloat16", 128, 64, 32, "wgmma").validate()
+    with pytest.raises(ValueError, match="mma must be one of"):
+        kcfg.ChunkReverseConfig("bfloat16", 128, 128, 32, "tensor").validate()
+    assert [kl.reverse_mma(requested, 128) for requested in ("auto", "wgmma", "sync")] == ["wgmma", "wgmma", "sync"]
+    assert [kl.reverse_mma(requested, 64) for requested in ("auto", "wgmma", "sync")] == ["sync"] * 3
+    library = kcfg.all_configs()
+    wgmma = [c for c in library if isinstance(c, kcfg.ChunkReverseConfig) and c.mma == "wgmma"]
+    assert {(c.dtype, c.key_dim, c.query_tile) for c in wgmma} == {
+        (dtype, key_dim, tile) for dtype in kcfg.TENSOR_CORE_DTYPES for key_dim in kcfg.HEAD_DIMS
+        for tile in kcfg.QUERY_TILES}
+    assert all(c.value_dim == 128 for c in wgmma)
+    # the dispatch (imports the kernel modules, which import CuTeDSL)
+    pytest.importorskip("cutlass")
+    assert kl.kernel_class(kcfg.ChunkReverseConfig("bfloat16", 128, 128, 32, "wgmma")).__name__ == \
+        "ChunkReverseWgmmaKernel"
+    assert kl.kernel_class(kcfg.ChunkReverseConfig("bfloat16", 128, 128, 32)).__name__ == "ChunkReverseKernel"
+    assert kl.kernel_class(kcfg.ChunkScanConfig("bfloat16", 128, 128, "states", 0, 0, "wgmma")).__name__ == \
+        "ChunkScanKernel"
