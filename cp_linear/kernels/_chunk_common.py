@@ -60,9 +60,13 @@ def gate_cumsum(tidx, s_gate: cute.Tensor):
 
 @cute.jit
 def row_norms(tidx, s_k: cute.Tensor, s_q: cute.Tensor, s_f: cute.Tensor, s_fq: cute.Tensor, steps, tokens,
-              use_l2: Int32, key_dim: cutlass.Constexpr):
-    """Threads [0, 64) take the key rows, [64, 128) the query rows; 16-byte reads (the swizzle permutes
-    whole 8-element groups, so a group stays contiguous)."""
+              use_l2: Int32, key_dim: cutlass.Constexpr, threads: cutlass.Constexpr = 2 * C):
+    """Threads [0, 64) take the key rows, [64, 128) the query rows (threads past 128 none); 16-byte reads
+    (the swizzle permutes whole 8-element groups, so a group stays contiguous)."""
+    if cutlass.const_expr(threads > 2 * C):
+        if tidx < 2 * C:
+            row_norms(tidx, s_k, s_q, s_f, s_fq, steps, tokens, use_l2, key_dim)
+        return
     row = tidx % C
     sumsq = Float32(0.0)
     if tidx < C:
@@ -85,8 +89,9 @@ def row_norms(tidx, s_k: cute.Tensor, s_q: cute.Tensor, s_f: cute.Tensor, s_fq: 
 
 
 @cute.jit
-def invert_unit_lower(tidx, s_a: cute.Tensor, s_x: cute.Tensor):
-    """s_x = (I + s_a)^-1 for a strictly lower float32 s_a [64, 64], on all 128 threads, blocked:
+def invert_unit_lower(tidx, s_a: cute.Tensor, s_x: cute.Tensor, threads: cutlass.Constexpr = 2 * C):
+    """s_x = (I + s_a)^-1 for a strictly lower float32 s_a [64, 64], on 128 threads (of ``threads``: the
+    others only meet the barriers), blocked:
 
     1. the four 16 x 16 diagonal blocks by substitution (threads [0, 64), one column each; the
        others zero the upper 16 x 16 blocks (0, 1) and (2, 3));
@@ -97,6 +102,9 @@ def invert_unit_lower(tidx, s_a: cute.Tensor, s_x: cute.Tensor):
     products A_ij X_jj live in the upper 32 x 32 block, which is zeroed at the end. Both tiles need
     rows of a multiple of 4 floats (16-byte vectors). Ends with a barrier.
     """
+    working = True
+    if cutlass.const_expr(threads > 2 * C):
+        working = tidx < 2 * C
     if tidx < C:
         block = tidx // SOLVE_BLOCK
         column = tidx % SOLVE_BLOCK
@@ -110,7 +118,7 @@ def invert_unit_lower(tidx, s_a: cute.Tensor, s_x: cute.Tensor):
             x[r] = total
         for r in cutlass.range_constexpr(SOLVE_BLOCK):
             diag_x[r, column] = x[r]
-    else:
+    elif working:
         for it in cutlass.range_constexpr(2):
             flat = tidx - C + it * C  # [0, 64): block (0, 1); [64, 128): block (2, 3)
             corner = cute.local_tile(s_x, (SOLVE_BLOCK, SOLVE_BLOCK), (2 * (flat // C), 2 * (flat // C) + 1))
@@ -119,27 +127,32 @@ def invert_unit_lower(tidx, s_a: cute.Tensor, s_x: cute.Tensor):
 
     pair = tidx // 64  # the blocks (2 pair + 1, 2 pair); the product in scratch block (pair, 2 + pair)
     lane = tidx % 64
-    product = cute.local_tile(s_x, (SOLVE_BLOCK, SOLVE_BLOCK), (pair, 2 + pair))
-    _block_product(lane, cute.local_tile(s_a, (SOLVE_BLOCK, SOLVE_BLOCK), (2 * pair + 1, 2 * pair)),
-                   cute.local_tile(s_x, (SOLVE_BLOCK, SOLVE_BLOCK), (2 * pair, 2 * pair)), product,
-                   SOLVE_BLOCK, SOLVE_BLOCK, SOLVE_BLOCK, 1, False)
+    product = cute.local_tile(s_x, (SOLVE_BLOCK, SOLVE_BLOCK), (pair % 2, 2 + pair % 2))
+    if working:
+        _block_product(lane, cute.local_tile(s_a, (SOLVE_BLOCK, SOLVE_BLOCK), (2 * pair + 1, 2 * pair)),
+                       cute.local_tile(s_x, (SOLVE_BLOCK, SOLVE_BLOCK), (2 * pair, 2 * pair)), product,
+                       SOLVE_BLOCK, SOLVE_BLOCK, SOLVE_BLOCK, 1, False)
     cute.arch.sync_threads()
-    _block_product(lane, cute.local_tile(s_x, (SOLVE_BLOCK, SOLVE_BLOCK), (2 * pair + 1, 2 * pair + 1)), product,
-                   cute.local_tile(s_x, (SOLVE_BLOCK, SOLVE_BLOCK), (2 * pair + 1, 2 * pair)),
-                   SOLVE_BLOCK, SOLVE_BLOCK, SOLVE_BLOCK, 1, True)
+    if working:
+        _block_product(lane, cute.local_tile(s_x, (SOLVE_BLOCK, SOLVE_BLOCK), (2 * pair + 1, 2 * pair + 1)),
+                       product, cute.local_tile(s_x, (SOLVE_BLOCK, SOLVE_BLOCK), (2 * pair + 1, 2 * pair)),
+                       SOLVE_BLOCK, SOLVE_BLOCK, SOLVE_BLOCK, 1, True)
     cute.arch.sync_threads()
 
     half = C // 2
     scratch = cute.local_tile(s_x, (half, half), (0, 1))
-    _block_product(tidx, cute.local_tile(s_a, (half, half), (1, 0)), cute.local_tile(s_x, (half, half), (0, 0)),
-                   scratch, half, half, half, 2, False)
+    if working:
+        _block_product(tidx, cute.local_tile(s_a, (half, half), (1, 0)), cute.local_tile(s_x, (half, half), (0, 0)),
+                       scratch, half, half, half, 2, False)
     cute.arch.sync_threads()
-    _block_product(tidx, cute.local_tile(s_x, (half, half), (1, 1)), scratch,
-                   cute.local_tile(s_x, (half, half), (1, 0)), half, half, half, 2, True)
+    if working:
+        _block_product(tidx, cute.local_tile(s_x, (half, half), (1, 1)), scratch,
+                       cute.local_tile(s_x, (half, half), (1, 0)), half, half, half, 2, True)
     cute.arch.sync_threads()
-    for it in cutlass.range_constexpr(2):  # the upper 32 x 32 block back to zero: two float4 per thread
-        flat = tidx + it * 128
-        cute.local_tile(scratch, (1, 4), (flat // 8, flat % 8)).fill(0.0)
+    if working:
+        for it in cutlass.range_constexpr(2):  # the upper 32 x 32 block back to zero: two float4 per thread
+            flat = tidx + it * 128
+            cute.local_tile(scratch, (1, 4), (flat // 8, flat % 8)).fill(0.0)
     cute.arch.sync_threads()
 
 

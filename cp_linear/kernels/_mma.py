@@ -36,6 +36,12 @@ def make_tiled_mma(dtype, warps: int):
                                permutation_mnk=(warps * 16, 16, 16))
 
 
+def make_step_rows_mma(dtype, warps: int):
+    """mma.sync tiled over 64 rows (steps) by 4 warps, the other warps splitting N."""
+    return cute.make_tiled_mma(warp.MmaF16BF16Op(dtype, cutlass.Float32, (16, 8, 16)), (4, warps // 4, 1),
+                               permutation_mnk=(64, 16, 16))
+
+
 def make_g2s_copy(dtype, threads: int):
     """cp.async of 16-byte vectors; 8 threads cover one 64-element row."""
     elems = COPY_BITS // dtype.width

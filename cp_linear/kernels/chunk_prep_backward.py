@@ -1,4 +1,4 @@
-"""The backward of ``chunk_prep``, one CTA of 4 warps per (chunk, head), float32 values throughout.
+"""The backward of ``chunk_prep``, one CTA of 8 warps per (chunk, head), float32 values throughout.
 
 From the gradients of the prep outputs (``chunk_reverse`` wrote them: dTa, dTb [64, 64], dP
 [NQ, 64], and db, dc, dd) it recomputes the chunk's forward quantities (G, f, fq, Gram = k k^T and
@@ -16,6 +16,9 @@ on bf16 tensor cores with float32 operands split into bf16 halves (``_mma.gemm_f
 ``gemm_f32_by_16bit``: relative error ~2^-16, deterministic); dTa, dTb and dP are staged in shared
 memory by 16-byte ``cp.async`` (the first two while the inverse runs), so no loop waits on a global
 load. Code that runs once per CTA is kept short (rolled loops): the kernel was instruction-fetch bound.
+Eight warps (two CTAs per SM at <= 128 registers) rather than four: the kernel is latency-bound (ncu at 4
+warps: no eligible warp in 64 % of cycles); the products split their columns over warp pairs, and the
+per-row / per-column loops of steps 4 and 5 split their terms (even / odd) over two threads.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from cp_linear.kernels._common import cutlass_dtype, smem_vector, zero_unless
 from cp_linear.kernels.configs import CHUNK_SIZE, ChunkPrepBackwardConfig
 
 C = CHUNK_SIZE
-WARPS = 4
+WARPS = 8
 THREADS = 32 * WARPS
 PITCH = C + 4
 
@@ -56,8 +59,9 @@ class ChunkPrepBackwardKernel:
                  dq: cute.Tensor, dk: cute.Tensor,  # (out) input dtype: the final gradients
                  dg: cute.Tensor, dbeta: cute.Tensor,  # (out) [T_all, H], [S_all, H] float32
                  scale: Float32, use_l2: Int32, num_householder: Int32, stream):
-        tiled_mma = _mma.make_tiled_mma(self.dtype, WARPS)
-        split_mma = _mma.make_tiled_mma(cutlass.BFloat16, WARPS)
+        # 64-row products: 4 warps along the rows, 2 along the columns
+        tiled_mma = _mma.make_step_rows_mma(self.dtype, WARPS)
+        split_mma = _mma.make_step_rows_mma(cutlass.BFloat16, WARPS)
         g2s = _mma.make_g2s_copy(self.dtype, THREADS)
         g2s_f32 = _mma.make_g2s_copy(Float32, THREADS)
         s2g = _mma.make_s2g_copy(self.dtype, THREADS, self.key_dim)
@@ -90,6 +94,9 @@ class ChunkPrepBackwardKernel:
         s_dbeta, s_df, s_dg, s_dfq = (smem_vector(allocator, C) for _ in range(4))
         s_row_s, s_row_w, s_col_s, s_col_w = (smem_vector(allocator, C) for _ in range(4))
         s_col_p, s_col_u, s_row_u = (smem_vector(allocator, C) for _ in range(3))
+        # the same sums' other halves: threads [128, 256) take every other term of a row's or column's loop
+        s_row_s2, s_row_w2, s_col_s2, s_col_w2 = (smem_vector(allocator, C) for _ in range(4))
+        s_col_p2, s_col_u2, s_row_u2, s_dfq2 = (smem_vector(allocator, C) for _ in range(4))
         s_sum = smem_vector(allocator, 2)
         s_scalars = allocator.allocate_tensor(Float32, cute.make_layout((4, C), stride=(C, 1)), 16)  # db, dc, dd
 
@@ -109,7 +116,7 @@ class ChunkPrepBackwardKernel:
                 flat = tidx + n * THREADS
                 s_scalars[flat // C, flat % C] = d_scalars[chunk, head, flat // C, flat % C]
             chunk_common.gate_cumsum(tidx, s_gate)
-            chunk_common.row_norms(tidx, s_k, s_q, s_f, s_fq, steps, tokens, use_l2, K)
+            chunk_common.row_norms(tidx, s_k, s_q, s_f, s_fq, steps, tokens, use_l2, K, THREADS)
             cute.arch.sync_threads()
 
             # 1. A = strictly lower beta_i f_i f_j E_ij Gram_ij (Gram = k k^T, then scaled in place by a rolled
@@ -123,7 +130,7 @@ class ChunkPrepBackwardKernel:
                 scaled = s_beta[i] * s_f[i] * s_f[j] * cute.math.exp(s_gate[i] - s_gate[j]) * s_a[i, j]
                 s_a[i, j] = zero_unless(j < i, scaled)
             cute.arch.sync_threads()
-            chunk_common.invert_unit_lower(tidx, s_a, s_t)
+            chunk_common.invert_unit_lower(tidx, s_a, s_t, THREADS)
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
 
@@ -153,29 +160,42 @@ class ChunkPrepBackwardKernel:
             self.store_raw_product(tiled_mma, tidx, s_k, s_k, s_t)  # Gram (T is consumed)
             cute.arch.sync_threads()
 
-            # 4. through A: rows (threads 0-63) and columns (64-127) of S = dA E Gram and W = dA A;
-            #    the symmetric dGram + dGram^T into s_m1
+            # 4. through A: rows (threads 0-63) and columns (64-127) of S = dA E Gram and W = dA A, half the
+            #    terms each; threads 128-255 the other half of the same lines. A row's terms start at a
+            #    rotated index (with a row pitch of 68 words, lanes reading one column of 32 rows hit 8
+            #    banks: 4-way conflicts). The symmetric dGram + dGram^T into s_m1
             line = tidx % C
+            parity = (tidx // (2 * C)) % 2
             sum_s = Float32(0.0)
             sum_w = Float32(0.0)
-            if tidx < C:
-                for j in cutlass.range(C, unroll=4):
+            if tidx % (2 * C) < C:
+                for jj in cutlass.range(C // 2, unroll=4):
+                    j = (C // 2) * parity + (jj + line) % (C // 2)  # rotated: lanes hit distinct banks
                     if j < line:
                         grad_a = s_work[line, j]
                         s_ij = grad_a * cute.math.exp(s_gate[line] - s_gate[j]) * s_t[line, j]
                         sum_s = sum_s + s_ij * s_f[j]
                         sum_w = sum_w + grad_a * s_a[line, j]
-                s_row_s[line] = sum_s
-                s_row_w[line] = sum_w
+                if parity == 0:
+                    s_row_s[line] = sum_s
+                    s_row_w[line] = sum_w
+                else:
+                    s_row_s2[line] = sum_s
+                    s_row_w2[line] = sum_w
             else:
-                for i in cutlass.range(C, unroll=4):
+                for ii in cutlass.range(C // 2, unroll=4):
+                    i = 2 * ii + parity
                     if i > line:
                         grad_a = s_work[i, line]
                         s_ij = grad_a * cute.math.exp(s_gate[i] - s_gate[line]) * s_t[i, line]
                         sum_s = sum_s + s_ij * s_beta[i] * s_f[i]
                         sum_w = sum_w + grad_a * s_a[i, line]
-                s_col_s[line] = sum_s
-                s_col_w[line] = sum_w
+                if parity == 0:
+                    s_col_s[line] = sum_s
+                    s_col_w[line] = sum_w
+                else:
+                    s_col_s2[line] = sum_s
+                    s_col_w2[line] = sum_w
             for n in cutlass.range(C * C // THREADS, unroll=2):
                 flat = tidx + n * THREADS
                 i = flat // C
@@ -197,13 +217,14 @@ class ChunkPrepBackwardKernel:
             self.store_raw_product(tiled_mma, tidx, s_q, s_k, s_t)
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
-            if tidx < C:
-                t = tidx
+            if tidx % (2 * C) < C:  # token rows t: steps [0, 32) here, [32, 64) on threads 128-191
+                t = line
                 row_ok = t < tokens
                 last = cutlass.min(t * NH + NH - 1, C - 1)
                 dfq_t = Float32(0.0)
                 u_t = Float32(0.0)
-                for j in cutlass.range(C, unroll=4):
+                for jj in cutlass.range(C // 2, unroll=4):
+                    j = (C // 2) * parity + (jj + t) % (C // 2)  # rotated, as in step 4
                     keep = row_ok & (j <= last)
                     decay = cute.math.exp(s_gate[last] - s_gate[j])
                     grad_p = s_work[t, j]
@@ -211,21 +232,30 @@ class ChunkPrepBackwardKernel:
                     dfq_t = dfq_t + zero_unless(keep, grad_p * base * s_f[j])
                     u_t = u_t + zero_unless(keep, grad_p * base * s_fq[t] * s_f[j])
                     s_a[t, j] = zero_unless(keep, grad_p * scale * s_fq[t] * s_f[j] * decay)
-                s_dfq[t] = dfq_t
-                s_row_u[t] = u_t
-            else:
+                if parity == 0:
+                    s_dfq[t] = dfq_t
+                    s_row_u[t] = u_t
+                else:
+                    s_dfq2[t] = dfq_t
+                    s_row_u2[t] = u_t
+            else:  # step columns j: even tokens here, odd ones on threads 192-255
                 j = line
                 col_p = Float32(0.0)
                 col_u = Float32(0.0)
-                for t in cutlass.range(NQ, unroll=4):
+                for tt in cutlass.range(NQ // 2, unroll=4):
+                    t = 2 * tt + parity
                     last = cutlass.min(t * NH + NH - 1, C - 1)
                     keep = (t < tokens) & (j <= last)
                     grad_p = s_work[t, j]
                     base = scale * cute.math.exp(s_gate[last] - s_gate[j]) * s_t[t, j]
                     col_p = col_p + zero_unless(keep, grad_p * base * s_fq[t])
                     col_u = col_u + zero_unless(keep, grad_p * base * s_fq[t] * s_f[j])
-                s_col_p[j] = col_p
-                s_col_u[j] = col_u
+                if parity == 0:
+                    s_col_p[j] = col_p
+                    s_col_u[j] = col_u
+                else:
+                    s_col_p2[j] = col_p
+                    s_col_u2[j] = col_u
             cute.arch.sync_threads()
 
             # 6. assemble df, dbeta, dG per step and dfq per token; dg = reverse cumsum of dG
@@ -234,22 +264,24 @@ class ChunkPrepBackwardKernel:
                 j = tidx
                 grad_b = s_scalars[0, j]
                 b_j = s_f[j] * cute.math.exp(gate_last - s_gate[j])
-                s_df[j] = s_df[j] + s_beta[j] * s_row_s[j] + s_col_s[j] + s_col_p[j] + \
+                row_s = s_row_s[j] + s_row_s2[j]
+                s_df[j] = s_df[j] + s_beta[j] * row_s + (s_col_s[j] + s_col_s2[j]) + (s_col_p[j] + s_col_p2[j]) + \
                     grad_b * cute.math.exp(gate_last - s_gate[j])
-                s_dbeta[j] = s_dbeta[j] + s_f[j] * s_row_s[j]
-                grad_g = s_dg[j] + s_row_w[j] - s_col_w[j] - s_col_u[j] - grad_b * b_j
+                s_dbeta[j] = s_dbeta[j] + s_f[j] * row_s
+                grad_g = s_dg[j] + (s_row_w[j] + s_row_w2[j]) - (s_col_w[j] + s_col_w2[j]) - \
+                    (s_col_u[j] + s_col_u2[j]) - grad_b * b_j
                 if j % NH == NH - 1:  # token j // n_h ends here: its P rows and c read exp(G_j)
                     t = j // NH
                     if t < tokens:
                         c_t = scale * s_fq[t] * cute.math.exp(s_gate[j])
-                        grad_g = grad_g + s_row_u[t] + s_scalars[1, t] * c_t
+                        grad_g = grad_g + (s_row_u[t] + s_row_u2[t]) + s_scalars[1, t] * c_t
                 s_dg[j] = grad_g
                 bb = cute.arch.warp_reduction_sum(grad_b * b_j)
                 if tidx % 32 == 0:
                     s_sum[tidx // 32] = bb
             elif tidx < C + NQ:
                 t = tidx - C
-                s_dfq[t] = s_dfq[t] + s_scalars[1, t] * scale * cute.math.exp(s_gate[t * NH + NH - 1])
+                s_dfq[t] = s_dfq[t] + s_dfq2[t] + s_scalars[1, t] * scale * cute.math.exp(s_gate[t * NH + NH - 1])
             cute.arch.sync_threads()
             if tidx == 0:
                 s_dg[last_step] = s_dg[last_step] + s_sum[0] + s_sum[1] + \

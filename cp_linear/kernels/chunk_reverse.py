@@ -294,14 +294,6 @@ def gamma_step(tiled_mma, tidx, grad: cute.Tensor, step_coords: cute.Tensor, s_s
     _mma.gemm_smem_b(tiled_mma, grad, minus_z, _b_operand(tiled_mma, tidx, _mma.transposed_view(s_k, C, K), dtype, True))
 
 
-def make_step_rows_mma(dtype, warps: int):
-    """mma.sync tiled over 64 rows (steps) by 4 warps, the other warps splitting N."""
-    from cutlass.cute.nvgpu import warp
-
-    return cute.make_tiled_mma(warp.MmaF16BF16Op(dtype, Float32, (16, 8, 16)), (4, warps // 4, 1),
-                               permutation_mnk=(64, 16, 16))
-
-
 @cute.jit
 def column_sums(acc: cute.Tensor, coords: cute.Tensor, s_red: cute.Tensor, tidx):
     """Per-column sums of an mma.sync accumulator over the rows a warp holds, in a fixed order
@@ -357,7 +349,7 @@ class ChunkReverseKernel:
                  d_scalars: cute.Tensor,  # [C_max, H, 4, 64] float32 (out): db, dc, dd
                  num_householder: Int32, stream):
         rows_mma = _mma.make_tiled_mma(self.dtype, self.warps)
-        steps_mma = make_step_rows_mma(self.dtype, self.warps)
+        steps_mma = _mma.make_step_rows_mma(self.dtype, self.warps)
         g2s = _mma.make_g2s_copy(self.dtype, self.threads)
         # the outputs leave through a shared staging tile as 16-byte rows
         stores = dict(square=_mma.make_s2g_copy(Float32, self.threads, C),
