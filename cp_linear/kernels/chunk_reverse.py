@@ -61,6 +61,7 @@ class _GradientRowsKernel:
         self.rows = rows
         self.warps = self.rows // 16
         self.threads = 32 * self.warps
+        self.wgmma = config.mma == "wgmma"
 
     @cute.jit
     def load_chunk(self, g2s, tidx, chunk, head, value_col, is_value_rows, k, q, do, ta, p, chunk_first_step,
@@ -86,13 +87,21 @@ class _GradientRowsKernel:
         """The staged shared tiles of k, q, dO, Ta, P, the scalars, Qc (and the gradient's staging)."""
         K, R, NQ = self.key_dim, self.rows, self.query_tile
         allocator = cutlass.utils.SmemAllocator()
+        if cutlass.const_expr(self.wgmma):  # the layout warpgroup MMAs read, the swizzle on the pointer
+            def staged(rows, cols):
+                layout = _mma.wgmma_tile_layout(self.dtype, rows, cols, STAGES)
+                return allocator.allocate_tensor(self.dtype, layout.outer, 1024, swizzle=layout.inner)
+            qc = _mma.wgmma_tile(allocator, self.dtype, NQ, K)
+        else:
+            staged = lambda rows, cols: allocator.allocate_tensor(self.dtype, _staged(rows, cols), 128)  # noqa: E731
+            qc = allocator.allocate_tensor(self.dtype, _mma.smem_tile_layout(NQ, K), 128)
         return dict(
-            s_k_all=allocator.allocate_tensor(self.dtype, _staged(C, K), 128),
-            s_q_all=allocator.allocate_tensor(self.dtype, _staged(NQ, K), 128),
-            s_qc=allocator.allocate_tensor(self.dtype, _mma.smem_tile_layout(NQ, K), 128),
-            s_do_all=allocator.allocate_tensor(self.dtype, _staged(NQ, R), 128),
-            s_ta_all=allocator.allocate_tensor(self.dtype, _staged(C, C), 128),
-            s_p_all=allocator.allocate_tensor(self.dtype, _staged(NQ, C), 128),
+            s_k_all=staged(C, K),
+            s_q_all=staged(NQ, K),
+            s_qc=qc,
+            s_do_all=staged(NQ, R),
+            s_ta_all=staged(C, C),
+            s_p_all=staged(NQ, C),
             s_scalars=allocator.allocate_tensor(Float32, cute.make_layout((4, C, STAGES), stride=(C, 1, 4 * C)), 16),
             # the gradient rows on their way to chunk_grads (only the reverse scan stores them)
             s_out=allocator.allocate_tensor(self.dtype, _mma.smem_tile_layout(R, K), 128) if stores_grads else None)
@@ -105,7 +114,7 @@ class _GradientRowsKernel:
         """grad <- the segment's chunks applied in reverse; with ``store_grads``, rnd(grad) at each
         chunk's end goes to ``chunk_grads[chunk, head, row0 + r]`` first."""
         K, R, NQ, NH = self.key_dim, self.rows, self.query_tile, num_householder
-        step_coords = tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((R, C)))
+        step_coords = self.coordinates(tiled_mma, tidx, C)
         last_chunk = first_chunk + chunk_count - 1
         self.load_chunk(g2s, tidx, last_chunk, head, value_col, is_value_rows, k, q, do, ta, p,
                         chunk_first_step, chunk_steps, s_k_all[None, None, 0], s_q_all[None, None, 0],
@@ -124,6 +133,8 @@ class _GradientRowsKernel:
             if cutlass.const_expr(store_grads):  # staged, then stored as whole rows after the sync below
                 _mma.stage_accumulator(grad, grad_coords, s_out)
             cute.arch.cp_async_wait_group(0)
+            if cutlass.const_expr(self.wgmma):
+                cute.arch.fence_view_async_shared()  # cp.async data -> the tensor cores' reads
             cute.arch.sync_threads()
             if cutlass.const_expr(store_grads):  # s_out is rewritten after the loop's last sync
                 _mma.copy_tile_s2g(s2g, tidx, s_out, cute.local_tile(chunk_grads[chunk, head, None, None], (R, K),
@@ -140,11 +151,31 @@ class _GradientRowsKernel:
             s_sc = s_scalars[None, None, stage]
             scale_rows_into(s_q_all[None, None, stage], s_qc, s_sc[1, None], tidx, self.threads, NQ, K,
                             self.dtype)
+            if cutlass.const_expr(self.wgmma):
+                cute.arch.fence_view_async_shared()  # Qc written by threads -> the tensor cores' reads
             cute.arch.sync_threads()
-            gamma_step(tiled_mma, tidx, grad, step_coords, s_sc, s_k_all[None, None, stage],
-                       s_do_all[None, None, stage], s_ta_all[None, None, stage], s_p_all[None, None, stage],
-                       s_qc, self.dtype, R, K, NQ)
+            step = gamma_step_wgmma if cutlass.const_expr(self.wgmma) else gamma_step
+            step(tiled_mma, tidx, grad, step_coords, s_sc, s_k_all[None, None, stage], s_do_all[None, None, stage],
+                 s_ta_all[None, None, stage], s_p_all[None, None, stage], s_qc, self.dtype, R, K, NQ)
             cute.arch.sync_threads()  # s_qc is rewritten by the next chunk
+
+    def coordinates(self, tiled_mma, tidx, cols: int) -> cute.Tensor:
+        """(row, column) of each accumulator element of an [R, cols] product (the C layout of either family)."""
+        if cutlass.const_expr(self.wgmma):
+            thr = _mma.make_wgmma(self.dtype, self.rows // 64, cols).get_slice(tidx)
+        else:
+            thr = tiled_mma.get_slice(tidx)
+        return thr.partition_C(cute.make_identity_tensor((self.rows, cols)))
+
+    def gradient(self, tiled_mma, tidx):
+        """The float32 gradient rows [R, K] as an accumulator (uninitialised) and their coordinates."""
+        if cutlass.const_expr(self.wgmma):
+            thr = _mma.make_wgmma(self.dtype, self.rows // 64, self.key_dim).get_slice(tidx)
+            grad = thr.make_fragment_C(thr.partition_shape_C((self.rows, self.key_dim)))
+        else:
+            grad = cute.make_rmem_tensor(tiled_mma.get_slice(tidx).partition_shape_C((self.rows, self.key_dim)),
+                                         Float32)
+        return grad, self.coordinates(tiled_mma, tidx, self.key_dim)
 
 
 class ChunkGammaKernel(_GradientRowsKernel):
@@ -188,9 +219,7 @@ class ChunkGammaKernel(_GradientRowsKernel):
             row0 = row_block * R
             is_value_rows = row0 < V
             value_col = cute.assume(cutlass.min(row0, V - R), divby=64)
-            thr_mma = tiled_mma.get_slice(tidx)
-            grad = cute.make_rmem_tensor(thr_mma.partition_shape_C((R, K)), Float32)
-            grad_coords = thr_mma.partition_C(cute.make_identity_tensor((R, K)))
+            grad, grad_coords = self.gradient(tiled_mma, tidx)
             for e in cutlass.range_constexpr(cute.size(grad)):
                 r, c = grad_coords[e]
                 grad[e] = Float32(0.0)
@@ -247,9 +276,7 @@ class ChunkReverseScanKernel(_GradientRowsKernel):
         if segment < num_segments[0]:
             row0 = row_block * R
             value_col = cute.assume(row0, divby=64)
-            thr_mma = tiled_mma.get_slice(tidx)
-            grad = cute.make_rmem_tensor(thr_mma.partition_shape_C((R, K)), Float32)
-            grad_coords = thr_mma.partition_C(cute.make_identity_tensor((R, K)))
+            grad, grad_coords = self.gradient(tiled_mma, tidx)
             for e in cutlass.range_constexpr(cute.size(grad)):
                 r, c = grad_coords[e]
                 grad[e] = grad_out[segment, head, row0 + r, c]
@@ -292,6 +319,50 @@ def gamma_step(tiled_mma, tidx, grad: cute.Tensor, step_coords: cute.Tensor, s_s
     _mma.gemm_smem_ab(tiled_mma, grad, do_t2, _b_operand(tiled_mma, tidx, _mma.transposed_view(s_qc, NQ, K), dtype, True))
     minus_z = _scaled_as_a(z, lambda e: Float32(-1.0), dtype)
     _mma.gemm_smem_b(tiled_mma, grad, minus_z, _b_operand(tiled_mma, tidx, _mma.transposed_view(s_k, C, K), dtype, True))
+
+
+@cute.jit
+def _descriptor(thr, tile: cute.Tensor, operand: str) -> cute.Tensor:
+    """The warpgroup-MMA fragment (shared-memory descriptors) of ``tile`` as operand A or B of ``thr``."""
+    return thr.make_fragment_A(thr.partition_A(tile)) if operand == "A" else thr.make_fragment_B(thr.partition_B(tile))
+
+
+@cute.jit
+def gamma_step_wgmma(tiled_mma, tidx, grad: cute.Tensor, step_coords: cute.Tensor, s_sc: cute.Tensor,
+                     s_k: cute.Tensor, s_do: cute.Tensor, s_ta: cute.Tensor, s_p: cute.Tensor, s_qc: cute.Tensor,
+                     dtype: cutlass.Constexpr, R: cutlass.Constexpr, K: cutlass.Constexpr, NQ: cutlass.Constexpr):
+    """``gamma_step`` on warpgroup MMAs (``tiled_mma`` unused): B operands, and dO^T as A, read by the tensor
+    cores from the ``wgmma_tile_layout`` tiles; tiles needed transposed are read MN-major."""
+    groups = R // 64
+    transposed = lambda tile, rows, cols: _mma.wgmma_transposed_view(tile, dtype, rows, cols, 1)[None, None, 0]  # noqa: E731
+    by_step = _mma.make_wgmma(dtype, groups, C)  # delta = grad k^T
+    do_p = _mma.make_wgmma(dtype, groups, C, a_from_smem=True, a_mn_major=True, b_mn_major=True)  # += dO^T P
+    by_ta = _mma.make_wgmma(dtype, groups, C, b_mn_major=True)  # Z = delta Ta
+    do_qc = _mma.make_wgmma(dtype, groups, K, a_from_smem=True, a_mn_major=True, b_mn_major=True)  # += dO^T Qc
+    by_k = _mma.make_wgmma(dtype, groups, K, b_mn_major=True)  # -= Z k
+    thr_step, thr_do_p, thr_ta = by_step.get_slice(tidx), do_p.get_slice(tidx), by_ta.get_slice(tidx)
+    thr_do_qc, thr_k = do_qc.get_slice(tidx), by_k.get_slice(tidx)
+    do_t = transposed(s_do, NQ, R)
+    delta = thr_step.make_fragment_C(thr_step.partition_shape_C((R, C)))
+    _mma.wgmma(by_step, delta, _mma.accumulator_as_wgmma_a(grad, by_step, dtype), _descriptor(thr_step, s_k, "B"),
+               False)
+    for e in cutlass.range_constexpr(cute.size(delta)):
+        delta[e] = delta[e] * s_sc[0, step_coords[e][1]]
+    _mma.wgmma(do_p, delta, _descriptor(thr_do_p, do_t, "A"), _descriptor(thr_do_p, transposed(s_p, NQ, C), "B"),
+               True)
+    z = thr_step.make_fragment_C(thr_step.partition_shape_C((R, C)))
+    _mma.wgmma(by_ta, z, _mma.accumulator_as_wgmma_a(delta, by_ta, dtype),
+               _descriptor(thr_ta, transposed(s_ta, C, C), "B"), False)
+    decay = s_sc[2, 0]
+    for e in cutlass.range_constexpr(cute.size(grad)):
+        grad[e] = grad[e] * decay
+    _mma.wgmma(do_qc, grad, _descriptor(thr_do_qc, do_t, "A"), _descriptor(thr_do_qc, transposed(s_qc, NQ, K), "B"),
+               True)
+    minus_z = cute.make_fragment_like(z, Float32)
+    for e in cutlass.range_constexpr(cute.size(z)):
+        minus_z[e] = -z[e]
+    _mma.wgmma(by_k, grad, _mma.accumulator_as_wgmma_a(minus_z, by_k, dtype),
+               _descriptor(thr_k, transposed(s_k, C, K), "B"), True)
 
 
 @cute.jit

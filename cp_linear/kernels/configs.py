@@ -43,6 +43,11 @@ def _check_tensor_core_dtype(dtype: str) -> None:
         raise ValueError(f"dtype must be one of {TENSOR_CORE_DTYPES}; received {dtype!r}")
 
 
+def _check_mma(value: str) -> None:
+    if value not in MMA_KINDS:
+        raise ValueError(f"mma must be one of {MMA_KINDS}; received {value!r}")
+
+
 def _check_query_tile(value: int) -> None:
     if value not in QUERY_TILES:
         raise ValueError(f"query_tile must be one of {QUERY_TILES}; received {value}")
@@ -130,6 +135,7 @@ class ChunkGammaConfig:
     key_dim: int
     value_dim: int
     query_tile: int
+    mma: str = "sync"  # "sync": warp mma.sync; "wgmma": Hopper warpgroup MMAs (``gamma_step_wgmma``)
 
     @property
     def rows_per_cta(self) -> int:
@@ -140,6 +146,7 @@ class ChunkGammaConfig:
         _check_head_dim("key_dim", self.key_dim)
         _check_head_dim("value_dim", self.value_dim)
         _check_query_tile(self.query_tile)
+        _check_mma(self.mma)
 
 
 @dataclass(frozen=True)
@@ -153,6 +160,7 @@ class ChunkReverseScanConfig:
     value_dim: int
     query_tile: int
     row_block: int = 0  # gradient rows per CTA (16 per warp); 0: 64
+    mma: str = "sync"  # as ChunkGammaConfig.mma
 
     @property
     def rows_per_cta(self) -> int:
@@ -163,6 +171,7 @@ class ChunkReverseScanConfig:
         _check_head_dim("key_dim", self.key_dim)
         _check_head_dim("value_dim", self.value_dim)
         _check_query_tile(self.query_tile)
+        _check_mma(self.mma)
         if self.row_block not in (0, 64, 128) or self.row_block > self.value_dim:
             raise ValueError(f"row_block must be 0 (auto), 64 or 128 and at most V; received {self.row_block}")
 
@@ -184,8 +193,7 @@ class ChunkReverseConfig:
         _check_head_dim("key_dim", self.key_dim)
         _check_head_dim("value_dim", self.value_dim)
         _check_query_tile(self.query_tile)
-        if self.mma not in MMA_KINDS:
-            raise ValueError(f"mma must be one of {MMA_KINDS}; received {self.mma!r}")
+        _check_mma(self.mma)
         if self.mma == "wgmma" and self.value_dim != 128:
             raise ValueError(f"the warpgroup-MMA ChunkReverseKernel needs value_dim 128; received {self.value_dim}")
 
@@ -246,8 +254,9 @@ def backward_configs() -> list:
             for tile in QUERY_TILES:
                 configs.append(ChunkPrepBackwardConfig(dtype, key_dim, tile))
                 for value_dim in HEAD_DIMS:
-                    configs.append(ChunkGammaConfig(dtype, key_dim, value_dim, tile))
-                    configs.append(ChunkReverseScanConfig(dtype, key_dim, value_dim, tile))
+                    for mma in MMA_KINDS:
+                        configs.append(ChunkGammaConfig(dtype, key_dim, value_dim, tile, mma))
+                        configs.append(ChunkReverseScanConfig(dtype, key_dim, value_dim, tile, 0, mma))
                     configs.append(ChunkReverseConfig(dtype, key_dim, value_dim, tile))
                     if value_dim == 128:
                         configs.append(ChunkReverseConfig(dtype, key_dim, value_dim, tile, "wgmma"))

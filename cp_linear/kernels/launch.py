@@ -362,6 +362,12 @@ def reverse_mma(requested: str, value_dim: int) -> str:
     return "wgmma" if requested != "sync" and value_dim == 128 else "sync"
 
 
+def gradient_rows_mma(requested: str) -> str:
+    """``ChunkGammaConfig.mma`` and ``ChunkReverseScanConfig.mma``: warpgroup MMAs (compiled for every
+    config) unless "sync" is requested."""
+    return "sync" if requested == "sync" else "wgmma"
+
+
 def segment_chunks_for(total_chunks_bound: int, heads: int, row_blocks: int, sm_count: int,
                        *, ctas_per_sm: float = 2, min_chunks: int = 8) -> int:
     """Chunks per segment so that the output pass has about ``ctas_per_sm`` CTAs per SM when one

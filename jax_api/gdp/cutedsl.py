@@ -437,7 +437,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
         """chunk_gamma -> backward summaries [S_max, H, V + K, K] of the segments in ``seg_grad_flags``."""
         layout = shard.layout
         out = self._launch(
-            kl.ChunkGammaLaunch, kcfg.ChunkGammaConfig(shard.dtype, shard.key_dim, shard.value_dim, shard.query_tile),
+            kl.ChunkGammaLaunch, kcfg.ChunkGammaConfig(shard.dtype, shard.key_dim, shard.value_dim, shard.query_tile,
+                                                       kl.gradient_rows_mma(self.mma)),
             dict(k=shard.k, q=shard.q, do=do, ta=shard.ta, p=shard.p, scalars=shard.scalars,
                  **shard.tables("chunk_first_step", "chunk_steps", "seg_first_chunk", "seg_chunks"),
                  seg_flags=layout.seg_grad_flags, num_segments=layout.num_segments),
@@ -454,7 +455,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
         _, flat_states = self._scan(shard, "states", state_in=incoming, state_rows=value_dim,
                                     o_shape=(chunks, heads, value_dim * key_dim))
         scan = self._launch(
-            kl.ChunkReverseScanLaunch, kcfg.ChunkReverseScanConfig(shard.dtype, key_dim, value_dim, tile),
+            kl.ChunkReverseScanLaunch,
+            kcfg.ChunkReverseScanConfig(shard.dtype, key_dim, value_dim, tile, 0, kl.gradient_rows_mma(self.mma)),
             dict(k=shard.k, q=shard.q, do=do, ta=shard.ta, p=shard.p, scalars=shard.scalars,
                  **shard.tables("chunk_first_step", "chunk_steps", "seg_first_chunk", "seg_chunks", "num_segments"),
                  grad_out=grad_out),

@@ -45,8 +45,10 @@ def _names(*configs) -> set[str]:
 FORWARD = _names(kcfg.ChunkPrepConfig("bfloat16", DIM, 32), kcfg.ChunkScanConfig("bfloat16", DIM, DIM, "summary"),
                  kcfg.SegmentFoldConfig(DIM), kcfg.SegmentFoldConfig(DIM, "apply_affine"),
                  kcfg.ChunkScanConfig("bfloat16", DIM, DIM, "output", 32))
-BACKWARD = _names(kcfg.ChunkGammaConfig("bfloat16", DIM, DIM, 32), kcfg.ChunkScanConfig("bfloat16", DIM, DIM, "states"),
-                  kcfg.ChunkReverseScanConfig("bfloat16", DIM, DIM, 32), kcfg.ChunkReverseConfig("bfloat16", DIM, DIM, 32),
+BACKWARD = _names(kcfg.ChunkGammaConfig("bfloat16", DIM, DIM, 32, "wgmma"),
+                  kcfg.ChunkScanConfig("bfloat16", DIM, DIM, "states"),
+                  kcfg.ChunkReverseScanConfig("bfloat16", DIM, DIM, 32, 0, "wgmma"),
+                  kcfg.ChunkReverseConfig("bfloat16", DIM, DIM, 32),
                   kcfg.ChunkPrepBackwardConfig("bfloat16", DIM, 32))
 
 

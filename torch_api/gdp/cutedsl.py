@@ -654,7 +654,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
     def _gamma(self, shard: _Shard, do: torch.Tensor, summaries: torch.Tensor) -> None:
         layout = shard.layout
         kl.ChunkGammaLaunch(
-            kcfg.ChunkGammaConfig(shard.dtype, shard.key_dim, shard.value_dim, shard.query_tile),
+            kcfg.ChunkGammaConfig(shard.dtype, shard.key_dim, shard.value_dim, shard.query_tile,
+                                  kl.gradient_rows_mma(self.mma)),
             k=shard.k, q=shard.q, do=do, ta=shard.ta, p=shard.p, scalars=shard.scalars,
             chunk_first_step=layout.chunk_first_step, chunk_steps=layout.chunk_steps,
             seg_first_chunk=layout.seg_first_chunk, seg_chunks=layout.seg_chunks, seg_flags=layout.seg_grad_flags,
@@ -675,7 +676,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         chunk_grads = torch.empty_like(chunk_states)
         grad_in = torch.empty_like(grad_out)
         kl.ChunkReverseScanLaunch(
-            kcfg.ChunkReverseScanConfig(shard.dtype, key_dim, value_dim, tile),
+            kcfg.ChunkReverseScanConfig(shard.dtype, key_dim, value_dim, tile, 0, kl.gradient_rows_mma(self.mma)),
             k=shard.k, q=shard.q, do=do, ta=shard.ta, p=shard.p, scalars=shard.scalars,
             chunk_first_step=layout.chunk_first_step, chunk_steps=layout.chunk_steps,
             seg_first_chunk=layout.seg_first_chunk, seg_chunks=layout.seg_chunks, num_segments=layout.num_segments,
