@@ -91,10 +91,11 @@ def test_backward_split_configs_validate_and_every_launch_orders_its_arguments()
             in library
 
 
-def test_chunk_reverse_warpgroup_variant_is_chosen_for_value_dim_128_and_maps_to_its_own_kernel():
+def test_backward_warpgroup_variants_are_chosen_where_compiled_and_map_to_their_kernels():
     """ChunkReverseConfig.mma "wgmma" (two warpgroups, 64 value rows each) exists only for V = 128: the
     config refuses other V, ``reverse_mma`` picks it there unless "sync" is asked for, the library holds
-    it for every dtype, K and query tile, and ``kernel_class`` maps it to the separate kernel class."""
+    it for every dtype, K and query tile, and ``kernel_class`` maps it to the separate kernel class. The
+    gradient passes (ChunkGamma, ChunkReverseScan) have both kinds for every config."""
     from cp_linear.kernels import configs as kcfg
     from cp_linear.kernels import launch as kl
 
@@ -110,6 +111,16 @@ def test_chunk_reverse_warpgroup_variant_is_chosen_for_value_dim_128_and_maps_to
         (dtype, key_dim, tile) for dtype in kcfg.TENSOR_CORE_DTYPES for key_dim in kcfg.HEAD_DIMS
         for tile in kcfg.QUERY_TILES}
     assert all(c.value_dim == 128 for c in wgmma)
+    # the sequential gradient passes: warpgroup MMAs for every config unless "sync" is asked for
+    assert [kl.gradient_rows_mma(requested) for requested in ("auto", "wgmma", "sync")] == ["wgmma", "wgmma", "sync"]
+    with pytest.raises(ValueError, match="mma must be one of"):
+        kcfg.ChunkGammaConfig("bfloat16", 128, 128, 32, "tensor").validate()
+    with pytest.raises(ValueError, match="mma must be one of"):
+        kcfg.ChunkReverseScanConfig("bfloat16", 128, 128, 32, 0, "tensor").validate()
+    for config_class in (kcfg.ChunkGammaConfig, kcfg.ChunkReverseScanConfig):
+        kinds = {(c.dtype, c.key_dim, c.value_dim, c.query_tile, c.mma) for c in library if isinstance(c, config_class)}
+        assert kinds == {(d, k, v, t, m) for d in kcfg.TENSOR_CORE_DTYPES for k in kcfg.HEAD_DIMS for v in kcfg.HEAD_DIMS
+                         for t in kcfg.QUERY_TILES for m in kcfg.MMA_KINDS}
     # the dispatch (imports the kernel modules, which import CuTeDSL)
     pytest.importorskip("cutlass")
     assert kl.kernel_class(kcfg.ChunkReverseConfig("bfloat16", 128, 128, 32, "wgmma")).__name__ == \
