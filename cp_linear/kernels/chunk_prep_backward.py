@@ -357,10 +357,20 @@ class ChunkPrepBackwardKernel:
 @cute.jit
 def load_rows(acc: cute.Tensor, coords: cute.Tensor, scan: cute.Tensor, row0, rows, head):
     """acc <- scan[row0 + r, head, c] (the products then accumulate on top), from clamped rows with no branch
-    around a load: a load under a branch is waited for alone (64 round trips per thread instead of one)."""
-    for e in cutlass.range_constexpr(cute.size(acc)):
-        r, c = coords[e]
-        acc[e] = scan[row0 + cutlass.min(r, rows - 1), head, c]
+    around a load: a load under a branch is waited for alone (64 round trips per thread instead of one).
+    A thread's C fragment holds columns (c, c + 1) side by side: one 8-byte load each (4-byte loads used
+    half of every 32-byte sector, ncu)."""
+    for m in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+        for n in cutlass.range_constexpr(cute.size(acc, mode=[2])):
+            for row_half in cutlass.range_constexpr(2):
+                r, c = coords[(0, row_half), m, n]
+                row = scan[row0 + cutlass.min(r, rows - 1), head, None]
+                # c is even and rows start 16-byte aligned (the launch's spec): say so, the compiler cannot see it
+                at = cute.make_ptr(Float32, cute.local_tile(row, (2,), (c // 2,)).iterator.toint(),
+                                   cute.AddressSpace.gmem, assumed_align=8)
+                pair = cute.make_tensor(at, cute.make_layout(2)).load()
+                acc[(0, row_half), m, n] = pair[0]
+                acc[(1, row_half), m, n] = pair[1]
 
 
 def float_transposed(tile: cute.Tensor) -> cute.Tensor:
