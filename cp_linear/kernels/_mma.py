@@ -238,6 +238,11 @@ def wgmma_transposed_view(tile: cute.Tensor, dtype, rows: int, cols: int, stages
     return cute.make_tensor(cute.recast_ptr(tile.iterator, layout.inner, dtype), layout.outer)
 
 
+def wgmma_transposed(tile: cute.Tensor, dtype, rows: int, cols: int) -> cute.Tensor:
+    """The [cols, rows] MN-major view of a single-stage [rows, cols] ``wgmma_tile_layout`` tile."""
+    return wgmma_transposed_view(tile, dtype, rows, cols, 1)[None, None, 0]
+
+
 def make_wgmma(dtype, warpgroups: int, n: int, *, a_from_smem: bool = False, a_mn_major: bool = False,
                b_mn_major: bool = False):
     """Warpgroup MMA tiled over ``warpgroups`` x 64 rows, N = ``n``: A from registers (K-major) or
@@ -252,6 +257,13 @@ def make_wgmma(dtype, warpgroups: int, n: int, *, a_from_smem: bool = False, a_m
         OperandMajorMode.MN if a_mn_major else OperandMajorMode.K,
         OperandMajorMode.MN if b_mn_major else OperandMajorMode.K)
     return cute.make_tiled_mma(cute.make_mma_atom(op), cute.make_layout((warpgroups, 1, 1)))
+
+
+def wgmma_operand(thr, tile: cute.Tensor, operand: str) -> cute.Tensor:
+    """The warpgroup-MMA fragment (shared-memory descriptors) of ``tile`` as operand "A" or "B" of ``thr``."""
+    if operand == "A":
+        return thr.make_fragment_A(thr.partition_A(tile))
+    return thr.make_fragment_B(thr.partition_B(tile))
 
 
 def accumulator_as_wgmma_a(acc: cute.Tensor, tiled_mma, dtype) -> cute.Tensor:

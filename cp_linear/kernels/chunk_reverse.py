@@ -322,19 +322,13 @@ def gamma_step(tiled_mma, tidx, grad: cute.Tensor, step_coords: cute.Tensor, s_s
 
 
 @cute.jit
-def _descriptor(thr, tile: cute.Tensor, operand: str) -> cute.Tensor:
-    """The warpgroup-MMA fragment (shared-memory descriptors) of ``tile`` as operand A or B of ``thr``."""
-    return thr.make_fragment_A(thr.partition_A(tile)) if operand == "A" else thr.make_fragment_B(thr.partition_B(tile))
-
-
-@cute.jit
 def gamma_step_wgmma(tiled_mma, tidx, grad: cute.Tensor, step_coords: cute.Tensor, s_sc: cute.Tensor,
                      s_k: cute.Tensor, s_do: cute.Tensor, s_ta: cute.Tensor, s_p: cute.Tensor, s_qc: cute.Tensor,
                      dtype: cutlass.Constexpr, R: cutlass.Constexpr, K: cutlass.Constexpr, NQ: cutlass.Constexpr):
     """``gamma_step`` on warpgroup MMAs (``tiled_mma`` unused): B operands, and dO^T as A, read by the tensor
     cores from the ``wgmma_tile_layout`` tiles; tiles needed transposed are read MN-major."""
     groups = R // 64
-    transposed = lambda tile, rows, cols: _mma.wgmma_transposed_view(tile, dtype, rows, cols, 1)[None, None, 0]  # noqa: E731
+    transposed = lambda tile, rows, cols: _mma.wgmma_transposed(tile, dtype, rows, cols)  # noqa: E731
     by_step = _mma.make_wgmma(dtype, groups, C)  # delta = grad k^T
     do_p = _mma.make_wgmma(dtype, groups, C, a_from_smem=True, a_mn_major=True, b_mn_major=True)  # += dO^T P
     by_ta = _mma.make_wgmma(dtype, groups, C, b_mn_major=True)  # Z = delta Ta
@@ -344,25 +338,25 @@ def gamma_step_wgmma(tiled_mma, tidx, grad: cute.Tensor, step_coords: cute.Tenso
     thr_do_qc, thr_k = do_qc.get_slice(tidx), by_k.get_slice(tidx)
     do_t = transposed(s_do, NQ, R)
     delta = thr_step.make_fragment_C(thr_step.partition_shape_C((R, C)))
-    _mma.wgmma(by_step, delta, _mma.accumulator_as_wgmma_a(grad, by_step, dtype), _descriptor(thr_step, s_k, "B"),
-               False)
+    _mma.wgmma(by_step, delta, _mma.accumulator_as_wgmma_a(grad, by_step, dtype),
+               _mma.wgmma_operand(thr_step, s_k, "B"), False)
     for e in cutlass.range_constexpr(cute.size(delta)):
         delta[e] = delta[e] * s_sc[0, step_coords[e][1]]
-    _mma.wgmma(do_p, delta, _descriptor(thr_do_p, do_t, "A"), _descriptor(thr_do_p, transposed(s_p, NQ, C), "B"),
-               True)
+    _mma.wgmma(do_p, delta, _mma.wgmma_operand(thr_do_p, do_t, "A"),
+               _mma.wgmma_operand(thr_do_p, transposed(s_p, NQ, C), "B"), True)
     z = thr_step.make_fragment_C(thr_step.partition_shape_C((R, C)))
     _mma.wgmma(by_ta, z, _mma.accumulator_as_wgmma_a(delta, by_ta, dtype),
-               _descriptor(thr_ta, transposed(s_ta, C, C), "B"), False)
+               _mma.wgmma_operand(thr_ta, transposed(s_ta, C, C), "B"), False)
     decay = s_sc[2, 0]
     for e in cutlass.range_constexpr(cute.size(grad)):
         grad[e] = grad[e] * decay
-    _mma.wgmma(do_qc, grad, _descriptor(thr_do_qc, do_t, "A"), _descriptor(thr_do_qc, transposed(s_qc, NQ, K), "B"),
-               True)
+    _mma.wgmma(do_qc, grad, _mma.wgmma_operand(thr_do_qc, do_t, "A"),
+               _mma.wgmma_operand(thr_do_qc, transposed(s_qc, NQ, K), "B"), True)
     minus_z = cute.make_fragment_like(z, Float32)
     for e in cutlass.range_constexpr(cute.size(z)):
         minus_z[e] = -z[e]
     _mma.wgmma(by_k, grad, _mma.accumulator_as_wgmma_a(minus_z, by_k, dtype),
-               _descriptor(thr_k, transposed(s_k, C, K), "B"), True)
+               _mma.wgmma_operand(thr_k, transposed(s_k, C, K), "B"), True)
 
 
 @cute.jit

@@ -60,13 +60,6 @@ def _scaled(acc: cute.Tensor, scale) -> cute.Tensor:
     return out
 
 
-def _operand(thr, tile: cute.Tensor, operand: str) -> cute.Tensor:
-    """The warpgroup-MMA descriptor fragment of a shared ``tile`` as operand A or B of ``thr``'s MMA."""
-    if operand == "A":
-        return thr.make_fragment_A(thr.partition_A(tile))
-    return thr.make_fragment_B(thr.partition_B(tile))
-
-
 def _accumulator(thr, rows: int, cols: int) -> cute.Tensor:
     return thr.make_fragment_C(thr.partition_shape_C((rows, cols)))
 
@@ -145,10 +138,12 @@ class ChunkReverseWgmmaKernel:
         K, V, NQ = self.key_dim, self.value_dim, self.query_tile
         first_token = first // num_householder
         tokens = steps // num_householder
-        step_rows = lambda x, cols: cute.local_tile(cute.domain_offset((first, 0), x[None, head, None]), (C, cols),  # noqa: E731
-                                                     (0, 0))
-        token_rows = lambda x, cols: cute.local_tile(  # noqa: E731
-            cute.domain_offset((first_token, 0), x[None, head, None]), (NQ, cols), (0, 0))
+        def step_rows(x, cols):
+            return cute.local_tile(cute.domain_offset((first, 0), x[None, head, None]), (C, cols), (0, 0))
+
+        def token_rows(x, cols):
+            return cute.local_tile(cute.domain_offset((first_token, 0), x[None, head, None]), (NQ, cols), (0, 0))
+
         _mma.copy_rows_g2s(g2s, tidx, step_rows(k, K), s["k"], steps)
         _mma.copy_rows_g2s(g2s, tidx, step_rows(v, V), s["v"], steps)
         _mma.copy_rows_g2s(g2s, tidx, ta[chunk, head, None, None], s["ta"], C)
@@ -167,8 +162,7 @@ class ChunkReverseWgmmaKernel:
         cute.arch.sync_threads()
 
     def _transposed(self, tile: cute.Tensor, rows: int, cols: int) -> cute.Tensor:
-        """The [cols, rows] MN-major view of a [rows, cols] tile."""
-        return _mma.wgmma_transposed_view(tile, self.dtype, rows, cols, 1)[None, None, 0]
+        return _mma.wgmma_transposed(tile, self.dtype, rows, cols)
 
     @cute.jit
     def values_phase(self, tidx, s, s_sc, s_red, s_stage0, s2g_values, s2r_keys, dv, d_scalars, chunk, head, first,
@@ -186,30 +180,30 @@ class ChunkReverseWgmmaKernel:
         coords = thr_a.partition_C(cute.make_identity_tensor((V, C)))  # the C layout depends on N only
 
         y = _accumulator(thr_a, V, C)
-        _mma.wgmma(smem_a, y, _operand(thr_a, s["x"], "A"), _operand(thr_a, s["k"], "B"), False)
+        _mma.wgmma(smem_a, y, _mma.wgmma_operand(thr_a, s["x"], "A"), _mma.wgmma_operand(thr_a, s["k"], "B"), False)
         d_acc = _accumulator(thr_a, V, C)
-        _mma.wgmma(smem_at, d_acc, _operand(thr_at, self._transposed(s["v"], C, V), "A"),
-                   _operand(thr_at, s["tb"], "B"), False)
+        _mma.wgmma(smem_at, d_acc, _mma.wgmma_operand(thr_at, self._transposed(s["v"], C, V), "A"),
+                   _mma.wgmma_operand(thr_at, s["tb"], "B"), False)
         _mma.wgmma(regs_a, d_acc, _mma.accumulator_as_wgmma_a(_scaled(y, -1.0), regs_a, dtype),
-                   _operand(thr_r, s["ta"], "B"), True)
+                   _mma.wgmma_operand(thr_r, s["ta"], "B"), True)
         # M1 = dX k^T; db = colsum(D * M1) (into Y's registers: Y is consumed)
         m1 = _accumulator(thr_a, V, C)
-        _mma.wgmma(smem_a, m1, _operand(thr_a, s["dx"], "A"), _operand(thr_a, s["k"], "B"), False)
+        _mma.wgmma(smem_a, m1, _mma.wgmma_operand(thr_a, s["dx"], "A"), _mma.wgmma_operand(thr_a, s["k"], "B"), False)
         for e in cutlass.range_constexpr(cute.size(m1)):
             y[e] = d_acc[e] * m1[e]
             m1[e] = m1[e] * s_sc[0, coords[e][1]]
         column_sums(y, coords, s_red, tidx)
         _mma.stage_accumulator(d_acc, coords, s["d"])
         # dD = M1 diag(b) + dO^T P, then dv^T = dD Tb (staged transposed) and Z = dD Ta
-        _mma.wgmma(smem_at_bt, m1, _operand(thr_at_bt, self._transposed(s["do"], NQ, V), "A"),
-                   _operand(thr_at_bt, self._transposed(s["p"], NQ, C), "B"), True)
+        _mma.wgmma(smem_at_bt, m1, _mma.wgmma_operand(thr_at_bt, self._transposed(s["do"], NQ, V), "A"),
+                   _mma.wgmma_operand(thr_at_bt, self._transposed(s["p"], NQ, C), "B"), True)
         _mma.stage_accumulator(m1, coords, s["dd"])
         dd_a = _mma.accumulator_as_wgmma_a(m1, regs_a_bt, dtype)
         dv_t = _accumulator(thr_a, V, C)
-        _mma.wgmma(regs_a_bt, dv_t, dd_a, _operand(thr_r_bt, self._transposed(s["tb"], C, C), "B"), False)
+        _mma.wgmma(regs_a_bt, dv_t, dd_a, _mma.wgmma_operand(thr_r_bt, self._transposed(s["tb"], C, C), "B"), False)
         _mma.stage_accumulator(dv_t, coords, _mma.staging_view(s_stage0, dtype, C, V, transpose=True))
         z = _accumulator(thr_a, V, C)
-        _mma.wgmma(regs_a_bt, z, dd_a, _operand(thr_r_bt, self._transposed(s["ta"], C, C), "B"), False)
+        _mma.wgmma(regs_a_bt, z, dd_a, _mma.wgmma_operand(thr_r_bt, self._transposed(s["ta"], C, C), "B"), False)
         _mma.stage_accumulator(_scaled(z, -1.0), coords, s["z"])
         # dd = sum(X * dX) over the stored (rounded) tiles, read as 16-byte vectors (the swizzle keeps them whole)
         thr_rows = s2r_keys.get_slice(tidx)
@@ -249,7 +243,7 @@ class ChunkReverseWgmmaKernel:
         by_token_mma = _mma.make_wgmma(dtype, 1, NQ, a_from_smem=True, a_mn_major=True)
         thr = by_token_mma.get_slice(local)
         dp_t = _accumulator(thr, C, NQ)
-        _mma.wgmma(by_token_mma, dp_t, _operand(thr, d_t, "A"), _operand(thr, s["do"], "B"), False)
+        _mma.wgmma(by_token_mma, dp_t, _mma.wgmma_operand(thr, d_t, "A"), _mma.wgmma_operand(thr, s["do"], "B"), False)
         _mma.stage_accumulator(dp_t, thr.partition_C(cute.make_identity_tensor((C, NQ))),
                                _mma.staging_view(s_stage, Float32, NQ, C, transpose=True))
         sync()
@@ -258,12 +252,12 @@ class ChunkReverseWgmmaKernel:
         thr = by_key_mma.get_slice(local)
         by_key = thr.partition_C(cute.make_identity_tensor((C, K)))
         dk = _accumulator(thr, C, K)
-        _mma.wgmma(by_key_mma, dk, _operand(thr, d_t, "A"), _operand(thr, self._transposed(s["dx"], V, K), "B"),
-                   False)
+        _mma.wgmma(by_key_mma, dk, _mma.wgmma_operand(thr, d_t, "A"),
+                   _mma.wgmma_operand(thr, self._transposed(s["dx"], V, K), "B"), False)
         for e in cutlass.range_constexpr(cute.size(dk)):
             dk[e] = dk[e] * s_sc[0, by_key[e][0]]
-        _mma.wgmma(by_key_mma, dk, _operand(thr, self._transposed(s["z"], V, C), "A"),  # the tile holds -Z
-                   _operand(thr, self._transposed(s["x"], V, K), "B"), True)
+        _mma.wgmma(by_key_mma, dk, _mma.wgmma_operand(thr, self._transposed(s["z"], V, C), "A"),  # the tile holds -Z
+                   _mma.wgmma_operand(thr, self._transposed(s["x"], V, K), "B"), True)
         g_dk = cute.local_tile(cute.domain_offset((first, 0), dk_scan[None, head, None]), (C, K), (0, 0))
         staged = _mma.staging_view(s_stage, Float32, C, C)
         for half in cutlass.range_constexpr(K // C):
@@ -285,7 +279,7 @@ class ChunkReverseWgmmaKernel:
         thr = square_mma.get_slice(local)
         square = thr.partition_C(cute.make_identity_tensor((C, C)))
         acc = _accumulator(thr, C, C)
-        _mma.wgmma(square_mma, acc, _operand(thr, dd_t, "A"), _operand(thr, s["v"], "B"), False)
+        _mma.wgmma(square_mma, acc, _mma.wgmma_operand(thr, dd_t, "A"), _mma.wgmma_operand(thr, s["v"], "B"), False)
         _mma.stage_accumulator(acc, square, staged_square)
         sync()
         _mma.copy_tile_s2g(s2g_square, local, staged_square, d_tb[chunk, head, None, None])
@@ -293,11 +287,11 @@ class ChunkReverseWgmmaKernel:
         w_mma = _mma.make_wgmma(dtype, 1, K, a_from_smem=True, a_mn_major=True, b_mn_major=True)
         w_thr = w_mma.get_slice(local)
         w = _accumulator(w_thr, C, K)
-        _mma.wgmma(w_mma, w, _operand(w_thr, dd_t, "A"), _operand(w_thr, x_t, "B"), False)
+        _mma.wgmma(w_mma, w, _mma.wgmma_operand(w_thr, dd_t, "A"), _mma.wgmma_operand(w_thr, x_t, "B"), False)
         ta_mma = _mma.make_wgmma(dtype, 1, C)
         ta_thr = ta_mma.get_slice(local)
         _mma.wgmma(ta_mma, acc, _mma.accumulator_as_wgmma_a(_scaled(w, -1.0), ta_mma, dtype),
-                   _operand(ta_thr, s["k"], "B"), False)
+                   _mma.wgmma_operand(ta_thr, s["k"], "B"), False)
         sync()  # dTb has left the staging tile
         _mma.stage_accumulator(acc, square, staged_square)
         sync()
@@ -307,7 +301,7 @@ class ChunkReverseWgmmaKernel:
         r_thr = r_mma.get_slice(local)
         key_token = r_thr.partition_C(cute.make_identity_tensor((K, NQ)))
         r_t = _accumulator(r_thr, K, NQ)
-        _mma.wgmma(r_mma, r_t, _operand(r_thr, x_t, "A"), _operand(r_thr, s["do"], "B"), False)
+        _mma.wgmma(r_mma, r_t, _mma.wgmma_operand(r_thr, x_t, "A"), _mma.wgmma_operand(r_thr, s["do"], "B"), False)
         partial = cute.make_fragment_like(r_t, Float32)
         for e in cutlass.range_constexpr(cute.size(r_t)):
             c, t = key_token[e]
