@@ -208,7 +208,7 @@ class ChunkGammaKernel(_GradientRowsKernel):
                seg_first_chunk: cute.Tensor, seg_chunks: cute.Tensor, seg_flags: cute.Tensor,
                num_segments: cute.Tensor, summaries: cute.Tensor, num_householder: Int32,
                tiled_mma: cute.TiledMma, g2s: cute.TiledCopy):
-        K, V, R, NQ = self.key_dim, self.value_dim, self.rows, self.query_tile
+        V, R, NQ = self.value_dim, self.rows, self.query_tile
         tidx, _, _ = cute.arch.thread_idx()
         segment, head, row_block = cute.arch.block_idx()
         smem = self.allocate(False)
@@ -269,7 +269,7 @@ class ChunkReverseScanKernel(_GradientRowsKernel):
                seg_first_chunk: cute.Tensor, seg_chunks: cute.Tensor, num_segments: cute.Tensor,
                grad_out: cute.Tensor, chunk_grads: cute.Tensor, grad_in: cute.Tensor, num_householder: Int32,
                tiled_mma: cute.TiledMma, g2s: cute.TiledCopy, s2g: cute.TiledCopy):
-        K, R = self.key_dim, self.rows
+        R = self.rows
         tidx, _, _ = cute.arch.thread_idx()
         segment, head, row_block = cute.arch.block_idx()
         smem = self.allocate(True)

@@ -169,7 +169,7 @@ class ChunkReverseWgmmaKernel:
                      steps):
         """Rows = value rows (both warpgroups): D (recomputed), M1, dD, dv, Z, the reductions db and dd,
         and D, dD, -Z rounded into shared memory for the steps phase."""
-        K, V, NQ, dtype = self.key_dim, self.value_dim, self.query_tile, self.dtype
+        V, NQ, dtype = self.value_dim, self.query_tile, self.dtype
         smem_a = _mma.make_wgmma(dtype, 2, C, a_from_smem=True)  # Y = X k^T, M1 = dX k^T
         smem_at = _mma.make_wgmma(dtype, 2, C, a_from_smem=True, a_mn_major=True)  # D = v^T Tb^T
         smem_at_bt = _mma.make_wgmma(dtype, 2, C, a_from_smem=True, a_mn_major=True, b_mn_major=True)  # dO^T P
