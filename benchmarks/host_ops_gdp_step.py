@@ -21,17 +21,22 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
+import sys
 import time
 from collections import Counter
 
-import torch
-from torch.profiler import ProfilerActivity, profile, record_function
+# measure the checkout this script is in (the editable install may point at another worktree)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch_api.gdp.cutedsl as cutedsl
-import torch_api.gdp.ops as gdp_ops
-from cp_linear.kernels import launch as kl
-from torch_api import gated_delta_product
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
+
+import torch_api.gdp.cutedsl as cutedsl  # noqa: E402
+import torch_api.gdp.ops as gdp_ops  # noqa: E402
+from cp_linear.kernels import launch as kl  # noqa: E402
+from torch_api import gated_delta_product  # noqa: E402
 
 # functions timed as phases: (object, attribute, phase name); an op belongs to its innermost phase
 PHASES = (
