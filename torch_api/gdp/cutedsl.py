@@ -38,6 +38,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 import torch
@@ -280,31 +281,36 @@ class CuTeDSLGatedDeltaProductCPBackend:
         q = _flat(inputs.q)
         device, heads, key_dim, value_dim = q.device, q.shape[1], q.shape[2], inputs.v.shape[-1]
         rows = inputs.cu_seqlens is None
-        cu = self._cu(inputs, device)
         sizes = self._sizes(inputs)
-        # the trailing sequence: the last nonempty one, found on the device (a graph-ready layout pads
-        # cu_seqlens with empty sequences at its end, torch_api.layers.layout), so no host read
-        trailing = None if rows else _last_nonempty(cu)
         kernel_backward = self.backward == "kernels"
-        layout = kl.forward_layout(cu, total_tokens=q.shape[0], num_householder=inputs.num_householder, heads=heads,
-                                   row_blocks=sizes.row_blocks, sm_count=_sm_count(device),
-                                   segment_chunks=sizes.segment_chunks,
-                                   summary_sequence=trailing if cp_summary else None, ctas_per_sm=self.ctas_per_sm,
-                                   grad_summary_sequence=0 if kernel_backward else None)
+        layout_args = dict(total_tokens=q.shape[0], num_householder=inputs.num_householder, heads=heads,
+                           row_blocks=sizes.row_blocks, sm_count=_sm_count(device), segment_chunks=sizes.segment_chunks,
+                           ctas_per_sm=self.ctas_per_sm)
+        if rows:
+            # every row continues on the next rank (CP): every segment needs a summary; every row leads:
+            # the kernel backward summarises all its segments
+            trailing = None
+            layout, tables = rows_layout(device, inputs.q.shape[0], every_segment_summary=cp_summary,
+                                         every_segment_grad_summary=kernel_backward, **layout_args)
+        else:
+            cu = self._cu(inputs, device)
+            tables = None
+            # the trailing sequence: the last nonempty one, found on the device (a graph-ready layout pads
+            # cu_seqlens with empty sequences at its end, torch_api.layers.layout), so no host read
+            trailing = _last_nonempty(cu)
+            layout = kl.forward_layout(cu, summary_sequence=trailing if cp_summary else None,
+                                       grad_summary_sequence=0 if kernel_backward else None, **layout_args)
         if layout.max_segments != sizes.max_segments:  # the custom ops' fake kernels read sizes.max_segments
             raise RuntimeError(f"forward_layout made {layout.max_segments} segments where _sizes predicted "
                                f"{sizes.max_segments}; keep CuTeDSLGatedDeltaProductCPBackend._sizes in step with it")
-        every_segment = torch.where(torch.arange(layout.max_segments, device=device) < layout.num_segments,
-                                    kl.SUMMARY_FLAG, 0).to(torch.int32)
-        if kernel_backward and rows:  # every row leads: the backward summarises all its segments
-            layout.seg_grad_flags = every_segment
-        if cp_summary and rows:  # every row continues on the next rank: every segment needs a summary
-            layout.seg_flags = every_segment
         saved = None
         if kernel_backward:
             regions = self._saved_regions(inputs, sizes)
             saved = _carve(torch.empty(_region_offsets(regions)[1] // 4, dtype=torch.float32, device=device), regions)
-            torch.cat([getattr(layout, name).reshape(-1) for name in _TABLES], out=saved["tables"])
+            if tables is not None:  # the cached layout's tables: already one tensor in _TABLES order
+                saved["tables"].copy_(tables)
+            else:
+                torch.cat([getattr(layout, name).reshape(-1) for name in _TABLES], out=saved["tables"])
             # a custom op's outputs must be deterministic: zero what no kernel writes, the padding and the
             # prep rows of chunk slots past the last real chunk (only slots from T_all // tokens per chunk on
             # can be spare: every sequence's chunks cover its tokens)
@@ -367,10 +373,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
 
     @staticmethod
     def _cu(inputs: GDPInputs, device) -> torch.Tensor:
-        """int32 cu_seqlens on the device (rows: one sequence per batch row)."""
-        if inputs.cu_seqlens is None:
-            batch, tokens = inputs.q.shape[:2]
-            return torch.arange(0, (batch + 1) * tokens, tokens, dtype=torch.int32, device=device)
+        """int32 cu_seqlens of a packed shard on the device (rows take ``rows_layout``)."""
         return inputs.cu_seqlens.to(device=device, dtype=torch.int32)
 
     def _saved_regions(self, inputs: GDPInputs, sizes: _LayoutSizes | None = None
@@ -753,6 +756,40 @@ def _carve(buffer: torch.Tensor, regions) -> dict:
     views["tables"] = raw[first:tables_end].view(torch.int32)
     views["padding"] = raw[tables_end:]  # up to 12 bytes after the tables
     return views
+
+
+_ROWS_LAYOUTS: OrderedDict[tuple, tuple[kl.ForwardLayout, torch.Tensor]] = OrderedDict()
+ROWS_LAYOUTS_KEPT = 32  # shapes x devices x flags whose layouts stay cached (least recently used dropped)
+
+
+def rows_layout(device: torch.device, batch: int, **layout_args) -> tuple[kl.ForwardLayout, torch.Tensor]:
+    """``kl.forward_layout`` of ``batch`` rows of equal length (cu_seqlens 0, T, 2T, ...; the other
+    arguments as ``forward_layout``'s) -> (layout, its tables as one int32 tensor in ``_TABLES`` order,
+    of which the layout's tables are views).
+
+    The tables depend on host ints only, so they are built once per key on the CPU, copied to the
+    device without blocking, and kept (the last ``ROWS_LAYOUTS_KEPT``): a training step on rows then
+    issues no layout op. Callers must not write into the tables. Under CUDA-graph capture a missing
+    entry is built on the device and not kept (the graph's memory is written only at replay)."""
+    key = (str(device), batch, tuple(sorted(layout_args.items())))
+    if key in _ROWS_LAYOUTS:
+        _ROWS_LAYOUTS.move_to_end(key)
+        layout, tables = _ROWS_LAYOUTS[key]
+        return replace(layout), tables  # a fresh object: a caller setting a field leaves the cache alone
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    build_on = device if capturing else torch.device("cpu")
+    tokens = layout_args["total_tokens"] // batch
+    cu = torch.arange(0, (batch + 1) * tokens, tokens, dtype=torch.int32, device=build_on)
+    layout = kl.forward_layout(cu, **layout_args)
+    tables = torch.cat([getattr(layout, name).reshape(-1) for name in _TABLES])
+    if tables.device != device:  # pinned, so that the copy does not wait for the device
+        tables = tables.pin_memory().to(device, non_blocking=True)
+    layout = replace(layout, **dict(zip(_TABLES, tables.split([getattr(layout, name).numel() for name in _TABLES]))))
+    if not capturing:
+        _ROWS_LAYOUTS[key] = (layout, tables)
+        if len(_ROWS_LAYOUTS) > ROWS_LAYOUTS_KEPT:
+            _ROWS_LAYOUTS.popitem(last=False)
+    return replace(layout), tables
 
 
 def _last_nonempty(cu: torch.Tensor) -> torch.Tensor:
