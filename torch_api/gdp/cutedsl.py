@@ -209,8 +209,23 @@ CuTeDSLBackwardContext = kl.KernelBackwardContext
 def _flat(x: torch.Tensor) -> torch.Tensor:
     """[B, T, ...] -> contiguous [B*T, ...]; copied only when not contiguous or not 16-byte aligned
     (the kernels read q, k and v with 16-byte vectors)."""
-    x = x.contiguous().flatten(0, 1)
+    x = _contiguous(x).flatten(0, 1)
     return x if x.data_ptr() % 16 == 0 else x.clone()
+
+
+def _flat_float32(x: torch.Tensor) -> torch.Tensor:
+    """``_flat`` as float32 (g and beta: the kernels read them as float32)."""
+    return _cast(_flat(x), torch.float32)
+
+
+# Tensor.contiguous() and Tensor.to() return the tensor itself when there is nothing to do, but still
+# as one dispatched op each: a step calls them dozens of times on tensors that need neither.
+def _contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.is_contiguous() else x.contiguous()
+
+
+def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 class CuTeDSLGatedDeltaProductCPBackend:
@@ -278,12 +293,12 @@ class CuTeDSLGatedDeltaProductCPBackend:
     def _shard(self, inputs: GDPInputs, *, cp_summary: bool) -> _Shard:
         """The forward's shard: work layout, chunk prep and the summary pass. With the kernel backward
         the layout tables (and with ``save_prep`` the prep results) live in the saved buffer."""
-        q = _flat(inputs.q)
-        device, heads, key_dim, value_dim = q.device, q.shape[1], q.shape[2], inputs.v.shape[-1]
+        batch, tokens, heads, key_dim = inputs.q.shape
+        device, value_dim, total_tokens = inputs.q.device, inputs.v.shape[-1], batch * tokens
         rows = inputs.cu_seqlens is None
         sizes = self._sizes(inputs)
         kernel_backward = self.backward == "kernels"
-        layout_args = dict(total_tokens=q.shape[0], num_householder=inputs.num_householder, heads=heads,
+        layout_args = dict(total_tokens=total_tokens, num_householder=inputs.num_householder, heads=heads,
                            row_blocks=sizes.row_blocks, sm_count=_sm_count(device), segment_chunks=sizes.segment_chunks,
                            ctas_per_sm=self.ctas_per_sm)
         if rows:
@@ -314,16 +329,16 @@ class CuTeDSLGatedDeltaProductCPBackend:
             # a custom op's outputs must be deterministic: zero what no kernel writes, the padding and the
             # prep rows of chunk slots past the last real chunk (only slots from T_all // tokens per chunk on
             # can be spare: every sequence's chunks cover its tokens)
-            saved["padding"].zero_()
+            unwritten = [saved["padding"]]
             if self.save_prep:
-                first_spare = q.shape[0] // kcfg.tokens_per_chunk(inputs.num_householder)
-                for name in _PREP:
-                    saved[name][first_spare:].zero_()
+                first_spare = total_tokens // kcfg.tokens_per_chunk(inputs.num_householder)
+                unwritten += [saved[name][first_spare:] for name in _PREP]
+            torch._foreach_zero_(unwritten)  # one op (and one launch) for the five
         shard = self._new_shard(inputs, layout, saved, trailing, sizes.row_block, summaries=True)
         self._prep(shard)
         # mode "summary" reads neither state_in nor o: tiny placeholders of the right type
         self._scan(shard, "summary", state_in=shard.summaries.new_empty(1, 1, value_dim, key_dim),
-                   state_out=shard.summaries, o=q.new_empty(1, 1, value_dim))
+                   state_out=shard.summaries, o=shard.q.new_empty(1, 1, value_dim))
         return shard
 
     def _saved_shard(self, inputs: GDPInputs, saved: dict, sizes: _LayoutSizes) -> _Shard:
@@ -366,7 +381,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         tile = kcfg.query_tile(inputs.num_householder)
         kl.ChunkPrepLaunch(
             kcfg.ChunkPrepConfig(shard.dtype, shard.key_dim, tile),
-            q=q, k=k, g=_flat(inputs.g).float(), beta=_flat(inputs.beta).float(),
+            q=q, k=k, g=_flat_float32(inputs.g), beta=_flat_float32(inputs.beta),
             chunk_first_step=layout.chunk_first_step, chunk_steps=layout.chunk_steps, num_chunks=layout.num_chunks,
             ta=shard.ta, tb=shard.tb, p=shard.p, scalars=shard.scalars, scale=float(inputs.scale),
             use_l2=int(bool(inputs.use_qk_l2norm_in_kernel)), num_householder=inputs.num_householder).run()
@@ -450,9 +465,10 @@ class CuTeDSLGatedDeltaProductCPBackend:
         heads, key_dim, value_dim = shard.heads, shard.key_dim, shard.value_dim
         incoming_affine = torch.empty(shard.layout.max_segments, heads, value_dim + key_dim, key_dim,
                                       dtype=torch.float32, device=shard.q.device)
+        # placeholders (not views, which would cost an op each): init is not read (init_count = 0)
         kl.SegmentFoldLaunch(
             kcfg.SegmentFoldConfig(key_dim), summaries=shard.summaries,
-            seq_first_segment=shard.layout.seq_first_segment, init=incoming_affine[:1], incoming=incoming_affine,
+            seq_first_segment=shard.layout.seq_first_segment, init=incoming_affine, incoming=incoming_affine,
             final=final, init_count=0, value_rows=value_dim, identity_row=value_dim, first_sequence=0,
             write_final=kl.FINAL_EVERY if shard.rows else kl.FINAL_TRAILING, descending=0).run()
         return incoming_affine
@@ -469,10 +485,11 @@ class CuTeDSLGatedDeltaProductCPBackend:
         else:
             incoming = torch.empty(shard.layout.max_segments, heads, value_dim, key_dim, dtype=torch.float32,
                                    device=shard.q.device)
+        # placeholders: init is not read without one (init_count = 0), final never written (FINAL_NONE)
         kl.SegmentFoldLaunch(
             kcfg.SegmentFoldConfig(key_dim, "apply_affine"), summaries=incoming_affine,
-            seq_first_segment=shard.layout.seq_first_segment, init=incoming[:1] if init is None else init,
-            incoming=incoming, final=incoming[:1], init_count=init_count, value_rows=value_dim,
+            seq_first_segment=shard.layout.seq_first_segment, init=incoming if init is None else init,
+            incoming=incoming, final=incoming, init_count=init_count, value_rows=value_dim,
             identity_row=value_dim, first_sequence=0, write_final=kl.FINAL_NONE, descending=0).run()
         return incoming
 
@@ -502,8 +519,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
         incoming_affine = self._prefix_fold(shard, final=stacked_rows)
         # the trailing sequence's index is data (the last nonempty one): its row is written
         # (FINAL_TRAILING writes every sequence whose segments end at the last one)
-        picked = slice(None) if shard.rows else shard.trailing.view(1)
-        summary = stacked_rows[picked].transpose(-1, -2).contiguous()  # [n, H, K, V + K] = [E | M]
+        picked = None if shard.rows else shard.trailing.view(1)
+        summary = (stacked_rows if shard.rows else stacked_rows[picked]).transpose(-1, -2).contiguous()  # [E | M]
         if not shard.rows:  # rows: every row is a leading sequence, whose S0 the next ranks fold from
             starts_inside = shard.trailing > 0
             if initial is not None:
@@ -545,9 +562,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         incoming = self._apply_affine(shard, local_context.incoming_affine, init, init_count)
         output, state_out = self._output(shard, incoming)
         if inputs.output_final_state:
-            start = initial if initial is not None else torch.zeros(inputs.state_shape, dtype=torch.float32,
-                                                                    device=shard.q.device)
-            output = (output, _final_states(shard, state_out, start))
+            output = (output, _final_states(shard, state_out, initial))
         transition = summary[..., value_dim:]
         saved = make_cp_saved_context(inputs, leading_state if shard.rows else leading_state[0],
                                       transition if shard.rows else transition[0])
@@ -579,7 +594,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             expected = (*inputs.q.shape[:3], value_dim)
             if tuple(output_grad.shape) != expected:
                 raise ValueError(f"output_grad must have shape {expected}; received {tuple(output_grad.shape)}")
-            do = _flat(output_grad.to(shard.q.dtype))
+            do = _flat(_cast(output_grad, shard.q.dtype))
         end_grads = torch.zeros(layout.num_sequences, heads, value_dim, key_dim, dtype=torch.float32, device=device)
         if final_grad is not None:
             end_grads += final_grad.to(device=device, dtype=torch.float32).transpose(-1, -2)
@@ -589,7 +604,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         gamma_rows = torch.empty_like(end_grads)
         self._descending_fold(shard, grad_summaries, end_grads, final=gamma_rows)
         gamma = gamma_rows.transpose(-1, -2) if shard.rows else gamma_rows[0].transpose(-1, -2)
-        summary = torch.cat([gamma, transition.transpose(-1, -2)], dim=-1).contiguous()
+        summary = torch.cat([gamma, transition.transpose(-1, -2)], dim=-1)  # a new contiguous tensor
         context = CuTeDSLBackwardContext(shard, do, grad_summaries, incoming, end_grads)
         return CPBackwardPackedSummary(summary), context
 
@@ -649,7 +664,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
                                device=shard.q.device)
         kl.SegmentFoldLaunch(
             kcfg.SegmentFoldConfig(key_dim), summaries=grad_summaries, seq_first_segment=layout.seq_first_segment,
-            init=end_grads, incoming=grad_out, final=grad_out[:1] if final is None else final,
+            init=end_grads, incoming=grad_out, final=grad_out if final is None else final,  # None: FINAL_NONE
             init_count=end_grads.shape[0], value_rows=value_dim, identity_row=value_dim, first_sequence=0,
             write_final=kl.FINAL_NONE if final is None else kl.FINAL_EVERY, descending=1).run()
         return grad_out
@@ -703,12 +718,12 @@ class CuTeDSLGatedDeltaProductCPBackend:
         dbeta = torch.empty(steps_all, heads, **f32)
         kl.ChunkPrepBackwardLaunch(
             kcfg.ChunkPrepBackwardConfig(shard.dtype, key_dim, tile),
-            q=shard.q, k=shard.k, g=_flat(inputs.g).float(), beta=_flat(inputs.beta).float(),
+            q=shard.q, k=shard.k, g=_flat_float32(inputs.g), beta=_flat_float32(inputs.beta),
             chunk_first_step=layout.chunk_first_step, chunk_steps=layout.chunk_steps, num_chunks=layout.num_chunks,
             d_ta=d_ta, d_tb=d_tb, d_p=d_p, d_scalars=d_scalars, dq_scan=dq_scan, dk_scan=dk_scan, dq=dq, dk=dk,
             dg=dg, dbeta=dbeta, scale=float(inputs.scale), use_l2=int(bool(inputs.use_qk_l2norm_in_kernel)),
             num_householder=inputs.num_householder).run()
-        shaped = lambda x, like: x.view(like.shape).to(like.dtype)  # noqa: E731
+        shaped = lambda x, like: _cast(x.view(like.shape), like.dtype)  # noqa: E731
         grads = GDPInputGradients(shaped(dq, inputs.q), shaped(dk, inputs.k), shaped(dv, inputs.v),
                                   shaped(dg, inputs.g), shaped(dbeta, inputs.beta))
         return grads, grad_in
@@ -812,9 +827,18 @@ def _initial_states(inputs: GDPInputs) -> torch.Tensor | None:
     return inputs.initial_state.detach().to(device=inputs.q.device, dtype=torch.float32)
 
 
-def _final_states(shard: _Shard, state_out: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-    """The end state of each sequence's last segment [N, H, K, V]; an empty sequence keeps ``start``."""
+def _final_states(shard: _Shard, state_out: torch.Tensor, initial: torch.Tensor | None) -> torch.Tensor:
+    """The end state of each sequence's last segment [N, H, K, V]; an empty sequence keeps its
+    ``initial`` state (zero without one)."""
     layout = shard.layout
+    if shard.rows:
+        # every row has T >= 1 tokens, hence the same nonzero segment count (forward_layout's rounding,
+        # from host ints): the last segments are a strided slice, and no row is empty
+        chunks_per_row = -(-shard.inputs.q.shape[1] // layout.tokens_per_chunk)
+        segments_per_row = -(-chunks_per_row // layout.segment_chunks)
+        last_segments = state_out[segments_per_row - 1:layout.num_sequences * segments_per_row:segments_per_row]
+        return last_segments.transpose(-1, -2).contiguous()
+    start = initial if initial is not None else state_out.new_zeros(shard.inputs.state_shape)
     last_segment = (layout.seq_first_segment[1:] - 1).clamp(min=0).long()
     final_state = state_out.index_select(0, last_segment).transpose(-1, -2)
     empty = (layout.seq_segments == 0).view(-1, 1, 1, 1)
@@ -826,7 +850,7 @@ def _packed_backward_stack(following) -> torch.Tensor | None:
     following = as_packed_array(following)
     if not isinstance(following, torch.Tensor):
         raise ValueError(f"following must be a tensor or a backward summary; received {type(following).__name__}")
-    return following.float().contiguous()
+    return _contiguous(_cast(following, torch.float32))
 
 
 def _packed_stack(preceding) -> torch.Tensor | None:
@@ -838,6 +862,6 @@ def _packed_stack(preceding) -> torch.Tensor | None:
         raise ValueError(f"preceding must be a tensor or a forward summary; received {type(preceding).__name__}")
     if preceding.dtype != torch.float32:
         raise ValueError(f"preceding summaries must be float32; received {preceding.dtype}")
-    return preceding.contiguous()
+    return _contiguous(preceding)
 
 _name_auto_instances()
