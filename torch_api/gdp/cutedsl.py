@@ -182,7 +182,8 @@ class _Shard(kl.KernelShard):
     p: torch.Tensor  # [C_max, H, NQ, 64]
     scalars: torch.Tensor  # [C_max, H, 4, 64] float32
     summaries: torch.Tensor | None  # [S_max, H, V + K, K] float32 ([E^T ; M^T] per segment); None in the backward
-    trailing: torch.Tensor | None = None  # int64 []: the last nonempty sequence (packed shards)
+    # int64 []: the last nonempty sequence (packed forward shards; the backward finds it where it needs it)
+    trailing: torch.Tensor | None = None
     saved: dict | None = None  # views of the kernel backward's saved buffer (``_saved_regions``), when kept
 
     @property
@@ -325,7 +326,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             if tables is not None:  # the cached layout's tables: already one tensor in _TABLES order
                 saved["tables"].copy_(tables)
             else:
-                torch.cat([getattr(layout, name).reshape(-1) for name in _TABLES], out=saved["tables"])
+                torch.cat([getattr(layout, name) for name in _TABLES], out=saved["tables"])
             # a custom op's outputs must be deterministic: zero what no kernel writes, the padding and the
             # prep rows of chunk slots past the last real chunk (only slots from T_all // tokens per chunk on
             # can be spare: every sequence's chunks cover its tokens)
@@ -349,9 +350,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             num_householder=n_h, tokens_per_chunk=kcfg.tokens_per_chunk(n_h), segment_chunks=sizes.segment_chunks,
             max_chunks=sizes.max_chunks, max_segments=sizes.max_segments, num_sequences=sizes.num_sequences,
             **{name: saved[name] for name in _TABLES})
-        rows = inputs.cu_seqlens is None
-        trailing = None if rows else _last_nonempty(self._cu(inputs, inputs.q.device))
-        shard = self._new_shard(inputs, layout, saved, trailing, sizes.row_block, summaries=False)
+        shard = self._new_shard(inputs, layout, saved, None, sizes.row_block, summaries=False)
         if not self.save_prep:
             self._prep(shard)
         return shard
@@ -389,7 +388,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
     @staticmethod
     def _cu(inputs: GDPInputs, device) -> torch.Tensor:
         """int32 cu_seqlens of a packed shard on the device (rows take ``rows_layout``)."""
-        return inputs.cu_seqlens.to(device=device, dtype=torch.int32)
+        cu = inputs.cu_seqlens
+        return cu if cu.device == device and cu.dtype == torch.int32 else cu.to(device=device, dtype=torch.int32)
 
     def _saved_regions(self, inputs: GDPInputs, sizes: _LayoutSizes | None = None
                        ) -> tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]:
@@ -624,7 +624,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
             if shard.rows:
                 end_grads += outgoing
             else:  # the trailing (last nonempty) sequence's end
-                end_grads.index_add_(0, shard.trailing.view(1), outgoing[None])
+                trailing = _last_nonempty(self._cu(shard.inputs, shard.q.device))
+                end_grads.index_add_(0, trailing.view(1), outgoing[None])
         grad_out = self._descending_fold(shard, ctx.grad_summaries, end_grads, final=None)
         grads, grad_in = self._reverse(shard, ctx.do, ctx.incoming, grad_out)
         if shard.inputs.initial_state is None:
@@ -802,7 +803,7 @@ def rows_layout(device: torch.device, batch: int, **layout_args) -> tuple[kl.For
     tokens = layout_args["total_tokens"] // batch
     cu = torch.arange(0, (batch + 1) * tokens, tokens, dtype=torch.int32, device=build_on)
     layout = kl.forward_layout(cu, **layout_args)
-    tables = torch.cat([getattr(layout, name).reshape(-1) for name in _TABLES])
+    tables = torch.cat([getattr(layout, name) for name in _TABLES])
     if tables.device != device:  # pinned, so that the copy does not wait for the device
         tables = tables.pin_memory().to(device, non_blocking=True)
     layout = replace(layout, **dict(zip(_TABLES, tables.split([getattr(layout, name).numel() for name in _TABLES]))))
