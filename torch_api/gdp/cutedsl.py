@@ -225,8 +225,9 @@ def _contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.is_contiguous() else x.contiguous()
 
 
-def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return x if x.dtype == dtype else x.to(dtype)
+def _cast(x: torch.Tensor, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+    device = x.device if device is None else device
+    return x if x.dtype == dtype and x.device == device else x.to(device=device, dtype=dtype)
 
 
 class CuTeDSLGatedDeltaProductCPBackend:
@@ -597,7 +598,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             do = _flat(_cast(output_grad, shard.q.dtype))
         end_grads = torch.zeros(layout.num_sequences, heads, value_dim, key_dim, dtype=torch.float32, device=device)
         if final_grad is not None:
-            end_grads += final_grad.to(device=device, dtype=torch.float32).transpose(-1, -2)
+            end_grads += _cast(final_grad, torch.float32, device).transpose(-1, -2)
         grad_summaries = torch.empty(layout.max_segments, heads, value_dim + key_dim, key_dim, dtype=torch.float32,
                                      device=device)
         self._gamma(shard, do, grad_summaries)
@@ -825,7 +826,7 @@ def _initial_states(inputs: GDPInputs) -> torch.Tensor | None:
     kl.check_initial_state_shape(inputs)
     if inputs.initial_state is None:
         return None
-    return inputs.initial_state.detach().to(device=inputs.q.device, dtype=torch.float32)
+    return _cast(inputs.initial_state.detach(), torch.float32, inputs.q.device)
 
 
 def _final_states(shard: _Shard, state_out: torch.Tensor, initial: torch.Tensor | None) -> torch.Tensor:
