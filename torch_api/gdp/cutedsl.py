@@ -792,14 +792,16 @@ def rows_layout(device: torch.device, batch: int, **layout_args) -> tuple[kl.For
 
     The tables depend on host ints only, so they are built once per key on the CPU, copied to the
     device without blocking, and kept (the last ``ROWS_LAYOUTS_KEPT``): a training step on rows then
-    issues no layout op. Callers must not write into the tables. Under CUDA-graph capture a missing
-    entry is built on the device and not kept (the graph's memory is written only at replay)."""
+    issues no layout op. Callers must not write into the tables. Under CUDA-graph capture the cache is
+    not used: the tables are built on the device into the graph's own memory, so that a replay never
+    reads a cached tensor that was dropped since. (A dropped tensor is freed to the stream it was
+    copied on; a step on another stream that still reads it would race with its reuse.)"""
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     key = (str(device), batch, tuple(sorted(layout_args.items())))
-    if key in _ROWS_LAYOUTS:
+    if key in _ROWS_LAYOUTS and not capturing:
         _ROWS_LAYOUTS.move_to_end(key)
         layout, tables = _ROWS_LAYOUTS[key]
         return replace(layout), tables  # a fresh object: a caller setting a field leaves the cache alone
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     build_on = device if capturing else torch.device("cpu")
     tokens = layout_args["total_tokens"] // batch
     cu = torch.arange(0, (batch + 1) * tokens, tokens, dtype=torch.int32, device=build_on)
