@@ -307,7 +307,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             # every row continues on the next rank (CP): every segment needs a summary; every row leads:
             # the kernel backward summarises all its segments
             trailing = None
-            layout, tables = rows_layout(device, inputs.q.shape[0], every_segment_summary=cp_summary,
+            layout, tables = rows_layout(device, batch, every_segment_summary=cp_summary,
                                          every_segment_grad_summary=kernel_backward, **layout_args)
         else:
             cu = self._cu(inputs, device)
@@ -335,7 +335,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             if self.save_prep:
                 first_spare = total_tokens // kcfg.tokens_per_chunk(inputs.num_householder)
                 unwritten += [saved[name][first_spare:] for name in _PREP]
-            torch._foreach_zero_(unwritten)  # one op (and one launch) for the five
+            torch._foreach_zero_(unwritten)  # one op (and one launch) for all of them
         shard = self._new_shard(inputs, layout, saved, trailing, sizes.row_block, summaries=True)
         self._prep(shard)
         # mode "summary" reads neither state_in nor o: tiny placeholders of the right type
@@ -389,8 +389,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
     @staticmethod
     def _cu(inputs: GDPInputs, device) -> torch.Tensor:
         """int32 cu_seqlens of a packed shard on the device (rows take ``rows_layout``)."""
-        cu = inputs.cu_seqlens
-        return cu if cu.device == device and cu.dtype == torch.int32 else cu.to(device=device, dtype=torch.int32)
+        return _cast(inputs.cu_seqlens, torch.int32, device)
 
     def _saved_regions(self, inputs: GDPInputs, sizes: _LayoutSizes | None = None
                        ) -> tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]:
