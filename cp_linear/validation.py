@@ -124,6 +124,37 @@ def gdp_value_flags(q, k, v, g, beta, *, extrema=None) -> list:
     return flags
 
 
+def stacked_bounds(arrays: Sequence, extrema=None):
+    """(lows, highs): the ``value_bounds`` of every array stacked into two [n] arrays (their dtypes
+    promoted to a common one, which keeps every value: bf16 / fp16 -> float32), or None when an array
+    is empty. One stack per side instead of one flag per array: few operations for a frontend that
+    dispatches each from the host."""
+    bounds = [value_bounds(x, extrema) for x in arrays]
+    if any(b is None for b in bounds):
+        return None
+    xp = array_api_compat.array_namespace(*arrays)
+    return xp.stack([low for low, _ in bounds]), xp.stack([high for _, high in bounds])
+
+
+def nonfinite_from_bounds(lows, highs):
+    """bool [n]: the arrays whose ``stacked_bounds`` hold NaN/Inf (``nonfinite_flag`` of each)."""
+    xp = array_api_compat.array_namespace(lows)
+    return ~(xp.isfinite(lows) & xp.isfinite(highs))
+
+
+def gdp_value_flag_array(q, k, v, g, beta, *, extrema=None):
+    """The ``GDP_VALUE_CHECKS`` as one bool [7] array, the same flags as ``gdp_value_flags`` stacked,
+    read off the five inputs' ``stacked_bounds`` (torch: 19 operations instead of 45)."""
+    bounds = stacked_bounds((q, k, v, g, beta), extrema)
+    xp = array_api_compat.array_namespace(q)
+    if bounds is None:  # an empty input: the checks one by one
+        return xp.stack(gdp_value_flags(q, k, v, g, beta, extrema=extrema))
+    lows, highs = bounds
+    g_positive = highs[3:4] > 0
+    beta_outside = (lows[4:5] < 0) | (highs[4:5] > BETA_MAX)
+    return xp.concat([nonfinite_from_bounds(lows, highs), g_positive, beta_outside])
+
+
 # --------------------------------------------------------------------------- agreement signatures
 
 
@@ -226,6 +257,7 @@ def gdp_sequence_bad(state_bad: Array, cu_seqlens: Array | None) -> Array:
 __all__ = [
     "BETA_MAX", "GDP_VALUE_CHECKS", "MAX_KEY_DIM", "MAX_VALUE_DIM", "NONFINITE", "any_in_ranges",
     "attention_dims_error", "describe_failed", "digest", "gdp_bad_tokens", "gdp_dims_error", "gdp_sequence_bad",
-    "gdp_token_poison", "gdp_trailing_bad", "gdp_value_flags", "nonfinite_flag", "nonfinite_message", "nonfinite_rows",
-    "poison", "sanitize", "sequence_start_index", "value_bounds",
+    "gdp_token_poison", "gdp_trailing_bad", "gdp_value_flag_array", "gdp_value_flags", "nonfinite_flag",
+    "nonfinite_from_bounds", "nonfinite_message", "nonfinite_rows", "poison", "sanitize", "sequence_start_index",
+    "stacked_bounds", "value_bounds",
 ]

@@ -14,7 +14,14 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from cp_linear.validation import describe_failed, digest, nonfinite_flag, value_bounds
+from cp_linear.validation import (
+    describe_failed,
+    digest,
+    nonfinite_flag,
+    nonfinite_from_bounds,
+    stacked_bounds,
+    value_bounds,
+)
 
 HEADER_LEN = 32  # int64 per rank in every agreement header, whatever the call site
 HEADER_MAGIC = 0x63706C696E  # "cplin": a header, not a stray data buffer of the same size
@@ -55,8 +62,12 @@ def value_flags_tensor(flags) -> torch.Tensor:
 
 
 def nonfinite_flags(*tensors: torch.Tensor) -> torch.Tensor:
-    """bool [n] on the tensors' device: True where a tensor holds NaN/Inf (no host read; one aminmax per tensor)."""
-    return value_flags_tensor([nonfinite_flag(x, value_bounds(x, torch.aminmax)) for x in tensors])
+    """bool [n] on the tensors' device: True where a tensor holds NaN/Inf (no host read; one aminmax per tensor,
+    the bounds stacked so that the flags take a few more operations in all)."""
+    bounds = stacked_bounds(tensors, torch.aminmax)
+    if bounds is None:  # an empty tensor: the flags one by one
+        return value_flags_tensor([nonfinite_flag(x, value_bounds(x, torch.aminmax)) for x in tensors])
+    return nonfinite_from_bounds(*bounds)
 
 
 def read_value_flags(flags: torch.Tensor) -> list[bool]:

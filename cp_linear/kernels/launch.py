@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 
 from cp_linear.kernels import configs as cfg
 
-SUMMARY_FLAG = 1
+SUMMARY_FLAG = 1  # forward_layout writes flag words as int32 bools: this must stay bit 0
 # SegmentFoldLaunch.write_final: which sequences write their final rows (the trailing ones: the last
 # sequence with segments and the empty ones after it, whose index may be data)
 FINAL_NONE, FINAL_EVERY, FINAL_TRAILING = 0, 1, 2
@@ -490,7 +490,8 @@ class KernelBackwardContext:
 
 def forward_layout(cu_seqlens, *, total_tokens: int, num_householder: int, heads: int, row_blocks: int,
                    sm_count: int, segment_chunks: int | None = None, summary_sequence: int | None = None,
-                   ctas_per_sm: float = 2, grad_summary_sequence: int | None = None) -> ForwardLayout:
+                   ctas_per_sm: float = 2, grad_summary_sequence: int | None = None,
+                   every_segment_summary: bool = False, every_segment_grad_summary: bool = False) -> ForwardLayout:
     """Chunk and segment tables from ``cu_seqlens`` (int [N + 1], on the device; any array namespace).
 
     ``total_tokens`` (T_all) and N = len(cu_seqlens) - 1 are host ints, so every table has a fixed
@@ -498,6 +499,12 @@ def forward_layout(cu_seqlens, *, total_tokens: int, num_householder: int, heads
     trailing fragment), not only of segments that are followed by another one.
     ``seg_grad_flags`` marks the backward summaries: every segment after its sequence's first, and
     every segment of ``grad_summary_sequence`` (the CP leading fragment).
+    ``every_segment_summary`` / ``every_segment_grad_summary``: flag every real segment instead
+    (rows under CP: every row continues on the next rank and leads on this one).
+
+    Written for few array operations (each is a host dispatch, and on a GPU a launch): gathers by
+    plain indexing (array_api_compat's torch ``take`` adds a negative-index ``where``), casts only
+    where a dtype differs (its ``astype`` copies), and no masking where a value is already zero.
     """
     import array_api_compat
 
@@ -511,47 +518,55 @@ def forward_layout(cu_seqlens, *, total_tokens: int, num_householder: int, heads
     max_segments = max(1, max_chunks // segment_chunks + num_sequences)
     i32 = xp.int32
     device = array_api_compat.device(cu_seqlens)
-    cu = xp.astype(cu_seqlens, i32)
+    as32 = lambda x: x if x.dtype == i32 else xp.astype(x, i32)  # noqa: E731
+    cu = as32(cu_seqlens)
     lengths = cu[1:] - cu[:-1]
-    seq_chunks = (lengths + per_chunk - 1) // per_chunk
+    seq_chunks = (lengths + (per_chunk - 1)) // per_chunk
     chunk_offsets = xp.concat([xp.zeros(1, dtype=i32, device=device), xp.cumulative_sum(seq_chunks, dtype=i32)])
     num_chunks = chunk_offsets[-1:]
 
+    # chunk c belongs to sequence chunk_seq[c] (int64 is fine for an index); chunks past the real
+    # ones land on the last sequence, past its end
     chunk_ids = xp.arange(max_chunks, dtype=i32, device=device)
     chunk_seq = xp.clip(xp.searchsorted(chunk_offsets[1:], chunk_ids, side="right"), 0, num_sequences - 1)
-    chunk_seq = xp.astype(chunk_seq, i32)
-    index_in_seq = chunk_ids - xp.take(chunk_offsets, chunk_seq)
-    seq_start = xp.take(cu, chunk_seq)
-    seq_len = xp.take(lengths, chunk_seq)
-    tokens_here = xp.clip(seq_len - index_in_seq * per_chunk, 0, per_chunk)
+    index_in_seq = chunk_ids - chunk_offsets[chunk_seq]
+    first_token_in_seq = index_in_seq * per_chunk
     real = chunk_ids < num_chunks
-    chunk_first_step = xp.where(real, (seq_start + index_in_seq * per_chunk) * n_h, 0)
-    chunk_steps = xp.where(real, tokens_here * n_h, 0)
+    chunk_first_step = xp.where(real, (cu[chunk_seq] + first_token_in_seq) * n_h, 0)
+    # zero past the real chunks without a mask: there first_token_in_seq >= the last sequence's length
+    chunk_steps = xp.clip(lengths[chunk_seq] - first_token_in_seq, 0, per_chunk) * n_h
 
-    seq_segments = (seq_chunks + segment_chunks - 1) // segment_chunks
+    seq_segments = (seq_chunks + (segment_chunks - 1)) // segment_chunks
     seq_first_segment = xp.concat([xp.zeros(1, dtype=i32, device=device),
                                    xp.cumulative_sum(seq_segments, dtype=i32)])
     num_segments = seq_first_segment[-1:]
     seg_ids = xp.arange(max_segments, dtype=i32, device=device)
-    seg_seq = xp.astype(xp.clip(xp.searchsorted(seq_first_segment[1:], seg_ids, side="right"), 0,
-                                num_sequences - 1), i32)
-    seg_index = seg_ids - xp.take(seq_first_segment, seg_seq)
+    seg_seq = xp.clip(xp.searchsorted(seq_first_segment[1:], seg_ids, side="right"), 0, num_sequences - 1)
+    seg_index = seg_ids - seq_first_segment[seg_seq]
+    first_chunk_in_seq = seg_index * segment_chunks
     seg_real = seg_ids < num_segments
-    seg_first_chunk = xp.where(seg_real, xp.take(chunk_offsets, seg_seq) + seg_index * segment_chunks, 0)
-    seg_chunks = xp.where(seg_real, xp.clip(xp.take(seq_chunks, seg_seq) - seg_index * segment_chunks, 0,
-                                            segment_chunks), 0)
-    followed = seg_index < xp.take(seq_segments, seg_seq) - 1
-    if summary_sequence is not None:
-        followed = followed | (seg_seq == summary_sequence)
-    seg_flags = xp.where(seg_real & followed, SUMMARY_FLAG, 0)
-    preceded = seg_index >= 1
-    if grad_summary_sequence is not None:
-        preceded = preceded | (seg_seq == grad_summary_sequence)
-    seg_grad_flags = xp.where(seg_real & preceded, SUMMARY_FLAG, 0)
-    as32 = lambda x: xp.astype(x, i32)  # noqa: E731
+    seg_first_chunk = xp.where(seg_real, chunk_offsets[seg_seq] + first_chunk_in_seq, 0)
+    # zero past the real segments without a mask, as chunk_steps
+    seg_chunks = xp.clip(seq_chunks[seg_seq] - first_chunk_in_seq, 0, segment_chunks)
+    if every_segment_summary:
+        summarized = seg_real
+    else:
+        followed = seg_index < seq_segments[seg_seq] - 1
+        if summary_sequence is not None:
+            followed = followed | (seg_seq == summary_sequence)
+        summarized = seg_real & followed
+    if every_segment_grad_summary:
+        grad_summarized = seg_real
+    else:
+        preceded = seg_index >= 1
+        if grad_summary_sequence is not None:
+            preceded = preceded | (seg_seq == grad_summary_sequence)
+        grad_summarized = seg_real & preceded
+    # a flag word with bit 0 set is the bool cast to int32 (SUMMARY_FLAG == 1)
     return ForwardLayout(
         num_householder=n_h, tokens_per_chunk=per_chunk, segment_chunks=segment_chunks, max_chunks=max_chunks,
         max_segments=max_segments, num_sequences=num_sequences, chunk_first_step=as32(chunk_first_step),
-        chunk_steps=as32(chunk_steps), num_chunks=as32(num_chunks), seq_first_segment=as32(seq_first_segment),
+        chunk_steps=as32(chunk_steps), num_chunks=num_chunks, seq_first_segment=seq_first_segment,
         seq_segments=as32(seq_segments), seg_first_chunk=as32(seg_first_chunk), seg_chunks=as32(seg_chunks),
-        seg_flags=as32(seg_flags), num_segments=as32(num_segments), seg_grad_flags=as32(seg_grad_flags))
+        seg_flags=xp.astype(summarized, i32), num_segments=num_segments,
+        seg_grad_flags=xp.astype(grad_summarized, i32))

@@ -224,16 +224,14 @@ class CuTeDSLGatedDeltaProductCPBackend:
         # the trailing sequence: the last nonempty one (a JAX layout pads N with empty sequences)
         trailing = _last_nonempty(cu) if not rows else None
         summary_sequence = trailing if cp_summary else None
+        # rows: every row continues on the next rank (CP summaries of every segment) and every row leads
+        # (backward summaries of every segment)
         layout = kl.forward_layout(cu, total_tokens=q.shape[0], num_householder=n_h, heads=heads,
                                    row_blocks=value_dim // scan_rows, sm_count=self.sm_count or _sm_count(),
                                    segment_chunks=self.segment_chunks, summary_sequence=summary_sequence,
-                                   ctas_per_sm=self.ctas_per_sm, grad_summary_sequence=grad_summary_sequence)
-        every_real_segment = jnp.where(jnp.arange(layout.max_segments) < layout.num_segments, kl.SUMMARY_FLAG,
-                                       0).astype(jnp.int32)
-        if grad_summary_sequence is not None and rows:  # every row leads: all its segments
-            layout.seg_grad_flags = every_real_segment
-        if cp_summary and rows:  # every row continues on the next rank: every segment needs a summary
-            layout.seg_flags = every_real_segment
+                                   ctas_per_sm=self.ctas_per_sm, grad_summary_sequence=grad_summary_sequence,
+                                   every_segment_summary=cp_summary and rows,
+                                   every_segment_grad_summary=grad_summary_sequence is not None and rows)
         shard = _Shard(inputs=inputs, rows=rows, q=q, k=k, v=v, layout=layout, row_block=row_block, trailing=trailing)
         chunks, tile = layout.max_chunks, shard.query_tile
         prep = self._launch(

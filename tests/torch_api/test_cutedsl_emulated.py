@@ -58,6 +58,27 @@ def test_one_device_forward_matches_float64(emulated, n_h, segment_chunks):
     assert rel_err(final.numpy(), final_ref) < STATE_LIMIT
 
 
+@pytest.mark.parametrize("with_initial", [False, True], ids=["zero-start", "initial-state"])
+def test_one_device_rows_forward_matches_float64(emulated, with_initial):
+    """Rows (no cu_seqlens): each row is a sequence with its own start and final state (the final
+    states are read from every row's last segment, and the layout comes from the rows cache)."""
+    n_h, heads, dim, rows, tokens = 2, 2, 64, 3, 150
+    q, k, v, g, beta = _inputs([tokens], heads, dim, dim, n_h, seed=12, rows=rows)
+    initial = None
+    if with_initial:
+        initial = torch.randn(rows, heads, dim, dim, generator=torch.Generator().manual_seed(13)) * 0.3
+    inputs = GDPInputs(q, k, v, g, beta, scale=dim ** -0.5, num_householder=n_h, use_qk_l2norm_in_kernel=True)
+    backend = cutedsl.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=2)
+    for _ in range(2):  # the layout built, then taken from the cache
+        o, final, _ = backend.one_device_forward(inputs, initial)
+        for row in range(rows):
+            one = slice(row, row + 1)
+            o_ref, final_ref = _reference(q[one], k[one], v[one], g[one], beta[one], n_h, None,
+                                          None if initial is None else initial[one])
+            assert rel_err(o[one].float().numpy(), o_ref) < OUTPUT_LIMIT
+            assert rel_err(final[one].numpy(), final_ref) < STATE_LIMIT
+
+
 @pytest.mark.parametrize("layout", ["spanning", "packed", "rows"])
 def test_cp_prepare_apply_over_two_shards_matches_one_device(emulated, layout):
     n_h, heads, dim = 2, 2, 64

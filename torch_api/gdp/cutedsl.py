@@ -38,6 +38,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 import torch
@@ -181,7 +182,8 @@ class _Shard(kl.KernelShard):
     p: torch.Tensor  # [C_max, H, NQ, 64]
     scalars: torch.Tensor  # [C_max, H, 4, 64] float32
     summaries: torch.Tensor | None  # [S_max, H, V + K, K] float32 ([E^T ; M^T] per segment); None in the backward
-    trailing: torch.Tensor | None = None  # int64 []: the last nonempty sequence (packed shards)
+    # int64 []: the last nonempty sequence (packed forward shards; the backward finds it where it needs it)
+    trailing: torch.Tensor | None = None
     saved: dict | None = None  # views of the kernel backward's saved buffer (``_saved_regions``), when kept
 
     @property
@@ -208,8 +210,24 @@ CuTeDSLBackwardContext = kl.KernelBackwardContext
 def _flat(x: torch.Tensor) -> torch.Tensor:
     """[B, T, ...] -> contiguous [B*T, ...]; copied only when not contiguous or not 16-byte aligned
     (the kernels read q, k and v with 16-byte vectors)."""
-    x = x.contiguous().flatten(0, 1)
+    x = _contiguous(x).flatten(0, 1)
     return x if x.data_ptr() % 16 == 0 else x.clone()
+
+
+def _flat_float32(x: torch.Tensor) -> torch.Tensor:
+    """``_flat`` as float32 (g and beta: the kernels read them as float32)."""
+    return _cast(_flat(x), torch.float32)
+
+
+# Tensor.contiguous() and Tensor.to() return the tensor itself when there is nothing to do, but still
+# as one dispatched op each: a step calls them dozens of times on tensors that need neither.
+def _contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.is_contiguous() else x.contiguous()
+
+
+def _cast(x: torch.Tensor, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+    device = x.device if device is None else device
+    return x if x.dtype == dtype and x.device == device else x.to(device=device, dtype=dtype)
 
 
 class CuTeDSLGatedDeltaProductCPBackend:
@@ -277,47 +295,52 @@ class CuTeDSLGatedDeltaProductCPBackend:
     def _shard(self, inputs: GDPInputs, *, cp_summary: bool) -> _Shard:
         """The forward's shard: work layout, chunk prep and the summary pass. With the kernel backward
         the layout tables (and with ``save_prep`` the prep results) live in the saved buffer."""
-        q = _flat(inputs.q)
-        device, heads, key_dim, value_dim = q.device, q.shape[1], q.shape[2], inputs.v.shape[-1]
+        batch, tokens, heads, key_dim = inputs.q.shape
+        device, value_dim, total_tokens = inputs.q.device, inputs.v.shape[-1], batch * tokens
         rows = inputs.cu_seqlens is None
-        cu = self._cu(inputs, device)
         sizes = self._sizes(inputs)
-        # the trailing sequence: the last nonempty one, found on the device (a graph-ready layout pads
-        # cu_seqlens with empty sequences at its end, torch_api.layers.layout), so no host read
-        trailing = None if rows else _last_nonempty(cu)
         kernel_backward = self.backward == "kernels"
-        layout = kl.forward_layout(cu, total_tokens=q.shape[0], num_householder=inputs.num_householder, heads=heads,
-                                   row_blocks=sizes.row_blocks, sm_count=_sm_count(device),
-                                   segment_chunks=sizes.segment_chunks,
-                                   summary_sequence=trailing if cp_summary else None, ctas_per_sm=self.ctas_per_sm,
-                                   grad_summary_sequence=0 if kernel_backward else None)
+        layout_args = dict(total_tokens=total_tokens, num_householder=inputs.num_householder, heads=heads,
+                           row_blocks=sizes.row_blocks, sm_count=_sm_count(device), segment_chunks=sizes.segment_chunks,
+                           ctas_per_sm=self.ctas_per_sm)
+        if rows:
+            # every row continues on the next rank (CP): every segment needs a summary; every row leads:
+            # the kernel backward summarises all its segments
+            trailing = None
+            layout, tables = rows_layout(device, batch, every_segment_summary=cp_summary,
+                                         every_segment_grad_summary=kernel_backward, **layout_args)
+        else:
+            cu = self._cu(inputs, device)
+            tables = None
+            # the trailing sequence: the last nonempty one, found on the device (a graph-ready layout pads
+            # cu_seqlens with empty sequences at its end, torch_api.layers.layout), so no host read
+            trailing = _last_nonempty(cu)
+            layout = kl.forward_layout(cu, summary_sequence=trailing if cp_summary else None,
+                                       grad_summary_sequence=0 if kernel_backward else None, **layout_args)
         if layout.max_segments != sizes.max_segments:  # the custom ops' fake kernels read sizes.max_segments
             raise RuntimeError(f"forward_layout made {layout.max_segments} segments where _sizes predicted "
                                f"{sizes.max_segments}; keep CuTeDSLGatedDeltaProductCPBackend._sizes in step with it")
-        every_segment = torch.where(torch.arange(layout.max_segments, device=device) < layout.num_segments,
-                                    kl.SUMMARY_FLAG, 0).to(torch.int32)
-        if kernel_backward and rows:  # every row leads: the backward summarises all its segments
-            layout.seg_grad_flags = every_segment
-        if cp_summary and rows:  # every row continues on the next rank: every segment needs a summary
-            layout.seg_flags = every_segment
         saved = None
         if kernel_backward:
             regions = self._saved_regions(inputs, sizes)
             saved = _carve(torch.empty(_region_offsets(regions)[1] // 4, dtype=torch.float32, device=device), regions)
-            torch.cat([getattr(layout, name).reshape(-1) for name in _TABLES], out=saved["tables"])
+            if tables is not None:  # the cached layout's tables: already one tensor in _TABLES order
+                saved["tables"].copy_(tables)
+            else:
+                torch.cat([getattr(layout, name) for name in _TABLES], out=saved["tables"])
             # a custom op's outputs must be deterministic: zero what no kernel writes, the padding and the
             # prep rows of chunk slots past the last real chunk (only slots from T_all // tokens per chunk on
             # can be spare: every sequence's chunks cover its tokens)
-            saved["padding"].zero_()
+            unwritten = [saved["padding"]]
             if self.save_prep:
-                first_spare = q.shape[0] // kcfg.tokens_per_chunk(inputs.num_householder)
-                for name in _PREP:
-                    saved[name][first_spare:].zero_()
+                first_spare = total_tokens // kcfg.tokens_per_chunk(inputs.num_householder)
+                unwritten += [saved[name][first_spare:] for name in _PREP]
+            torch._foreach_zero_(unwritten)  # one op (and one launch) for all of them
         shard = self._new_shard(inputs, layout, saved, trailing, sizes.row_block, summaries=True)
         self._prep(shard)
         # mode "summary" reads neither state_in nor o: tiny placeholders of the right type
         self._scan(shard, "summary", state_in=shard.summaries.new_empty(1, 1, value_dim, key_dim),
-                   state_out=shard.summaries, o=q.new_empty(1, 1, value_dim))
+                   state_out=shard.summaries, o=shard.q.new_empty(1, 1, value_dim))
         return shard
 
     def _saved_shard(self, inputs: GDPInputs, saved: dict, sizes: _LayoutSizes) -> _Shard:
@@ -328,9 +351,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             num_householder=n_h, tokens_per_chunk=kcfg.tokens_per_chunk(n_h), segment_chunks=sizes.segment_chunks,
             max_chunks=sizes.max_chunks, max_segments=sizes.max_segments, num_sequences=sizes.num_sequences,
             **{name: saved[name] for name in _TABLES})
-        rows = inputs.cu_seqlens is None
-        trailing = None if rows else _last_nonempty(self._cu(inputs, inputs.q.device))
-        shard = self._new_shard(inputs, layout, saved, trailing, sizes.row_block, summaries=False)
+        shard = self._new_shard(inputs, layout, saved, None, sizes.row_block, summaries=False)
         if not self.save_prep:
             self._prep(shard)
         return shard
@@ -360,18 +381,15 @@ class CuTeDSLGatedDeltaProductCPBackend:
         tile = kcfg.query_tile(inputs.num_householder)
         kl.ChunkPrepLaunch(
             kcfg.ChunkPrepConfig(shard.dtype, shard.key_dim, tile),
-            q=q, k=k, g=_flat(inputs.g).float(), beta=_flat(inputs.beta).float(),
+            q=q, k=k, g=_flat_float32(inputs.g), beta=_flat_float32(inputs.beta),
             chunk_first_step=layout.chunk_first_step, chunk_steps=layout.chunk_steps, num_chunks=layout.num_chunks,
             ta=shard.ta, tb=shard.tb, p=shard.p, scalars=shard.scalars, scale=float(inputs.scale),
             use_l2=int(bool(inputs.use_qk_l2norm_in_kernel)), num_householder=inputs.num_householder).run()
 
     @staticmethod
     def _cu(inputs: GDPInputs, device) -> torch.Tensor:
-        """int32 cu_seqlens on the device (rows: one sequence per batch row)."""
-        if inputs.cu_seqlens is None:
-            batch, tokens = inputs.q.shape[:2]
-            return torch.arange(0, (batch + 1) * tokens, tokens, dtype=torch.int32, device=device)
-        return inputs.cu_seqlens.to(device=device, dtype=torch.int32)
+        """int32 cu_seqlens of a packed shard on the device (rows take ``rows_layout``)."""
+        return _cast(inputs.cu_seqlens, torch.int32, device)
 
     def _saved_regions(self, inputs: GDPInputs, sizes: _LayoutSizes | None = None
                        ) -> tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]:
@@ -447,9 +465,10 @@ class CuTeDSLGatedDeltaProductCPBackend:
         heads, key_dim, value_dim = shard.heads, shard.key_dim, shard.value_dim
         incoming_affine = torch.empty(shard.layout.max_segments, heads, value_dim + key_dim, key_dim,
                                       dtype=torch.float32, device=shard.q.device)
+        # placeholders (not views, which would cost an op each): init is not read (init_count = 0)
         kl.SegmentFoldLaunch(
             kcfg.SegmentFoldConfig(key_dim), summaries=shard.summaries,
-            seq_first_segment=shard.layout.seq_first_segment, init=incoming_affine[:1], incoming=incoming_affine,
+            seq_first_segment=shard.layout.seq_first_segment, init=incoming_affine, incoming=incoming_affine,
             final=final, init_count=0, value_rows=value_dim, identity_row=value_dim, first_sequence=0,
             write_final=kl.FINAL_EVERY if shard.rows else kl.FINAL_TRAILING, descending=0).run()
         return incoming_affine
@@ -466,10 +485,11 @@ class CuTeDSLGatedDeltaProductCPBackend:
         else:
             incoming = torch.empty(shard.layout.max_segments, heads, value_dim, key_dim, dtype=torch.float32,
                                    device=shard.q.device)
+        # placeholders: init is not read without one (init_count = 0), final never written (FINAL_NONE)
         kl.SegmentFoldLaunch(
             kcfg.SegmentFoldConfig(key_dim, "apply_affine"), summaries=incoming_affine,
-            seq_first_segment=shard.layout.seq_first_segment, init=incoming[:1] if init is None else init,
-            incoming=incoming, final=incoming[:1], init_count=init_count, value_rows=value_dim,
+            seq_first_segment=shard.layout.seq_first_segment, init=incoming if init is None else init,
+            incoming=incoming, final=incoming, init_count=init_count, value_rows=value_dim,
             identity_row=value_dim, first_sequence=0, write_final=kl.FINAL_NONE, descending=0).run()
         return incoming
 
@@ -499,8 +519,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
         incoming_affine = self._prefix_fold(shard, final=stacked_rows)
         # the trailing sequence's index is data (the last nonempty one): its row is written
         # (FINAL_TRAILING writes every sequence whose segments end at the last one)
-        picked = slice(None) if shard.rows else shard.trailing.view(1)
-        summary = stacked_rows[picked].transpose(-1, -2).contiguous()  # [n, H, K, V + K] = [E | M]
+        picked = None if shard.rows else shard.trailing.view(1)
+        summary = (stacked_rows if shard.rows else stacked_rows[picked]).transpose(-1, -2).contiguous()  # [E | M]
         if not shard.rows:  # rows: every row is a leading sequence, whose S0 the next ranks fold from
             starts_inside = shard.trailing > 0
             if initial is not None:
@@ -542,9 +562,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         incoming = self._apply_affine(shard, local_context.incoming_affine, init, init_count)
         output, state_out = self._output(shard, incoming)
         if inputs.output_final_state:
-            start = initial if initial is not None else torch.zeros(inputs.state_shape, dtype=torch.float32,
-                                                                    device=shard.q.device)
-            output = (output, _final_states(shard, state_out, start))
+            output = (output, _final_states(shard, state_out, initial))
         transition = summary[..., value_dim:]
         saved = make_cp_saved_context(inputs, leading_state if shard.rows else leading_state[0],
                                       transition if shard.rows else transition[0])
@@ -576,17 +594,17 @@ class CuTeDSLGatedDeltaProductCPBackend:
             expected = (*inputs.q.shape[:3], value_dim)
             if tuple(output_grad.shape) != expected:
                 raise ValueError(f"output_grad must have shape {expected}; received {tuple(output_grad.shape)}")
-            do = _flat(output_grad.to(shard.q.dtype))
+            do = _flat(_cast(output_grad, shard.q.dtype))
         end_grads = torch.zeros(layout.num_sequences, heads, value_dim, key_dim, dtype=torch.float32, device=device)
         if final_grad is not None:
-            end_grads += final_grad.to(device=device, dtype=torch.float32).transpose(-1, -2)
+            end_grads += _cast(final_grad, torch.float32, device).transpose(-1, -2)
         grad_summaries = torch.empty(layout.max_segments, heads, value_dim + key_dim, key_dim, dtype=torch.float32,
                                      device=device)
         self._gamma(shard, do, grad_summaries)
         gamma_rows = torch.empty_like(end_grads)
         self._descending_fold(shard, grad_summaries, end_grads, final=gamma_rows)
         gamma = gamma_rows.transpose(-1, -2) if shard.rows else gamma_rows[0].transpose(-1, -2)
-        summary = torch.cat([gamma, transition.transpose(-1, -2)], dim=-1).contiguous()
+        summary = torch.cat([gamma, transition.transpose(-1, -2)], dim=-1)  # a new contiguous tensor
         context = CuTeDSLBackwardContext(shard, do, grad_summaries, incoming, end_grads)
         return CPBackwardPackedSummary(summary), context
 
@@ -606,7 +624,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
             if shard.rows:
                 end_grads += outgoing
             else:  # the trailing (last nonempty) sequence's end
-                end_grads.index_add_(0, shard.trailing.view(1), outgoing[None])
+                trailing = _last_nonempty(self._cu(shard.inputs, shard.q.device))
+                end_grads.index_add_(0, trailing.view(1), outgoing[None])
         grad_out = self._descending_fold(shard, ctx.grad_summaries, end_grads, final=None)
         grads, grad_in = self._reverse(shard, ctx.do, ctx.incoming, grad_out)
         if shard.inputs.initial_state is None:
@@ -646,7 +665,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
                                device=shard.q.device)
         kl.SegmentFoldLaunch(
             kcfg.SegmentFoldConfig(key_dim), summaries=grad_summaries, seq_first_segment=layout.seq_first_segment,
-            init=end_grads, incoming=grad_out, final=grad_out[:1] if final is None else final,
+            init=end_grads, incoming=grad_out, final=grad_out if final is None else final,  # None: FINAL_NONE
             init_count=end_grads.shape[0], value_rows=value_dim, identity_row=value_dim, first_sequence=0,
             write_final=kl.FINAL_NONE if final is None else kl.FINAL_EVERY, descending=1).run()
         return grad_out
@@ -701,12 +720,12 @@ class CuTeDSLGatedDeltaProductCPBackend:
         dbeta = torch.empty(steps_all, heads, **f32)
         kl.ChunkPrepBackwardLaunch(
             kcfg.ChunkPrepBackwardConfig(shard.dtype, key_dim, tile),
-            q=shard.q, k=shard.k, g=_flat(inputs.g).float(), beta=_flat(inputs.beta).float(),
+            q=shard.q, k=shard.k, g=_flat_float32(inputs.g), beta=_flat_float32(inputs.beta),
             chunk_first_step=layout.chunk_first_step, chunk_steps=layout.chunk_steps, num_chunks=layout.num_chunks,
             d_ta=d_ta, d_tb=d_tb, d_p=d_p, d_scalars=d_scalars, dq_scan=dq_scan, dk_scan=dk_scan, dq=dq, dk=dk,
             dg=dg, dbeta=dbeta, scale=float(inputs.scale), use_l2=int(bool(inputs.use_qk_l2norm_in_kernel)),
             num_householder=inputs.num_householder).run()
-        shaped = lambda x, like: x.view(like.shape).to(like.dtype)  # noqa: E731
+        shaped = lambda x, like: _cast(x.view(like.shape), like.dtype)  # noqa: E731
         grads = GDPInputGradients(shaped(dq, inputs.q), shaped(dk, inputs.k), shaped(dv, inputs.v),
                                   shaped(dg, inputs.g), shaped(dbeta, inputs.beta))
         return grads, grad_in
@@ -740,20 +759,62 @@ def _region_offsets(regions) -> tuple[dict[str, int], int]:
 
 def _carve(buffer: torch.Tensor, regions) -> dict:
     """Typed views of the saved buffer by region name, plus "tables" (every table, one int32 span) and
-    "buffer" itself."""
+    "buffer" itself. Few view ops (the forward and the backward each carve once per step): one view
+    of the buffer per dtype, a slice and a reshape per region, one split for the tables."""
     offsets, total = _region_offsets(regions)
     if buffer.numel() * 4 != total:
         raise ValueError(f"the saved kernel buffer holds {buffer.numel() * 4} bytes; its regions need {total}")
-    raw = buffer.view(torch.uint8)
+    as_dtype = {torch.float32: buffer}
     views = {"buffer": buffer}
     for name, dtype, shape in regions:
-        size = math.prod(shape) * dtype.itemsize
-        views[name] = raw[offsets[name]:offsets[name] + size].view(dtype).view(shape)
-    first = offsets[_TABLES[0]]
-    tables_end = first + 4 * sum(math.prod(shape) for name, _, shape in regions if name in _TABLES)
-    views["tables"] = raw[first:tables_end].view(torch.int32)
-    views["padding"] = raw[tables_end:]  # up to 12 bytes after the tables
+        if name in _TABLES:
+            continue
+        if dtype not in as_dtype:
+            as_dtype[dtype] = buffer.view(dtype)
+        start = offsets[name] // dtype.itemsize  # regions start 16-byte aligned
+        views[name] = as_dtype[dtype][start:start + math.prod(shape)].view(shape)
+    table_sizes = [math.prod(shape) for name, _, shape in regions if name in _TABLES]
+    first = offsets[_TABLES[0]] // 4
+    views["tables"] = buffer.view(torch.int32)[first:first + sum(table_sizes)]
+    views.update(zip(_TABLES, views["tables"].split(table_sizes)))
+    views["padding"] = buffer.view(torch.uint8)[4 * (first + sum(table_sizes)):]  # up to 12 bytes after the tables
     return views
+
+
+_ROWS_LAYOUTS: OrderedDict[tuple, tuple[kl.ForwardLayout, torch.Tensor]] = OrderedDict()
+ROWS_LAYOUTS_KEPT = 32  # shapes x devices x flags whose layouts stay cached (least recently used dropped)
+
+
+def rows_layout(device: torch.device, batch: int, **layout_args) -> tuple[kl.ForwardLayout, torch.Tensor]:
+    """``kl.forward_layout`` of ``batch`` rows of equal length (cu_seqlens 0, T, 2T, ...; the other
+    arguments as ``forward_layout``'s) -> (layout, its tables as one int32 tensor in ``_TABLES`` order,
+    of which the layout's tables are views).
+
+    The tables depend on host ints only, so they are built once per key on the CPU, copied to the
+    device without blocking, and kept (the last ``ROWS_LAYOUTS_KEPT``): a training step on rows then
+    issues no layout op. Callers must not write into the tables. Under CUDA-graph capture the cache is
+    not used: the tables are built on the device into the graph's own memory, so that a replay never
+    reads a cached tensor that was dropped since. (A dropped tensor is freed to the stream it was
+    copied on; a step on another stream that still reads it would race with its reuse.)"""
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    key = (str(device), batch, tuple(sorted(layout_args.items())))
+    if key in _ROWS_LAYOUTS and not capturing:
+        _ROWS_LAYOUTS.move_to_end(key)
+        layout, tables = _ROWS_LAYOUTS[key]
+        return replace(layout), tables  # a fresh object: a caller setting a field leaves the cache alone
+    build_on = device if capturing else torch.device("cpu")
+    tokens = layout_args["total_tokens"] // batch
+    cu = torch.arange(0, (batch + 1) * tokens, tokens, dtype=torch.int32, device=build_on)
+    layout = kl.forward_layout(cu, **layout_args)
+    tables = torch.cat([getattr(layout, name) for name in _TABLES])
+    if tables.device != device:  # pinned, so that the copy does not wait for the device
+        tables = tables.pin_memory().to(device, non_blocking=True)
+    layout = replace(layout, **dict(zip(_TABLES, tables.split([getattr(layout, name).numel() for name in _TABLES]))))
+    if not capturing:
+        _ROWS_LAYOUTS[key] = (layout, tables)
+        if len(_ROWS_LAYOUTS) > ROWS_LAYOUTS_KEPT:
+            _ROWS_LAYOUTS.popitem(last=False)
+    return replace(layout), tables
 
 
 def _last_nonempty(cu: torch.Tensor) -> torch.Tensor:
@@ -767,12 +828,21 @@ def _initial_states(inputs: GDPInputs) -> torch.Tensor | None:
     kl.check_initial_state_shape(inputs)
     if inputs.initial_state is None:
         return None
-    return inputs.initial_state.detach().to(device=inputs.q.device, dtype=torch.float32)
+    return _cast(inputs.initial_state.detach(), torch.float32, inputs.q.device)
 
 
-def _final_states(shard: _Shard, state_out: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-    """The end state of each sequence's last segment [N, H, K, V]; an empty sequence keeps ``start``."""
+def _final_states(shard: _Shard, state_out: torch.Tensor, initial: torch.Tensor | None) -> torch.Tensor:
+    """The end state of each sequence's last segment [N, H, K, V]; an empty sequence keeps its
+    ``initial`` state (zero without one)."""
     layout = shard.layout
+    if shard.rows:
+        # every row has T >= 1 tokens, hence the same nonzero segment count (forward_layout's rounding,
+        # from host ints): the last segments are a strided slice, and no row is empty
+        chunks_per_row = -(-shard.inputs.q.shape[1] // layout.tokens_per_chunk)
+        segments_per_row = -(-chunks_per_row // layout.segment_chunks)
+        last_segments = state_out[segments_per_row - 1:layout.num_sequences * segments_per_row:segments_per_row]
+        return last_segments.transpose(-1, -2).contiguous()
+    start = initial if initial is not None else state_out.new_zeros(shard.inputs.state_shape)
     last_segment = (layout.seq_first_segment[1:] - 1).clamp(min=0).long()
     final_state = state_out.index_select(0, last_segment).transpose(-1, -2)
     empty = (layout.seq_segments == 0).view(-1, 1, 1, 1)
@@ -784,7 +854,7 @@ def _packed_backward_stack(following) -> torch.Tensor | None:
     following = as_packed_array(following)
     if not isinstance(following, torch.Tensor):
         raise ValueError(f"following must be a tensor or a backward summary; received {type(following).__name__}")
-    return following.float().contiguous()
+    return _contiguous(_cast(following, torch.float32))
 
 
 def _packed_stack(preceding) -> torch.Tensor | None:
@@ -796,6 +866,6 @@ def _packed_stack(preceding) -> torch.Tensor | None:
         raise ValueError(f"preceding must be a tensor or a forward summary; received {type(preceding).__name__}")
     if preceding.dtype != torch.float32:
         raise ValueError(f"preceding summaries must be float32; received {preceding.dtype}")
-    return preceding.contiguous()
+    return _contiguous(preceding)
 
 _name_auto_instances()

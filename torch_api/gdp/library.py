@@ -107,7 +107,7 @@ def _state_shapes(q, v, packed: bool) -> tuple[tuple[int, ...], tuple[int, ...]]
 
 def _fresh(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x`` as an op output: contiguous, at storage offset 0 (what the fake kernels promise)."""
-    x = x if dtype is None else x.to(dtype)
+    x = x if dtype is None or x.dtype == dtype else x.to(dtype)  # no Tensor.to op when there is nothing to do
     if x.is_contiguous() and x.storage_offset() == 0:
         return x
     return x.clone(memory_format=torch.contiguous_format)

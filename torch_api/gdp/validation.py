@@ -13,7 +13,7 @@ import torch
 
 from cp_linear.gdp import MAX_KEY_DIM, check_gdp_shapes  # noqa: F401 (MAX_KEY_DIM re-exported)
 from cp_linear.validation import describe_failed, gdp_dims_error
-from cp_linear.validation import gdp_value_flags as core_gdp_value_flags
+from cp_linear.validation import gdp_value_flag_array
 from torch_api._dist import nonfinite_flags, read_value_flags, value_flags_tensor  # noqa: F401 (re-export)
 
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -68,7 +68,7 @@ def gdp_input_error(q, k, v, g, beta, *, num_householder, scale, cu_seqlens=None
 
 def gdp_value_flags(q, k, v, g, beta) -> torch.Tensor:
     """bool [7] on the inputs' device, in ``cp_linear.validation.GDP_VALUE_CHECKS`` order (no host read)."""
-    return value_flags_tensor(core_gdp_value_flags(q, k, v, g, beta, extrema=torch.aminmax))
+    return gdp_value_flag_array(q, k, v, g, beta, extrema=torch.aminmax)
 
 
 def initial_state_error(initial_state, sequences: int, q, v, *, rows: str = "") -> str | None:
