@@ -266,6 +266,14 @@ def wgmma_operand(thr, tile: cute.Tensor, operand: str) -> cute.Tensor:
     return thr.make_fragment_B(thr.partition_B(tile))
 
 
+def scaled(acc: cute.Tensor, scale: float) -> cute.Tensor:
+    """A float32 copy of the register tensor ``acc`` times the trace-time constant ``scale``."""
+    out = cute.make_fragment_like(acc, cutlass.Float32)
+    for e in range(cute.size(acc)):  # trace-time loop
+        out[e] = acc[e] * scale
+    return out
+
+
 def accumulator_as_wgmma_a(acc: cute.Tensor, tiled_mma, dtype) -> cute.Tensor:
     """A float32 warpgroup-MMA accumulator rounded to ``dtype`` and laid out as the register A
     operand of ``tiled_mma`` (whose K extent is the accumulator's N): each (2, 2, N/8) value mode

@@ -16,9 +16,10 @@ on bf16 tensor cores with float32 operands split into bf16 halves (``_mma.gemm_f
 ``gemm_f32_by_16bit``: relative error ~2^-16, deterministic); dTa, dTb and dP are staged in shared
 memory by 16-byte ``cp.async`` (the first two while the inverse runs), so no loop waits on a global
 load. Code that runs once per CTA is kept short (rolled loops): the kernel was instruction-fetch bound.
-Eight warps (two CTAs per SM at <= 128 registers) rather than four: the kernel is latency-bound (ncu at 4
-warps: no eligible warp in 64 % of cycles); the products split their columns over warp pairs, and the
-per-row / per-column loops of steps 4 and 5 split their terms (even / odd) over two threads.
+Eight warps (two CTAs per SM at <= 128 registers): the products split their columns over warp pairs,
+and the per-row / per-column loops of steps 4 and 5 split their terms over two threads. Measured no
+faster than four warps (ncu: the kernel is bound by shared-memory traffic, L1 near 80 %, not by
+latency), kept for its fewer registers; see benchmarks/NOTES.md.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ class ChunkPrepBackwardKernel:
         s_dbeta, s_df, s_dg, s_dfq = (smem_vector(allocator, C) for _ in range(4))
         s_row_s, s_row_w, s_col_s, s_col_w = (smem_vector(allocator, C) for _ in range(4))
         s_col_p, s_col_u, s_row_u = (smem_vector(allocator, C) for _ in range(3))
-        # the same sums' other halves: threads [128, 256) take every other term of a row's or column's loop
+        # the same sums' other halves, from threads [128, 256)
         s_row_s2, s_row_w2, s_col_s2, s_col_w2 = (smem_vector(allocator, C) for _ in range(4))
         s_col_p2, s_col_u2, s_row_u2, s_dfq2 = (smem_vector(allocator, C) for _ in range(4))
         s_sum = smem_vector(allocator, 2)

@@ -29,7 +29,7 @@ from cutlass import Float32, Int32
 
 from cp_linear.kernels import _mma
 from cp_linear.kernels._common import cutlass_dtype
-from cp_linear.kernels.chunk_scan import _scaled_as_a, _staged
+from cp_linear.kernels.chunk_scan import _scaled_as_a, staged_tile
 from cp_linear.kernels.configs import CHUNK_SIZE, ChunkGammaConfig, ChunkReverseConfig, ChunkReverseScanConfig
 
 C = CHUNK_SIZE
@@ -87,13 +87,10 @@ class _GradientRowsKernel:
         """The staged shared tiles of k, q, dO, Ta, P, the scalars, Qc (and the gradient's staging)."""
         K, R, NQ = self.key_dim, self.rows, self.query_tile
         allocator = cutlass.utils.SmemAllocator()
-        if cutlass.const_expr(self.wgmma):  # the layout warpgroup MMAs read, the swizzle on the pointer
-            def staged(rows, cols):
-                layout = _mma.wgmma_tile_layout(self.dtype, rows, cols, STAGES)
-                return allocator.allocate_tensor(self.dtype, layout.outer, 1024, swizzle=layout.inner)
+        staged = lambda rows, cols: staged_tile(allocator, self.dtype, rows, cols, self.wgmma)  # noqa: E731
+        if cutlass.const_expr(self.wgmma):
             qc = _mma.wgmma_tile(allocator, self.dtype, NQ, K)
         else:
-            staged = lambda rows, cols: allocator.allocate_tensor(self.dtype, _staged(rows, cols), 128)  # noqa: E731
             qc = allocator.allocate_tensor(self.dtype, _mma.smem_tile_layout(NQ, K), 128)
         return dict(
             s_k_all=staged(C, K),
@@ -352,10 +349,7 @@ def gamma_step_wgmma(tiled_mma, tidx, grad: cute.Tensor, step_coords: cute.Tenso
         grad[e] = grad[e] * decay
     _mma.wgmma(do_qc, grad, _mma.wgmma_operand(thr_do_qc, do_t, "A"),
                _mma.wgmma_operand(thr_do_qc, transposed(s_qc, NQ, K), "B"), True)
-    minus_z = cute.make_fragment_like(z, Float32)
-    for e in cutlass.range_constexpr(cute.size(z)):
-        minus_z[e] = -z[e]
-    _mma.wgmma(by_k, grad, _mma.accumulator_as_wgmma_a(minus_z, by_k, dtype),
+    _mma.wgmma(by_k, grad, _mma.accumulator_as_wgmma_a(_mma.scaled(z, -1.0), by_k, dtype),
                _mma.wgmma_operand(thr_k, transposed(s_k, C, K), "B"), True)
 
 

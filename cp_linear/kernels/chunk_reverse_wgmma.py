@@ -52,23 +52,13 @@ def column_sums(acc: cute.Tensor, coords: cute.Tensor, s_red: cute.Tensor, tidx)
                 s_red[warp, coords[(c, 0, n), 0, 0][1]] = value
 
 
-def _scaled(acc: cute.Tensor, scale) -> cute.Tensor:
-    """A float32 copy of ``acc`` times the trace-time constant ``scale``."""
-    out = cute.make_fragment_like(acc, Float32)
-    for e in range(cute.size(acc)):  # trace-time loop
-        out[e] = acc[e] * scale
-    return out
-
-
 def _accumulator(thr, rows: int, cols: int) -> cute.Tensor:
     return thr.make_fragment_C(thr.partition_shape_C((rows, cols)))
 
 
 class ChunkReverseWgmmaKernel:
     def __init__(self, config: ChunkReverseConfig):
-        config.validate()
-        if config.value_dim != 2 * 64:
-            raise ValueError(f"the warpgroup-MMA ChunkReverseKernel needs value_dim 128; received {config.value_dim}")
+        config.validate()  # mma "wgmma" only with V = 128: two warpgroups of 64 value rows
         self.dtype = cutlass_dtype(config.dtype)
         self.key_dim = config.key_dim
         self.value_dim = config.value_dim
@@ -184,7 +174,7 @@ class ChunkReverseWgmmaKernel:
         d_acc = _accumulator(thr_a, V, C)
         _mma.wgmma(smem_at, d_acc, _mma.wgmma_operand(thr_at, self._transposed(s["v"], C, V), "A"),
                    _mma.wgmma_operand(thr_at, s["tb"], "B"), False)
-        _mma.wgmma(regs_a, d_acc, _mma.accumulator_as_wgmma_a(_scaled(y, -1.0), regs_a, dtype),
+        _mma.wgmma(regs_a, d_acc, _mma.accumulator_as_wgmma_a(_mma.scaled(y, -1.0), regs_a, dtype),
                    _mma.wgmma_operand(thr_r, s["ta"], "B"), True)
         # M1 = dX k^T; db = colsum(D * M1) (into Y's registers: Y is consumed)
         m1 = _accumulator(thr_a, V, C)
@@ -204,7 +194,7 @@ class ChunkReverseWgmmaKernel:
         _mma.stage_accumulator(dv_t, coords, _mma.staging_view(s_stage0, dtype, C, V, transpose=True))
         z = _accumulator(thr_a, V, C)
         _mma.wgmma(regs_a_bt, z, dd_a, _mma.wgmma_operand(thr_r_bt, self._transposed(s["ta"], C, C), "B"), False)
-        _mma.stage_accumulator(_scaled(z, -1.0), coords, s["z"])
+        _mma.stage_accumulator(_mma.scaled(z, -1.0), coords, s["z"])
         # dd = sum(X * dX) over the stored (rounded) tiles, read as 16-byte vectors (the swizzle keeps them whole)
         thr_rows = s2r_keys.get_slice(tidx)
         x_part, dx_part = thr_rows.partition_S(s["x"]), thr_rows.partition_S(s["dx"])
@@ -290,7 +280,7 @@ class ChunkReverseWgmmaKernel:
         _mma.wgmma(w_mma, w, _mma.wgmma_operand(w_thr, dd_t, "A"), _mma.wgmma_operand(w_thr, x_t, "B"), False)
         ta_mma = _mma.make_wgmma(dtype, 1, C)
         ta_thr = ta_mma.get_slice(local)
-        _mma.wgmma(ta_mma, acc, _mma.accumulator_as_wgmma_a(_scaled(w, -1.0), ta_mma, dtype),
+        _mma.wgmma(ta_mma, acc, _mma.accumulator_as_wgmma_a(_mma.scaled(w, -1.0), ta_mma, dtype),
                    _mma.wgmma_operand(ta_thr, s["k"], "B"), False)
         sync()  # dTb has left the staging tile
         _mma.stage_accumulator(acc, square, staged_square)

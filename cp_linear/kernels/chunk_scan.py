@@ -120,12 +120,7 @@ class ChunkScanKernel:
         cute.arch.cp_async_commit_group()
 
     def _tile(self, allocator, rows: int, cols: int) -> cute.Tensor:
-        """A staged [rows, cols, STAGES] shared tile of one operand (the swizzle each MMA family reads;
-        warpgroup MMAs want it on the pointer, not in the layout)."""
-        if cutlass.const_expr(self.wgmma):
-            layout = _mma.wgmma_tile_layout(self.dtype, rows, cols, STAGES)
-            return allocator.allocate_tensor(self.dtype, layout.outer, 1024, swizzle=layout.inner)
-        return allocator.allocate_tensor(self.dtype, _staged(rows, cols), 128)
+        return staged_tile(allocator, self.dtype, rows, cols, self.wgmma)
 
     @cute.kernel
     def kernel(self, k: cute.Tensor, v: cute.Tensor, q: cute.Tensor, ta: cute.Tensor, tb: cute.Tensor,
@@ -386,6 +381,15 @@ class _WgmmaProducts:
 
     def update_state(self, state, scaled_delta, s_k_all, stage):
         _mma.wgmma(self.state_mma, state, scaled_delta, self.kt_b[None, None, None, stage], True)
+
+
+def staged_tile(allocator, dtype, rows: int, cols: int, wgmma: bool) -> cute.Tensor:
+    """A staged [rows, cols, STAGES] shared tile of one operand in the swizzle its MMA family reads
+    (warpgroup MMAs want it on the pointer, not in the layout)."""
+    if wgmma:
+        layout = _mma.wgmma_tile_layout(dtype, rows, cols, STAGES)
+        return allocator.allocate_tensor(dtype, layout.outer, 1024, swizzle=layout.inner)
+    return allocator.allocate_tensor(dtype, _staged(rows, cols), 128)
 
 
 def _staged(rows: int, cols: int):

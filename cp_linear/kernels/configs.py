@@ -105,8 +105,7 @@ class ChunkScanConfig:
             raise ValueError(f"mode {self.mode!r} reads no queries: query_tile must be 0; received {self.query_tile}")
         if self.mode == "output":
             _check_query_tile(self.query_tile)
-        if self.mma not in MMA_KINDS:
-            raise ValueError(f"mma must be one of {MMA_KINDS}; received {self.mma!r}")
+        _check_mma(self.mma)
         if self.row_block not in (0, 64, 128) or self.row_block > min(self.key_dim, self.value_dim):
             raise ValueError(f"row_block must be 0 (auto), 64 or 128 and at most min(K, V); received {self.row_block}")
 
