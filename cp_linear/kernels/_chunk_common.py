@@ -91,12 +91,12 @@ def row_norms(tidx, s_k: cute.Tensor, s_q: cute.Tensor, s_f: cute.Tensor, s_fq: 
 @cute.jit
 def invert_unit_lower(tidx, s_a: cute.Tensor, s_x: cute.Tensor, threads: cutlass.Constexpr = 2 * C):
     """s_x = (I + s_a)^-1 for a strictly lower float32 s_a [64, 64], on 128 threads (of ``threads``: the
-    others only meet the barriers), blocked:
+    others only meet the barriers; with 256, step 3 runs on all of them), blocked:
 
     1. the four 16 x 16 diagonal blocks by substitution (threads [0, 64), one column each; the
        others zero the upper 16 x 16 blocks (0, 1) and (2, 3));
     2. 16 -> 32: X_ij = -X_ii (A_ij X_jj) for the blocks (1, 0) and (3, 2) (64 threads each);
-    3. 32 -> 64: X_10 = -X_11 (A_10 X_00) on the 32 x 32 blocks (128 threads).
+    3. 32 -> 64: X_10 = -X_11 (A_10 X_00) on the 32 x 32 blocks (128 or 256 threads).
 
     Every thread does about 600 multiply-adds, against 2000 for one column's substitution. The
     products A_ij X_jj live in the upper 32 x 32 block, which is zeroed at the end. Both tiles need
@@ -141,19 +141,29 @@ def invert_unit_lower(tidx, s_a: cute.Tensor, s_x: cute.Tensor, threads: cutlass
 
     half = C // 2
     scratch = cute.local_tile(s_x, (half, half), (0, 1))
-    if working:
+    if cutlass.const_expr(threads == 4 * C):  # 256 threads: step 3 on all of them, one row of 4 columns each
         _block_product(tidx, cute.local_tile(s_a, (half, half), (1, 0)), cute.local_tile(s_x, (half, half), (0, 0)),
-                       scratch, half, half, half, 2, False)
-    cute.arch.sync_threads()
-    if working:
+                       scratch, half, half, half, 1, False)
+        cute.arch.sync_threads()
         _block_product(tidx, cute.local_tile(s_x, (half, half), (1, 1)), scratch,
-                       cute.local_tile(s_x, (half, half), (1, 0)), half, half, half, 2, True)
-    cute.arch.sync_threads()
-    if working:
-        for it in cutlass.range_constexpr(2):  # the upper 32 x 32 block back to zero: two float4 per thread
-            flat = tidx + it * 128
-            cute.local_tile(scratch, (1, 4), (flat // 8, flat % 8)).fill(0.0)
-    cute.arch.sync_threads()
+                       cute.local_tile(s_x, (half, half), (1, 0)), half, half, half, 1, True)
+        cute.arch.sync_threads()
+        cute.local_tile(scratch, (1, 4), (tidx // 8, tidx % 8)).fill(0.0)  # the upper block back to zero
+        cute.arch.sync_threads()
+    else:
+        if working:
+            _block_product(tidx, cute.local_tile(s_a, (half, half), (1, 0)),
+                           cute.local_tile(s_x, (half, half), (0, 0)), scratch, half, half, half, 2, False)
+        cute.arch.sync_threads()
+        if working:
+            _block_product(tidx, cute.local_tile(s_x, (half, half), (1, 1)), scratch,
+                           cute.local_tile(s_x, (half, half), (1, 0)), half, half, half, 2, True)
+        cute.arch.sync_threads()
+        if working:
+            for it in cutlass.range_constexpr(2):  # the upper 32 x 32 block back to zero: two float4 per thread
+                flat = tidx + it * 128
+                cute.local_tile(scratch, (1, 4), (flat // 8, flat % 8)).fill(0.0)
+        cute.arch.sync_threads()
 
 
 @cute.jit

@@ -83,7 +83,7 @@ def prep_backward(chunk: ChunkInputs, prep: dict, grads: dict, *, num_householde
     import torch
 
     q, k, beta = chunk.q, chunk.k, chunk.beta
-    T, a, f, fq, G, E, gram, A = (prep[name] for name in ("T", "a", "f", "fq", "G", "E", "gram", "A"))
+    T, a, f, fq, G, E, gram = (prep[name] for name in ("T", "a", "f", "fq", "G", "E", "gram"))
     last, EP, qk, lower = prep["last"], prep["EP"], prep["qk"], prep["lower"]
     dTa, dTb, dP, db, dc, dd = (grads[name] for name in ("dTa", "dTb", "dP", "db", "dc", "dd"))
     # Ta = T diag(a), Tb = T diag(beta)
@@ -96,18 +96,20 @@ def prep_backward(chunk: ChunkInputs, prep: dict, grads: dict, *, num_householde
     dA = -(T.transpose(1, 2) @ dT @ T.transpose(1, 2)) * lower
     # A_ij = beta_i f_i f_j E_ij gram_ij (i > j)
     S = dA * E * gram
-    dbeta = dbeta + f * (S * f[:, None, :]).sum(2)
-    df = df + beta * (S * f[:, None, :]).sum(2) + (S * (beta * f)[:, :, None]).sum(1)
-    W = dA * A
-    dG = dG + W.sum(2) - W.sum(1)
+    row_s, col_s = (S * f[:, None, :]).sum(2), (S * (beta * f)[:, :, None]).sum(1)
+    dbeta = dbeta + f * row_s
+    df = df + beta * row_s + col_s
+    # W = dA * A = S diag-scaled: its row sums are beta f row_s, its column sums f col_s (no pass of its own)
+    dG = dG + beta * f * row_s - f * col_s
     dgram = dA * (beta * f)[:, :, None] * f[:, None, :] * E
     dk = (dgram + dgram.transpose(1, 2)) @ k
     # P_tj = scale fq_t f_j EP_tj qk_tj
     base = scale * EP * qk
     dfq = (dP * base * f[:, None, :]).sum(2)
-    df = df + (dP * base * fq[:, :, None]).sum(1)
-    U = dP * prep["P"]
-    dG = dG.index_add(1, last, U.sum(2)) - U.sum(1)
+    col_p = (dP * base * fq[:, :, None]).sum(1)
+    df = df + col_p
+    # U = dP * P: row sums fq dfq, column sums f col_p
+    dG = dG.index_add(1, last, fq * dfq) - f * col_p
     dqk = dP * scale * fq[:, :, None] * f[:, None, :] * EP
     dq = dqk @ k
     dk = dk + dqk.transpose(1, 2) @ q

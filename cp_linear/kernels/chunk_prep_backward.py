@@ -93,11 +93,11 @@ class ChunkPrepBackwardKernel:
         s_gate, s_beta, s_f, s_fq = (smem_vector(allocator, C) for _ in range(4))
         # partial gradients by step (j) or token (t), each entry written by one thread
         s_dbeta, s_df, s_dg, s_dfq = (smem_vector(allocator, C) for _ in range(4))
-        s_row_s, s_row_w, s_col_s, s_col_w = (smem_vector(allocator, C) for _ in range(4))
-        s_col_p, s_col_u, s_row_u = (smem_vector(allocator, C) for _ in range(3))
-        # the same sums' other halves, from threads [128, 256)
-        s_row_s2, s_row_w2, s_col_s2, s_col_w2 = (smem_vector(allocator, C) for _ in range(4))
-        s_col_p2, s_col_u2, s_row_u2, s_dfq2 = (smem_vector(allocator, C) for _ in range(4))
+        # sums of steps 4-6 (the second four: the same sums' other halves, from threads [128, 256)); step 2
+        # uses the eight rows before them for its partial column sums
+        s_sums = allocator.allocate_tensor(Float32, cute.make_layout((8, C), stride=(C, 1)), 16)
+        s_row_s, s_col_s, s_col_p, s_dfq_total, s_row_s2, s_col_s2, s_col_p2, s_dfq2 = (s_sums[r, None]
+                                                                                        for r in range(8))
         s_sum = smem_vector(allocator, 2)
         s_scalars = allocator.allocate_tensor(Float32, cute.make_layout((4, C), stride=(C, 1)), 16)  # db, dc, dd
 
@@ -135,19 +135,29 @@ class ChunkPrepBackwardKernel:
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
 
-            # 2. dT = dTa diag(a) + dTb diag(beta) (in place of dTb); da = colsum(dTa * T) -> dbeta, df, dG (thread j)
+            # 2. dT = dTa diag(a) + dTb diag(beta) (in place of dTb); da = colsum(dTa * T) -> dbeta, df, dG. Every
+            #    thread takes a quarter of column j's rows (one thread per column left 6 of 8 warps idle through
+            #    a 64-long chain of shared loads); thread j adds the four partial sums
+            j = tidx % C
+            quarter = tidx // C
+            growth = cute.math.exp(s_gate[j])
+            a_j = s_beta[j] * s_f[j] * growth
+            da = Float32(0.0)
+            dbeta_t = Float32(0.0)
+            for ii in cutlass.range(C // 4, unroll=4):
+                i = quarter * (C // 4) + ii
+                grad_a = s_m1[i, j]
+                grad_b = s_work[i, j]
+                t_ij = s_t[i, j]
+                da = da + grad_a * t_ij
+                dbeta_t = dbeta_t + grad_b * t_ij
+                s_work[i, j] = grad_a * a_j + grad_b * s_beta[j]
+            s_sums[quarter, j] = da
+            s_sums[4 + quarter, j] = dbeta_t
+            cute.arch.sync_threads()
             if tidx < C:
-                j = tidx
-                growth = cute.math.exp(s_gate[j])
-                a_j = s_beta[j] * s_f[j] * growth
-                da = Float32(0.0)
-                dbeta_t = Float32(0.0)
-                for i in cutlass.range(C, unroll=4):
-                    grad_a = s_m1[i, j]
-                    grad_b = s_work[i, j]
-                    da = da + grad_a * s_t[i, j]
-                    dbeta_t = dbeta_t + grad_b * s_t[i, j]
-                    s_work[i, j] = grad_a * a_j + grad_b * s_beta[j]
+                da = s_sums[0, j] + s_sums[1, j] + s_sums[2, j] + s_sums[3, j]
+                dbeta_t = s_sums[4, j] + s_sums[5, j] + s_sums[6, j] + s_sums[7, j]
                 s_dbeta[j] = dbeta_t + da * s_f[j] * growth
                 s_df[j] = da * s_beta[j] * growth
                 s_dg[j] = da * a_j
@@ -161,28 +171,29 @@ class ChunkPrepBackwardKernel:
             self.store_raw_product(tiled_mma, tidx, s_k, s_k, s_t)  # Gram (T is consumed)
             cute.arch.sync_threads()
 
-            # 4. through A: rows (threads 0-63) and columns (64-127) of S = dA E Gram and W = dA A, half the
-            #    terms each; threads 128-255 the other half of the same lines. A row's terms start at a
-            #    rotated index (with a row pitch of 68 words, lanes reading one column of 32 rows hit 8
-            #    banks: 4-way conflicts). The symmetric dGram + dGram^T into s_m1
+            # 4. through A: rows (threads 0-63) and columns (64-127) of S = dA E Gram, half the terms each;
+            #    threads 128-255 the other half of the same lines. W = dA A needs no pass of its own: its row
+            #    sums are beta_i f_i (S f)_i and its column sums f_j (beta f S)_j (step 6). A row's terms
+            #    start at a rotated index (with a row pitch of 68 words, lanes reading one column of 32 rows
+            #    hit 8 banks: 4-way conflicts). The row threads also write dGram + dGram^T into s_m1 (both
+            #    triangles; its diagonal is written in step 7)
             line = tidx % C
             parity = (tidx // (2 * C)) % 2
             sum_s = Float32(0.0)
-            sum_w = Float32(0.0)
             if tidx % (2 * C) < C:
+                row_scale = s_beta[line] * s_f[line]
                 for jj in cutlass.range(C // 2, unroll=4):
                     j = (C // 2) * parity + (jj + line) % (C // 2)  # rotated: lanes hit distinct banks
                     if j < line:
-                        grad_a = s_work[line, j]
-                        s_ij = grad_a * cute.math.exp(s_gate[line] - s_gate[j]) * s_t[line, j]
-                        sum_s = sum_s + s_ij * s_f[j]
-                        sum_w = sum_w + grad_a * s_a[line, j]
+                        weighted = s_work[line, j] * cute.math.exp(s_gate[line] - s_gate[j]) * s_f[j]
+                        sum_s = sum_s + weighted * s_t[line, j]
+                        grad_gram = weighted * row_scale
+                        s_m1[line, j] = grad_gram
+                        s_m1[j, line] = grad_gram
                 if parity == 0:
                     s_row_s[line] = sum_s
-                    s_row_w[line] = sum_w
                 else:
                     s_row_s2[line] = sum_s
-                    s_row_w2[line] = sum_w
             else:
                 for ii in cutlass.range(C // 2, unroll=4):
                     i = 2 * ii + parity
@@ -190,27 +201,15 @@ class ChunkPrepBackwardKernel:
                         grad_a = s_work[i, line]
                         s_ij = grad_a * cute.math.exp(s_gate[i] - s_gate[line]) * s_t[i, line]
                         sum_s = sum_s + s_ij * s_beta[i] * s_f[i]
-                        sum_w = sum_w + grad_a * s_a[i, line]
                 if parity == 0:
                     s_col_s[line] = sum_s
-                    s_col_w[line] = sum_w
                 else:
                     s_col_s2[line] = sum_s
-                    s_col_w2[line] = sum_w
-            for n in cutlass.range(C * C // THREADS, unroll=2):
-                flat = tidx + n * THREADS
-                i = flat // C
-                j = flat % C
-                lo = cutlass.max(i, j)
-                hi = cutlass.min(i, j)
-                value = Float32(0.0)
-                if i != j:
-                    value = s_work[lo, hi] * s_beta[lo] * s_f[lo] * s_f[hi] * cute.math.exp(s_gate[lo] - s_gate[hi])
-                s_m1[i, j] = value
             cute.arch.sync_threads()
 
             # 5. through P: dP staged in s_work (dA is consumed), QK = q k^T in s_t (Gram is consumed); rows t
-            #    (threads 0-63), columns j (64-127); dQK into s_a (A is consumed). Loads and exponentials are
+            #    (threads 0-63), columns j (64-127); dQK into s_a (A is consumed). U = dP P is not summed: its
+            #    row sums are fq_t dfq_t and its column sums f_j col_p_j (step 6). Loads and exponentials are
             #    unconditional, then selected.
             _mma.copy_rows_g2s(g2s_f32, tidx, d_p[chunk, head, None, None], cute.local_tile(s_work, (NQ, C), (0, 0)),
                                NQ)
@@ -223,7 +222,6 @@ class ChunkPrepBackwardKernel:
                 row_ok = t < tokens
                 last = cutlass.min(t * NH + NH - 1, C - 1)
                 dfq_t = Float32(0.0)
-                u_t = Float32(0.0)
                 for jj in cutlass.range(C // 2, unroll=4):
                     j = (C // 2) * parity + (jj + t) % (C // 2)  # rotated, as in step 4
                     keep = row_ok & (j <= last)
@@ -231,18 +229,14 @@ class ChunkPrepBackwardKernel:
                     grad_p = s_work[t, j]
                     base = scale * decay * s_t[t, j]
                     dfq_t = dfq_t + zero_unless(keep, grad_p * base * s_f[j])
-                    u_t = u_t + zero_unless(keep, grad_p * base * s_fq[t] * s_f[j])
                     s_a[t, j] = zero_unless(keep, grad_p * scale * s_fq[t] * s_f[j] * decay)
                 if parity == 0:
                     s_dfq[t] = dfq_t
-                    s_row_u[t] = u_t
                 else:
                     s_dfq2[t] = dfq_t
-                    s_row_u2[t] = u_t
             else:  # step columns j: even tokens here, odd ones on threads 192-255
                 j = line
                 col_p = Float32(0.0)
-                col_u = Float32(0.0)
                 for tt in cutlass.range(NQ // 2, unroll=4):
                     t = 2 * tt + parity
                     last = cutlass.min(t * NH + NH - 1, C - 1)
@@ -250,14 +244,18 @@ class ChunkPrepBackwardKernel:
                     grad_p = s_work[t, j]
                     base = scale * cute.math.exp(s_gate[last] - s_gate[j]) * s_t[t, j]
                     col_p = col_p + zero_unless(keep, grad_p * base * s_fq[t])
-                    col_u = col_u + zero_unless(keep, grad_p * base * s_fq[t] * s_f[j])
                 if parity == 0:
                     s_col_p[j] = col_p
-                    s_col_u[j] = col_u
                 else:
                     s_col_p2[j] = col_p
-                    s_col_u2[j] = col_u
             cute.arch.sync_threads()
+
+            # dk's accumulator starts as the scan's part: its global loads are issued here and waited for in
+            # dk's product, so steps 6 and 7's first loop run under their latency
+            out_thr = split_mma.get_slice(tidx)
+            out_coords = out_thr.partition_C(cute.make_identity_tensor((C, K)))
+            dk_acc = cute.make_rmem_tensor(out_thr.partition_shape_C((C, K)), Float32)
+            load_rows(dk_acc, out_coords, dk_scan, first, steps, head)
 
             # 6. assemble df, dbeta, dG per step and dfq per token; dg = reverse cumsum of dG
             gate_last = s_gate[last_step]
@@ -266,23 +264,23 @@ class ChunkPrepBackwardKernel:
                 grad_b = s_scalars[0, j]
                 b_j = s_f[j] * cute.math.exp(gate_last - s_gate[j])
                 row_s = s_row_s[j] + s_row_s2[j]
-                s_df[j] = s_df[j] + s_beta[j] * row_s + (s_col_s[j] + s_col_s2[j]) + (s_col_p[j] + s_col_p2[j]) + \
-                    grad_b * cute.math.exp(gate_last - s_gate[j])
+                col_sp = s_col_s[j] + s_col_s2[j] + s_col_p[j] + s_col_p2[j]
+                s_df[j] = s_df[j] + s_beta[j] * row_s + col_sp + grad_b * cute.math.exp(gate_last - s_gate[j])
                 s_dbeta[j] = s_dbeta[j] + s_f[j] * row_s
-                grad_g = s_dg[j] + (s_row_w[j] + s_row_w2[j]) - (s_col_w[j] + s_col_w2[j]) - \
-                    (s_col_u[j] + s_col_u2[j]) - grad_b * b_j
-                if j % NH == NH - 1:  # token j // n_h ends here: its P rows and c read exp(G_j)
+                # W = dA A and U = dP P: row sum of W minus the column sums of W and U
+                grad_g = s_dg[j] + s_f[j] * (s_beta[j] * row_s - col_sp) - grad_b * b_j
+                if j % NH == NH - 1:  # token j // n_h ends here: its P rows (U's row sum) and c read exp(G_j)
                     t = j // NH
                     if t < tokens:
                         c_t = scale * s_fq[t] * cute.math.exp(s_gate[j])
-                        grad_g = grad_g + (s_row_u[t] + s_row_u2[t]) + s_scalars[1, t] * c_t
+                        grad_g = grad_g + s_fq[t] * (s_dfq[t] + s_dfq2[t]) + s_scalars[1, t] * c_t
                 s_dg[j] = grad_g
                 bb = cute.arch.warp_reduction_sum(grad_b * b_j)
                 if tidx % 32 == 0:
                     s_sum[tidx // 32] = bb
             elif tidx < C + NQ:
                 t = tidx - C
-                s_dfq[t] = s_dfq[t] + s_dfq2[t] + s_scalars[1, t] * scale * cute.math.exp(s_gate[t * NH + NH - 1])
+                s_dfq_total[t] = s_dfq[t] + s_dfq2[t] + s_scalars[1, t] * scale * cute.math.exp(s_gate[t * NH + NH - 1])
             cute.arch.sync_threads()
             if tidx == 0:
                 s_dg[last_step] = s_dg[last_step] + s_sum[0] + s_sum[1] + \
@@ -300,19 +298,27 @@ class ChunkPrepBackwardKernel:
             # 7. dk = dk_scan + (dGram + dGram^T - diag(df f^3)) k + dQK^T q;  dq = dq_scan + dQK k - diag(dfq fq^3) q:
             #    the l2norm terms ride in the products (dGram's diagonal is zero; s_t, free since step 5, holds
             #    the query diagonal), so the epilogues only store: through a free square (dk: s_work, dq: s_m1,
-            #    read by dk's product) as 16-byte rows
+            #    read by dk's product) as 16-byte rows. dq's scan part is loaded while dk is stored.
             for n in cutlass.range(C * C // THREADS, unroll=2):
                 flat = tidx + n * THREADS
                 i = flat // C
-                cube_q = zero_unless(use_l2 != 0, s_dfq[i] * s_fq[i] * s_fq[i] * s_fq[i])
+                cube_q = zero_unless(use_l2 != 0, s_dfq_total[i] * s_fq[i] * s_fq[i] * s_fq[i])
                 s_t[i, flat % C] = zero_unless(i == flat % C, -cube_q)
             if tidx < C:
                 s_m1[tidx, tidx] = -zero_unless(use_l2 != 0, s_df[tidx] * s_f[tidx] * s_f[tidx] * s_f[tidx])
             cute.arch.sync_threads()
-            self.product_rows(tidx, tiled_mma, split_mma, s_m1, s_k, float_transposed(s_a), s_q, dk_scan, dk, first,
-                              steps, head, s_work, s2g)
-            self.product_rows(tidx, tiled_mma, split_mma, s_a, s_k, s_t, s_q, dq_scan, dq, first_token, tokens, head,
-                              s_m1, s2g)
+            self.accumulate_products(tidx, tiled_mma, split_mma, dk_acc, s_m1, s_k, float_transposed(s_a), s_q)
+            staged_dk = _mma.staging_view(s_work, self.dtype, C, K)
+            _mma.stage_accumulator(dk_acc, out_coords, staged_dk)
+            dq_acc = cute.make_rmem_tensor(out_thr.partition_shape_C((C, K)), Float32)
+            load_rows(dq_acc, out_coords, dq_scan, first_token, tokens, head)
+            cute.arch.sync_threads()
+            self.store_rows(tidx, s2g, staged_dk, dk, first, steps, head)
+            self.accumulate_products(tidx, tiled_mma, split_mma, dq_acc, s_a, s_k, s_t, s_q)
+            staged_dq = _mma.staging_view(s_m1, self.dtype, C, K)  # s_m1: dk's product has read it (synced)
+            _mma.stage_accumulator(dq_acc, out_coords, staged_dq)
+            cute.arch.sync_threads()
+            self.store_rows(tidx, s2g, staged_dq, dq, first_token, tokens, head)
 
     @cute.jit
     def store_raw_product(self, tiled_mma, tidx, s_left, s_k, out: cute.Tensor):
@@ -333,24 +339,20 @@ class ChunkPrepBackwardKernel:
                                 operand="B", transpose=True)
 
     @cute.jit
-    def product_rows(self, tidx, tiled_mma, split_mma, first_left, first_right, second_left, second_right,
-                     scan: cute.Tensor, out: cute.Tensor, row0, rows, head, s_stage: cute.Tensor, s2g: cute.TiledCopy):
-        """out = scan + first_left first_right^T + second_left second_right^T for 64 rows x K (float32 left
-        squares, input-dtype [64, K] right tiles read transposed), on the bf16 tensor cores:
+    def accumulate_products(self, tidx, tiled_mma, split_mma, acc: cute.Tensor, first_left, first_right, second_left,
+                            second_right):
+        """acc += first_left first_right^T + second_left second_right^T for 64 rows x K (float32 left squares,
+        input-dtype [64, K] right tiles read transposed), on the bf16 tensor cores:
             dk = dk_scan + G k + dQK^T q        (G = dGram + dGram^T - diag(df f^3))
-            dq = dq_scan + dQK k + D q          (D = -diag(dfq fq^3); rows past the chunk's tokens are zero)
-        The rows leave through ``s_stage`` (a float32 square, free here; it holds 64 rows x K of the input dtype)."""
-        thr = split_mma.get_slice(tidx)
-        acc = cute.make_rmem_tensor(thr.partition_shape_C((C, self.key_dim)), Float32)
-        coords = thr.partition_C(cute.make_identity_tensor((C, self.key_dim)))
-        load_rows(acc, coords, scan, row0, rows, head)
+            dq = dq_scan + dQK k + D q          (D = -diag(dfq fq^3); rows past the chunk's tokens are zero)"""
         _mma.gemm_f32_by_16bit(split_mma, tidx, acc, first_left, self.transposed_operand(tiled_mma, tidx, first_right),
                                self.inputs_bf16)
         _mma.gemm_f32_by_16bit(split_mma, tidx, acc, second_left,
                                self.transposed_operand(tiled_mma, tidx, second_right), self.inputs_bf16)
-        staged = _mma.staging_view(s_stage, self.dtype, C, self.key_dim)
-        _mma.stage_accumulator(acc, coords, staged)
-        cute.arch.sync_threads()
+
+    @cute.jit
+    def store_rows(self, tidx, s2g: cute.TiledCopy, staged: cute.Tensor, out: cute.Tensor, row0, rows, head):
+        """The staged 64 x K input-dtype rows (a free float32 square holds them) to out[row0 : row0 + rows, head]."""
         g_out = cute.local_tile(cute.domain_offset((row0, 0), out[None, head, None]), (C, self.key_dim), (0, 0))
         _mma.copy_rows_s2g(s2g, tidx, staged, g_out, rows)
 
