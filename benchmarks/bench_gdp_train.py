@@ -10,7 +10,10 @@ refuses Triton 3.6 on Hopper, FLA#640: the guard is switched off for *timing onl
 gradients are not used). Wall time (CUDA events around the eager step, median), kernel time
 (torch.profiler sum per step), peak memory above the inputs, and "b2b": ms per step over ten steps
 queued back to back, as a training loop runs them (``--check-read-ab`` adds ``ours-read-first``: the
-value checks read before the forward is queued). Writes a table, CSV and PNG.
+value checks read before the forward is queued; ``--unchecked`` adds ``ours-unchecked``:
+``check_inputs=False``, no host read, non-finite inputs contained; ``--graph`` adds ``ours-graph``: the
+unchecked step captured in a CUDA graph and replayed, the step without its host work). Writes a table,
+CSV and PNG.
 """
 
 from __future__ import annotations
@@ -80,6 +83,21 @@ class _ChecksReadFirst:
         self.ops.PendingValueChecks = self.original
 
 
+def _graphed(step):
+    """``step`` captured in a CUDA graph (warmed up on a side stream, as the PyTorch docs describe);
+    returns its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
 def _kernel_ms(fn, repeat: int) -> tuple[float, list[tuple[str, float]]]:
     """GPU kernel time per call (ms) and the ten largest kernels (name, ms per call)."""
     from torch.profiler import ProfilerActivity, profile
@@ -145,6 +163,9 @@ def main() -> None:
     parser.add_argument("--no-fla", action="store_true", help="skip flash-linear-attention")
     parser.add_argument("--check-read-ab", action="store_true",
                         help="also time ours with the value checks read before the forward is queued")
+    parser.add_argument("--unchecked", action="store_true", help="also time ours with check_inputs=False")
+    parser.add_argument("--graph", action="store_true",
+                        help="also time ours (check_inputs=False) captured in a CUDA graph and replayed")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     nh, heads, dim = args.nh, args.heads, 128
@@ -165,16 +186,22 @@ def main() -> None:
         variants = {"ours": CuTeDSLGatedDeltaProductCPBackend(backward="kernels")}
         if args.check_read_ab:
             variants["ours-read-first"] = variants["ours"]
+        if args.unchecked:
+            variants["ours-unchecked"] = variants["ours"]
+        if args.graph:
+            variants["ours-graph"] = variants["ours"]
         if tokens <= 8192 and not args.no_torch_backward:
             variants["ours-torch-bwd"] = CuTeDSLGatedDeltaProductCPBackend(backward="torch")
         for name, backend in variants.items():
-            def step(read_first=name == "ours-read-first"):
+            def step(read_first=name == "ours-read-first", check=name not in ("ours-unchecked", "ours-graph")):
                 leaves = [x.detach().requires_grad_() for x in (q, k, v, g, beta)]
                 with _ChecksReadFirst() if read_first else contextlib.nullcontext():
                     o, final = gated_delta_product(*leaves, num_householder=nh, use_qk_l2norm_in_kernel=True,
-                                                   backend=backend)
+                                                   backend=backend, check_inputs=check)
                 torch.autograd.backward([o, final], [do, dfinal])
             try:
+                if name == "ours-graph":
+                    step = _graphed(step)
                 wall_ms = _time(step, args.repeat)
                 kernel_ms, largest = _kernel_ms(step, args.repeat)
                 row = [tokens, name, wall_ms, kernel_ms, _peak_mb(step), _back_to_back_ms(step)]

@@ -172,6 +172,10 @@ def digest(values: Sequence[Any]) -> int:
 
 def sanitize(x: Array) -> Array:
     """``x`` with every NaN/Inf replaced by 0, by selection (so no NaN * 0 anywhere downstream)."""
+    if array_api_compat.is_torch_array(x):  # one pass (isfinite + where: two, and a bool tensor as large as x)
+        import torch
+
+        return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)  # its gradient is zero where it replaced
     xp = array_api_compat.array_namespace(x)
     return xp.where(xp.isfinite(x), x, xp.zeros_like(x))
 
@@ -179,6 +183,12 @@ def sanitize(x: Array) -> Array:
 def nonfinite_rows(x: Array, feature_axes: int) -> Array:
     """bool ``x.shape[:-feature_axes]``: True where a row holds any NaN/Inf (0 feature axes: per entry)."""
     xp = array_api_compat.array_namespace(x)
+    if feature_axes and array_api_compat.is_torch_array(x) and all(x.shape[-feature_axes:]):
+        # one reduction pass in torch (NaN propagates through min and max: finite bounds <=> all finite)
+        import torch
+
+        low, high = torch.aminmax(x.flatten(-feature_axes) if feature_axes > 1 else x, dim=-1)
+        return ~(torch.isfinite(low) & torch.isfinite(high))
     bad = ~xp.isfinite(x)
     if feature_axes == 0:
         return bad
@@ -189,8 +199,11 @@ def any_in_ranges(flags: Array, start: Array, stop: Array) -> Array:
     """``out[:, m, ...] = any(flags[:, start[m]:stop[m], ...])`` along axis 1, for int index arrays
     ``start``, ``stop`` [M] (``start <= stop``): two prefix sums and two gathers, no [M, N] mask."""
     xp = array_api_compat.array_namespace(flags)
-    counts = xp.cumulative_sum(xp.astype(flags, xp.int32), axis=1, include_initial=True)
-    return (xp.take(counts, stop, axis=1) - xp.take(counts, start, axis=1)) > 0
+    # the prefix sums run along the last axis: torch scans an outer axis with one thread per column
+    # (1.5 ms for [1, 8192, 16] on an H200, against microseconds along the last one)
+    last = xp.moveaxis(xp.astype(flags, xp.int32), 1, -1)
+    counts = xp.cumulative_sum(last, axis=-1, include_initial=True)
+    return xp.moveaxis((xp.take(counts, stop, axis=-1) - xp.take(counts, start, axis=-1)) > 0, -1, 1)
 
 
 def poison(x: Array, mask: Array) -> Array:
