@@ -365,8 +365,10 @@ class CuTeDSLGatedDeltaProductCPBackend:
         if self.backward == "kernels":  # the segments' incoming states: the reverse pass restarts from them
             transition = summary[..., value_dim:]
             # each summarised segment's transition rows in the backward's orientation (M_b = M^T): chunk_gamma
-            # skips them (kl.FORWARD_TRANSITION_FLAG); [S_max, H, K, K] float32
-            segment_transitions = jnp.swapaxes(shard.summaries[:, :, value_dim:], -1, -2)
+            # skips them (kl.FORWARD_TRANSITION_FLAG); [S_max, H, K, K] float32, zero where no summary was
+            # written (as torch's saved buffer)
+            summarised = (shard.layout.seg_flags != 0)[:, None, None, None]
+            segment_transitions = jnp.where(summarised, jnp.swapaxes(shard.summaries[:, :, value_dim:], -1, -2), 0.0)
             saved = CPSavedContext(
                 tensors=(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.cu_seqlens,
                          transition if shard.rows else transition[0], inputs.initial_state, incoming,
