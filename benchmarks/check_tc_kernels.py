@@ -100,11 +100,16 @@ class Recorder:
         for name in outputs:
             a, b = getattr(gpu, name), getattr(emulated, name)
             if kind == "ChunkGamma":
-                flags = gpu.seg_flags[:int(gpu.num_segments[0])].cpu() & 1
-                idx = torch.nonzero(flags).flatten()
-                if idx.numel() == 0:
+                # written: the gamma rows of the flagged segments, and the transition rows of those without
+                # FORWARD_TRANSITION_FLAG (the others' hold the forward's copy, untouched by either)
+                flags = gpu.seg_flags[:int(gpu.num_segments[0])].cpu()
+                summarised = (flags & kl.SUMMARY_FLAG) != 0
+                computed = summarised & ((flags & kl.FORWARD_TRANSITION_FLAG) == 0)
+                if not bool(summarised.any()):
                     continue
-                a, b = a[idx.to(a.device)], b[idx]
+                value_dim = gpu.config.value_dim
+                a, b = (torch.cat([x[summarised.to(x.device), :, :value_dim].flatten(),
+                                   x[computed.to(x.device), :, value_dim:].flatten()]) for x in (a, b))
             if kind == "ChunkReverseScan" and name == "grad_in":
                 count = int(gpu.num_segments[0])
                 a, b = a[:count], b[:count]

@@ -11,7 +11,9 @@ The backward splits as flash-linear-attention's does: a sequential pass carries 
 everything else runs chunk-parallel from what the sequential passes stored.
 
 * ``ChunkGammaKernel``: a segment's backward summary rows [gamma ; M_b] (dX_in = dX_out M_b +
-  gamma) from [0 ; I], chunks in reverse; the transition rows see a zero dO tile.
+  gamma) from [0 ; I], chunks in reverse; the transition rows see a zero dO tile. M_b is the
+  forward summary's transition rows transposed, so segments flagged ``FORWARD_TRANSITION_FLAG``
+  get only their gamma rows here (their transition CTAs exit at once).
 * ``ChunkReverseScanKernel``: one CTA per (segment, head, row block) from the segment's outgoing
   gradient, storing rnd(dX) at every chunk's end and the segment's incoming gradient.
 * ``ChunkReverseKernel``: one CTA per (chunk, head) holding all V rows, from the chunk's start
@@ -35,6 +37,7 @@ from cp_linear.kernels.configs import CHUNK_SIZE, ChunkGammaConfig, ChunkReverse
 C = CHUNK_SIZE
 STAGES = 2
 SUMMARY_FLAG = 1
+FORWARD_TRANSITION_FLAG = 2  # launch.FORWARD_TRANSITION_FLAG: the transition rows come from the forward
 
 
 @cute.jit
@@ -210,11 +213,13 @@ class ChunkGammaKernel(_GradientRowsKernel):
         segment, head, row_block = cute.arch.block_idx()
         smem = self.allocate(False)
 
-        run = (segment < num_segments[0]) & \
-            ((seg_flags[cutlass.min(segment, seg_flags.shape[0] - 1)] & SUMMARY_FLAG) != 0)
+        flags = seg_flags[cutlass.min(segment, seg_flags.shape[0] - 1)]
+        row0 = row_block * R
+        is_value_rows = row0 < V
+        # transition rows the forward already summarised are filled from its summary by the caller
+        run = (segment < num_segments[0]) & ((flags & SUMMARY_FLAG) != 0) & \
+            (is_value_rows | ((flags & FORWARD_TRANSITION_FLAG) == 0))
         if run:
-            row0 = row_block * R
-            is_value_rows = row0 < V
             value_col = cute.assume(cutlass.min(row0, V - R), divby=64)
             grad, grad_coords = self.gradient(tiled_mma, tidx)
             for e in cutlass.range_constexpr(cute.size(grad)):

@@ -49,19 +49,25 @@ def _gamma_step(X, t: dict, do, rnd):
 def emulate_chunk_gamma(launch) -> None:
     import torch
 
+    from cp_linear.kernels.launch import FORWARD_TRANSITION_FLAG, SUMMARY_FLAG
+
     rnd = _rounder(launch.k.dtype)
     value_dim, key_dim = launch.config.value_dim, launch.config.key_dim
     heads = launch.k.shape[1]
     for segment in range(int(launch.num_segments[0])):
-        if not int(launch.seg_flags[segment]) & 1:
+        flags = int(launch.seg_flags[segment])
+        if not flags & SUMMARY_FLAG:
             continue
-        X = torch.cat([torch.zeros(heads, value_dim, key_dim), torch.eye(key_dim).expand(heads, key_dim, key_dim)], 1)
+        # rows evolve independently: the forward-summarised segments' transition rows are left as they are
+        rows = value_dim if flags & FORWARD_TRANSITION_FLAG else value_dim + key_dim
+        X = torch.cat([torch.zeros(heads, value_dim, key_dim),
+                       torch.eye(key_dim).expand(heads, key_dim, key_dim)], 1)[:, :rows]
         first_chunk = int(launch.seg_first_chunk[segment])
         for chunk in reversed(range(first_chunk, first_chunk + int(launch.seg_chunks[segment]))):
             t = _chunk_tiles(launch, chunk, with_values=False)
-            do = torch.cat([t["do"], torch.zeros(heads, key_dim, t["do"].shape[2])], 1)  # transition rows: no dO
+            do = torch.cat([t["do"], torch.zeros(heads, key_dim, t["do"].shape[2])], 1)[:, :rows]  # transition: no dO
             X = _gamma_step(X, t, do, rnd)
-        launch.summaries[segment] = X
+        launch.summaries[segment, :, :rows] = X
 
 
 def emulate_chunk_reverse_scan(launch) -> None:

@@ -17,7 +17,9 @@ Two halves, both free of torch and jax imports:
     chunk c:     first_step, steps (0 for c >= the real chunk count)
     segment s:   ``segment_chunks`` consecutive chunks of one sequence (the last may be shorter);
                  flags bit 0 = build its [E | M] summary (every segment but a sequence's last,
-                 and every segment of ``summary_sequence`` for the CP summary)
+                 and every segment of ``summary_sequence`` for the CP summary); grad flags bit 0 =
+                 build its backward summary, bit 1 = the forward summarised it (its transition
+                 rows come from the forward: ChunkGamma writes only the gamma rows)
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ from typing import Any, ClassVar
 from cp_linear.kernels import configs as cfg
 
 SUMMARY_FLAG = 1  # forward_layout writes flag words as int32 bools: this must stay bit 0
+# seg_grad_flags bit 1: the forward summarised this segment too; its backward transition rows M_b are
+# the forward's transition rows transposed (kept by the forward), so ChunkGamma skips them
+FORWARD_TRANSITION_FLAG = 2
 # SegmentFoldLaunch.write_final: which sequences write their final rows (the trailing ones: the last
 # sequence with segments and the empty ones after it, whose index may be data)
 FINAL_NONE, FINAL_EVERY, FINAL_TRAILING = 0, 1, 2
@@ -171,7 +176,9 @@ class SegmentFoldLaunch(_Launch):
 
 @dataclass
 class ChunkGammaLaunch(_Launch):
-    """Backward segment summaries into ``summaries`` [S, H, V + K, K] for segments flagged in ``seg_flags``."""
+    """Backward segment summaries into ``summaries`` [S, H, V + K, K] for segments flagged in ``seg_flags``
+    (bit 0); for those that also carry ``FORWARD_TRANSITION_FLAG`` only the V gamma rows are written (the
+    caller fills the K transition rows from the forward's summary, transposed)."""
 
     KERNEL: ClassVar[str] = "cp_linear.kernels.chunk_reverse:ChunkGammaKernel"
     OUTPUTS: ClassVar[tuple[str, ...]] = ("summaries",)
@@ -401,7 +408,9 @@ class ForwardLayout:
     seg_chunks: Any  # int32 [max_segments]
     seg_flags: Any  # int32 [max_segments]
     num_segments: Any  # int32 [1]
-    seg_grad_flags: Any = None  # int32 [max_segments]: backward summaries (segments after a sequence's first)
+    # int32 [max_segments]: backward summaries (segments after a sequence's first; bit 0), with
+    # FORWARD_TRANSITION_FLAG where seg_flags has bit 0 too
+    seg_grad_flags: Any = None
 
 
 def kernels_take(reason: str | None, *, fallback: bool, warned: set, fallback_name: str) -> bool:
@@ -498,7 +507,8 @@ def forward_layout(cu_seqlens, *, total_tokens: int, num_householder: int, heads
     size. ``summary_sequence``: also build summaries of every segment of that sequence (the CP
     trailing fragment), not only of segments that are followed by another one.
     ``seg_grad_flags`` marks the backward summaries: every segment after its sequence's first, and
-    every segment of ``grad_summary_sequence`` (the CP leading fragment).
+    every segment of ``grad_summary_sequence`` (the CP leading fragment); of those, the ones the
+    forward summarises (``seg_flags``) also carry ``FORWARD_TRANSITION_FLAG``.
     ``every_segment_summary`` / ``every_segment_grad_summary``: flag every real segment instead
     (rows under CP: every row continues on the next rank and leads on this one).
 
@@ -569,4 +579,5 @@ def forward_layout(cu_seqlens, *, total_tokens: int, num_householder: int, heads
         chunk_steps=as32(chunk_steps), num_chunks=num_chunks, seq_first_segment=seq_first_segment,
         seq_segments=as32(seq_segments), seg_first_chunk=as32(seg_first_chunk), seg_chunks=as32(seg_chunks),
         seg_flags=xp.astype(summarized, i32), num_segments=num_segments,
-        seg_grad_flags=xp.astype(grad_summarized, i32))
+        seg_grad_flags=xp.astype(grad_summarized, i32) + FORWARD_TRANSITION_FLAG * xp.astype(
+            grad_summarized & summarized, i32))

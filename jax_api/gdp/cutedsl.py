@@ -22,7 +22,8 @@ Launch plan of one shard (the torch backend's, launch for launch)::
 The backward runs the backward kernels (the default, ``backward="kernels"``, as in torch), or
 ``JaxGDPBackend``'s float32 recomputation from the saved inputs with ``backward="jax"``::
 
-    prepare   chunk_prep, chunk_gamma    backward summaries [gamma ; M_b] per segment
+    prepare   chunk_prep, chunk_gamma    backward summaries [gamma ; M_b] per segment (M_b = M^T taken
+                                         from the forward's summary where it made one)
               segment_fold (descending)  the leading sequence's gamma
     apply     segment_fold (descending)  every segment's outgoing state gradient
               chunk_scan (mode "states"), the reverse scan, chunk_reverse, chunk_prep_backward:
@@ -363,9 +364,15 @@ class CuTeDSLGatedDeltaProductCPBackend:
             output = (output, _final_states(shard, state_out, start))
         if self.backward == "kernels":  # the segments' incoming states: the reverse pass restarts from them
             transition = summary[..., value_dim:]
+            # each summarised segment's transition rows in the backward's orientation (M_b = M^T): chunk_gamma
+            # skips them (kl.FORWARD_TRANSITION_FLAG); [S_max, H, K, K] float32, zero where no summary was
+            # written (as torch's saved buffer)
+            summarised = (shard.layout.seg_flags != 0)[:, None, None, None]
+            segment_transitions = jnp.where(summarised, jnp.swapaxes(shard.summaries[:, :, value_dim:], -1, -2), 0.0)
             saved = CPSavedContext(
                 tensors=(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.cu_seqlens,
-                         transition if shard.rows else transition[0], inputs.initial_state, incoming),
+                         transition if shard.rows else transition[0], inputs.initial_state, incoming,
+                         segment_transitions),
                 metadata={"scale": inputs.scale, "num_householder": inputs.num_householder,
                           "use_qk_l2norm_in_kernel": inputs.use_qk_l2norm_in_kernel,
                           "output_final_state": inputs.output_final_state, _KERNEL_BACKWARD: True})
@@ -382,10 +389,11 @@ class CuTeDSLGatedDeltaProductCPBackend:
         metadata = dict(saved_context.metadata)
         if not metadata.pop(_KERNEL_BACKWARD, False):
             return self._fallback.cp_backward_prepare(output_grad, saved_context)
-        q, k, v, g, beta, cu_seqlens, transition, initial_state, incoming = saved_context.tensors
+        q, k, v, g, beta, cu_seqlens, transition, initial_state, incoming, segment_transitions = saved_context.tensors
         inputs = GDPInputs(q, k, v, g, beta, cu_seqlens=cu_seqlens, initial_state=initial_state, **metadata)
         output_grad, final_grad = output_grad if inputs.output_final_state else (output_grad, None)
-        shard = self._shard(inputs, cp_summary=False, summaries=False, grad_summary_sequence=0)
+        # the forward's layout (cp_summary as there): its seg_flags say which transitions it kept
+        shard = self._shard(inputs, cp_summary=True, summaries=False, grad_summary_sequence=0)
         layout, heads, key_dim, value_dim = shard.layout, shard.heads, shard.key_dim, shard.value_dim
         if output_grad is None:
             do = jnp.zeros((shard.q.shape[0], heads, value_dim), shard.q.dtype)
@@ -397,7 +405,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         end_grads = jnp.zeros((layout.num_sequences, heads, value_dim, key_dim), _F32)
         if final_grad is not None:
             end_grads = end_grads + jnp.swapaxes(final_grad.astype(_F32), -1, -2)
-        grad_summaries = self._gamma(shard, do)
+        grad_summaries = self._gamma(shard, do, segment_transitions)
         _, gamma_rows = self._fold(shard, grad_summaries, init=end_grads, init_count=layout.num_sequences,
                                    rows=value_dim, first_sequence=0, write_final=kl.FINAL_EVERY, descending=True)
         gamma = jnp.swapaxes(gamma_rows if shard.rows else gamma_rows[0], -1, -2)
@@ -431,9 +439,10 @@ class CuTeDSLGatedDeltaProductCPBackend:
         d_initial = jnp.swapaxes(jnp.where(empty, end_grads, d_initial), -1, -2)
         return grads._replace(dinitial_state=d_initial.astype(inputs.initial_state.dtype))
 
-    def _gamma(self, shard: _Shard, do: jax.Array) -> jax.Array:
-        """chunk_gamma -> backward summaries [S_max, H, V + K, K] of the segments in ``seg_grad_flags``."""
-        layout = shard.layout
+    def _gamma(self, shard: _Shard, do: jax.Array, segment_transitions: jax.Array) -> jax.Array:
+        """chunk_gamma -> backward summaries [S_max, H, V + K, K] of the segments in ``seg_grad_flags``; the
+        transition rows of those the forward summarised are ``segment_transitions`` [S_max, H, K, K]."""
+        layout, value_dim = shard.layout, shard.value_dim
         out = self._launch(
             kl.ChunkGammaLaunch, kcfg.ChunkGammaConfig(shard.dtype, shard.key_dim, shard.value_dim, shard.query_tile,
                                                        kl.gradient_rows_mma(self.mma)),
@@ -442,7 +451,10 @@ class CuTeDSLGatedDeltaProductCPBackend:
                  seg_flags=layout.seg_grad_flags, num_segments=layout.num_segments),
             dict(summaries=(layout.max_segments, shard.heads, shard.value_dim + shard.key_dim, shard.key_dim)),
             dict(num_householder=shard.inputs.num_householder))
-        return out["summaries"]
+        from_forward = ((layout.seg_grad_flags & kl.FORWARD_TRANSITION_FLAG) != 0)[:, None, None, None]
+        summaries = out["summaries"]
+        return summaries.at[:, :, value_dim:].set(jnp.where(from_forward, segment_transitions,
+                                                             summaries[:, :, value_dim:]))
 
     def _reverse(self, shard: _Shard, do: jax.Array, incoming: jax.Array, grad_out: jax.Array):
         """The chunk states (chunk_scan mode "states"), the state-gradient pass, chunk_reverse, then

@@ -28,7 +28,9 @@ def oracle_layout(lengths, n_h, segment_chunks, max_chunks, max_segments, *, sum
             first_chunk.append(len(first_step) + index * segment_chunks)
             chunks.append(min(segment_chunks, seq_chunk_count - index * segment_chunks))
             flags.append(int(every_segment or index < segment_count - 1 or n == summary_sequence))
-            grad_flags.append(int(every_segment or index >= 1 or n == grad_summary_sequence))
+            backward_summary = int(every_segment or index >= 1 or n == grad_summary_sequence)
+            # bit 1: the forward summarised it too (the backward takes its transition rows from there)
+            grad_flags.append(backward_summary + 2 * (backward_summary and flags[-1]))
         for index in range(seq_chunk_count):
             first_step.append((token + index * per_chunk) * n_h)
             steps.append(min(per_chunk, length - index * per_chunk) * n_h)

@@ -120,7 +120,6 @@ GRAD_LIMIT = 6e-3
 
 @pytest.mark.parametrize("n_h, segment_chunks", [(1, None), (2, 2), (3, 3)])
 def test_kernel_backward_matches_float64_gradients(emulated, n_h, segment_chunks):
-    from cp_linear.kernels import backward_algorithm as ba
     from torch_api import gated_delta_product
 
     lengths = [150, 37, 301]
@@ -136,20 +135,89 @@ def test_kernel_backward_matches_float64_gradients(emulated, n_h, segment_chunks
     o, final = gated_delta_product(*leaves[:5], num_householder=n_h, cu_seqlens=cu, initial_state=leaves[5],
                                    use_qk_l2norm_in_kernel=True, backend=backend)
     torch.autograd.backward([o, final], [do, dfinal])
-    # float64 reference gradients of the same (rounded) inputs, sequence by sequence
+    ref = _float64_gradients(q, k, v, g, beta, do, dfinal, initial, lengths, n_h)
+    for name, leaf, expected in zip(("q", "k", "v", "g", "beta", "initial"), leaves, ref):
+        got = leaf.grad.float().reshape(expected.shape).numpy()
+        assert rel_err(got, expected.numpy()) < GRAD_LIMIT, name
+
+
+def _float64_gradients(q, k, v, g, beta, do, dfinal, initial, lengths, n_h):
+    """float64 reference gradients (q, k, v, g, beta, initial state) of the same (rounded) inputs, sequence
+    by sequence: [T, H, ...] each, the initial state's [N, H, K, V]."""
+    from cp_linear.kernels import backward_algorithm as ba
+
     starts = np.cumsum([0] + lengths)
     reference = [[] for _ in range(6)]
     for n, (t0, t1) in enumerate(zip(starts[:-1], starts[1:])):
         parts = [x[0].double() for x in (q[:, t0:t1], k[:, t0 * n_h:t1 * n_h], v[:, t0 * n_h:t1 * n_h],
                                          g[:, t0:t1], beta[:, t0 * n_h:t1 * n_h])]
         got = ba.sequence_backward(*parts, do[0, t0:t1].double(), dfinal[n].double(), num_householder=n_h,
-                                   scale=dim ** -0.5, use_l2=True, initial_state=initial[n].double())
+                                   scale=q.shape[-1] ** -0.5, use_l2=True, initial_state=initial[n].double())
         for slot, grad in enumerate(got):
             reference[slot].append(grad)
-    ref = [torch.cat(parts[:], 0) for parts in reference[:5]] + [torch.stack(reference[5])]
-    for name, leaf, expected in zip(("q", "k", "v", "g", "beta", "initial"), leaves, ref):
-        got = leaf.grad.float().reshape(expected.shape).numpy()
-        assert rel_err(got, expected.numpy()) < GRAD_LIMIT, name
+    return [torch.cat(parts[:], 0) for parts in reference[:5]] + [torch.stack(reference[5])]
+
+
+def test_backward_summaries_take_the_forward_transitions_transposed(emulated):
+    """The backward summary's transition rows M_b are the forward summary's transition rows transposed
+    (rows dX = dS^T evolve by the transposed chunk maps, in reverse order). Segments the forward
+    summarised (FORWARD_TRANSITION_FLAG) take them from the saved buffer; the others (sequence 0's last
+    segment here) from chunk_gamma. Both agree with chunk_gamma computing every row, to bf16 operand
+    rounding, and not with its transpose; and the same backward on transposed saved transitions misses
+    the float64 gradients (what a wrong orientation would do)."""
+    from dataclasses import replace
+
+    lengths, n_h, heads, dim, segment_chunks = [150, 37, 301], 2, 2, 64, 2
+    q, k, v, g, beta = _inputs(lengths, heads=heads, key_dim=dim, value_dim=dim, n_h=n_h, seed=61)
+    g = g * 0.05  # a slow decay: the gradient reaching a segment through the following ones matters
+    cu = torch.tensor(np.cumsum([0] + lengths), dtype=torch.int32)
+    gen = torch.Generator().manual_seed(62)
+    initial = torch.randn(len(lengths), heads, dim, dim, generator=gen) * 0.1
+    do = torch.randn(1, sum(lengths), heads, dim, generator=gen).bfloat16()
+    dfinal = torch.randn(len(lengths), heads, dim, dim, generator=gen)  # the last segments' transitions matter
+    inputs = GDPInputs(q, k, v, g, beta, scale=dim ** -0.5, num_householder=n_h, use_qk_l2norm_in_kernel=True,
+                       cu_seqlens=cu)
+    backend = cutedsl.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=segment_chunks, backward="kernels")
+    _, _, saved = backend.one_device_forward(inputs, initial)
+    regions = backend._saved_regions(inputs)
+    transitions = cutedsl._carve(cutedsl.kernel_saved_of(saved), regions)["transitions"]
+    max_segments = dict((name, shape) for name, _, shape in regions)["states"][0]
+    assert transitions.shape == (max_segments, heads, dim, dim)  # + S_max x H x K x K x 4 bytes
+
+    _, context = backend.cp_backward_prepare((do, dfinal), saved)
+    layout = context.shard.layout
+    count = int(layout.num_segments[0])
+    flags = layout.seg_grad_flags[:count]
+    # segments 0-2: sequence 0 (the leading one: all summarised, the last by chunk_gamma); 3: the 37-token
+    # sequence (its only segment: no backward summary); 4-8: the trailing sequence (the forward summarised all)
+    assert flags.tolist() == [3, 3, 1, 0, 0, 3, 3, 3, 3]
+    assert torch.count_nonzero(transitions[(layout.seg_flags == 0).nonzero().flatten()]) == 0
+    every_row = torch.full_like(context.grad_summaries, float("nan"))
+    backend._gamma(replace(context.shard, layout=replace(layout, seg_grad_flags=layout.seg_grad_flags & 1)),
+                   context.do, every_row)
+    got = context.grad_summaries
+    for segment in range(count):
+        if not flags[segment] & 1:
+            continue
+        assert torch.equal(got[segment, :, :dim], every_row[segment, :, :dim]), segment  # gamma rows
+        computed = every_row[segment, :, dim:]
+        if flags[segment] & kl.FORWARD_TRANSITION_FLAG:
+            assert torch.equal(got[segment, :, dim:], transitions[segment]), segment
+            assert rel_err(got[segment, :, dim:].numpy(), computed.numpy()) < 1e-2, segment  # measured 3.5e-3
+            assert rel_err(got[segment, :, dim:].transpose(-1, -2).numpy(), computed.numpy()) > 0.1, segment
+        else:
+            assert torch.equal(got[segment, :, dim:], computed), segment
+
+    reference = _float64_gradients(q, k, v, g, beta, do, dfinal, initial, lengths, n_h)
+    errors = {}
+    for orientation in ("saved", "transposed"):
+        if orientation == "transposed":
+            transitions.copy_(transitions.transpose(-1, -2).clone())
+        grads, d_initial = backend.one_device_backward(do, dfinal, saved)
+        errors[orientation] = [rel_err(got.float().reshape(expected.shape).numpy(), expected.numpy())
+                               for got, expected in zip([*grads[:5], d_initial], reference)]
+    assert max(errors["saved"]) < GRAD_LIMIT, errors["saved"]
+    assert max(errors["transposed"]) > 10 * GRAD_LIMIT, errors["transposed"]
 
 
 def test_saved_prep_and_recomputed_prep_give_identical_gradients(emulated):

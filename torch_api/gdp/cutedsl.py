@@ -25,7 +25,8 @@ one output pass — no second state pass, and one sequential fold per forward. T
 backward mirrors it:
 
     prepare   chunk_prep, chunk_gamma   per-segment backward summaries [gamma ; M_b] of the leading
-                                   sequence and of every segment followed by another one
+                                   sequence and of every segment preceded by another one (M_b = M^T:
+                                   taken from the forward's summary where it made one)
               segment_fold (descending)  the leading sequence's gamma (from dL/d final state)
     apply     segment_fold (descending)  every segment's outgoing state gradient, the trailing
                                    sequence's from the fold of the following summaries
@@ -248,8 +249,10 @@ class CuTeDSLGatedDeltaProductCPBackend:
     ``chunk_reverse`` / ``chunk_prep_backward``; every gradient checked against float64 and bitwise
     repeatable on an H200, 5-6x faster than the recomputation at 8k tokens) or "torch"
     (``TorchGDPBackend``'s recomputation from the saved inputs). The kernel backward saves one
-    float32 state per segment (9.4 MB at 32k tokens, H = 16, K = V = 128) and recomputes the chunk
-    states inside each segment (storing them would cost 0.5 GB at that shape). It also saves the
+    float32 state per segment (9.4 MB at 32k tokens, H = 16, K = V = 128) and the transition rows of
+    each segment's forward summary (S_max x H x K x K x 4 bytes: as much again at K = V; ``chunk_gamma``
+    then computes only the gamma rows of those segments), and recomputes the chunk states inside
+    each segment (storing them would cost 0.5 GB at that shape). It also saves the
     forward's work layout (no second layout build) and, with ``save_prep=True`` (the default), the
     per-chunk prep results Ta, Tb, P and the scalars (+0.35 GB at that shape, where FLA's step peaks
     1.8 GB higher than ours) instead of rerunning chunk_prep (0.5 ms at 32k on an H200): the one
@@ -331,7 +334,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             # a custom op's outputs must be deterministic: zero what no kernel writes, the padding and the
             # prep rows of chunk slots past the last real chunk (only slots from T_all // tokens per chunk on
             # can be spare: every sequence's chunks cover its tokens)
-            unwritten = [saved["padding"]]
+            unwritten = [saved["padding"], saved["transitions"]]  # transitions: only summarised segments below
             if self.save_prep:
                 first_spare = total_tokens // kcfg.tokens_per_chunk(inputs.num_householder)
                 unwritten += [saved[name][first_spare:] for name in _PREP]
@@ -341,6 +344,12 @@ class CuTeDSLGatedDeltaProductCPBackend:
         # mode "summary" reads neither state_in nor o: tiny placeholders of the right type
         self._scan(shard, "summary", state_in=shard.summaries.new_empty(1, 1, value_dim, key_dim),
                    state_out=shard.summaries, o=shard.q.new_empty(1, 1, value_dim))
+        if saved is not None:
+            # the backward's transition rows M_b are the forward's transposed: kept, ChunkGamma skips them
+            # (kl.FORWARD_TRANSITION_FLAG); rows of segments without a summary stay zero (deterministic)
+            summarised = layout.seg_flags.view(-1, 1, 1, 1) != 0
+            torch.where(summarised, shard.summaries[:, :, value_dim:].transpose(-1, -2), saved["transitions"],
+                        out=saved["transitions"])
         return shard
 
     def _saved_shard(self, inputs: GDPInputs, saved: dict, sizes: _LayoutSizes) -> _Shard:
@@ -394,11 +403,13 @@ class CuTeDSLGatedDeltaProductCPBackend:
     def _saved_regions(self, inputs: GDPInputs, sizes: _LayoutSizes | None = None
                        ) -> tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]:
         """The kernel backward's saved buffer region by region (name, dtype, shape), from shapes only:
-        the segments' incoming states, the prep results (``save_prep``), then the layout tables."""
+        the segments' incoming states, the transition rows of the forward's segment summaries (in the
+        backward's orientation, M_b = M^T), the prep results (``save_prep``), then the layout tables."""
         sizes = sizes or self._sizes(inputs)
         heads, key_dim, value_dim = int(inputs.q.shape[2]), int(inputs.q.shape[3]), int(inputs.v.shape[-1])
         chunks, segments, sequences = sizes.max_chunks, sizes.max_segments, sizes.num_sequences
-        regions = [("states", torch.float32, (segments, heads, value_dim, key_dim))]
+        regions = [("states", torch.float32, (segments, heads, value_dim, key_dim)),
+                   ("transitions", torch.float32, (segments, heads, key_dim, key_dim))]
         if self.save_prep:
             tile = kcfg.query_tile(inputs.num_householder)
             regions += [("ta", inputs.q.dtype, (chunks, heads, 64, 64)), ("tb", inputs.q.dtype, (chunks, heads, 64, 64)),
@@ -600,6 +611,9 @@ class CuTeDSLGatedDeltaProductCPBackend:
             end_grads += _cast(final_grad, torch.float32, device).transpose(-1, -2)
         grad_summaries = torch.empty(layout.max_segments, heads, value_dim + key_dim, key_dim, dtype=torch.float32,
                                      device=device)
+        # the forward's transitions first; ChunkGamma writes the gamma rows, and the transition rows of the
+        # segments the forward did not summarise (each sequence's last)
+        grad_summaries[:, :, value_dim:].copy_(saved["transitions"])
         self._gamma(shard, do, grad_summaries)
         gamma_rows = torch.empty_like(end_grads)
         self._descending_fold(shard, grad_summaries, end_grads, final=gamma_rows)
