@@ -495,6 +495,9 @@ class KernelBackwardContext:
     grad_summaries: Any  # [S_max, H, V + K, K] float32: rows [gamma ; M_b] per segment
     incoming: Any  # [S_max, H, V, K] float32: the forward's segment incoming states
     end_grads: Any  # [N, H, V, K] float32: dL/d final state of each sequence (zeros: none)
+    # [S_max, H, V, K] float32: every segment's outgoing gradient from prepare's fold of ``end_grads``,
+    # reused by apply unless following summaries change the trailing sequence's end gradient
+    grad_out: Any = None
 
 
 def forward_layout(cu_seqlens, *, total_tokens: int, num_householder: int, heads: int, row_blocks: int,

@@ -406,11 +406,12 @@ class CuTeDSLGatedDeltaProductCPBackend:
         if final_grad is not None:
             end_grads = end_grads + jnp.swapaxes(final_grad.astype(_F32), -1, -2)
         grad_summaries = self._gamma(shard, do, segment_transitions)
-        _, gamma_rows = self._fold(shard, grad_summaries, init=end_grads, init_count=layout.num_sequences,
-                                   rows=value_dim, first_sequence=0, write_final=kl.FINAL_EVERY, descending=True)
+        grad_out, gamma_rows = self._fold(shard, grad_summaries, init=end_grads, init_count=layout.num_sequences,
+                                          rows=value_dim, first_sequence=0, write_final=kl.FINAL_EVERY,
+                                          descending=True)
         gamma = jnp.swapaxes(gamma_rows if shard.rows else gamma_rows[0], -1, -2)
         summary = jnp.concatenate([gamma, jnp.swapaxes(transition, -1, -2)], axis=-1)
-        context = CuTeDSLBackwardContext(shard, do, grad_summaries, incoming, end_grads)
+        context = CuTeDSLBackwardContext(shard, do, grad_summaries, incoming, end_grads, grad_out)
         return CPBackwardPackedSummary(summary), context
 
     def cp_backward_apply(self, backward_context, following) -> GDPInputGradients:
@@ -420,15 +421,16 @@ class CuTeDSLGatedDeltaProductCPBackend:
         if not isinstance(backward_context, CuTeDSLBackwardContext):
             return self._fallback.cp_backward_apply(backward_context, following)
         ctx = backward_context
-        shard, end_grads = ctx.shard, ctx.end_grads
+        shard, end_grads, grad_out = ctx.shard, ctx.end_grads, ctx.grad_out
         layout, inputs = shard.layout, shard.inputs
         stacked = _packed_backward_stack(following)
         if stacked is not None and stacked.shape[0]:
             with jax.default_matmul_precision("highest"):
                 outgoing = jnp.swapaxes(compose_backward(stacked), -1, -2)  # [H, V, K] or [B, H, V, K] (rows)
             end_grads = end_grads + outgoing if shard.rows else end_grads.at[shard.trailing].add(outgoing)
-        grad_out, _ = self._fold(shard, ctx.grad_summaries, init=end_grads, init_count=layout.num_sequences,
-                                 rows=shard.value_dim, first_sequence=0, write_final=kl.FINAL_NONE, descending=True)
+            grad_out, _ = self._fold(shard, ctx.grad_summaries, init=end_grads, init_count=layout.num_sequences,
+                                     rows=shard.value_dim, first_sequence=0, write_final=kl.FINAL_NONE,
+                                     descending=True)
         grads, grad_in = self._reverse(shard, ctx.do, ctx.incoming, grad_out)
         if inputs.initial_state is None:
             return grads

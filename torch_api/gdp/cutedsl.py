@@ -27,9 +27,10 @@ backward mirrors it:
     prepare   chunk_prep, chunk_gamma   per-segment backward summaries [gamma ; M_b] of the leading
                                    sequence and of every segment preceded by another one (M_b = M^T:
                                    taken from the forward's summary where it made one)
-              segment_fold (descending)  the leading sequence's gamma (from dL/d final state)
-    apply     segment_fold (descending)  every segment's outgoing state gradient, the trailing
-                                   sequence's from the fold of the following summaries
+              segment_fold (descending)  the leading sequence's gamma (from dL/d final state) and every
+                                   segment's outgoing state gradient
+    apply     segment_fold (descending)  again only when following summaries change the trailing
+                                   sequence's end gradient (CP); else prepare's outgoing gradients
               chunk_scan (mode "states"), the reverse scan, chunk_reverse, chunk_prep_backward:
                                    input gradients, dL/d initial state
 """
@@ -616,10 +617,10 @@ class CuTeDSLGatedDeltaProductCPBackend:
         grad_summaries[:, :, value_dim:].copy_(saved["transitions"])
         self._gamma(shard, do, grad_summaries)
         gamma_rows = torch.empty_like(end_grads)
-        self._descending_fold(shard, grad_summaries, end_grads, final=gamma_rows)
+        grad_out = self._descending_fold(shard, grad_summaries, end_grads, final=gamma_rows)
         gamma = gamma_rows.transpose(-1, -2) if shard.rows else gamma_rows[0].transpose(-1, -2)
         summary = torch.cat([gamma, transition.transpose(-1, -2)], dim=-1)  # a new contiguous tensor
-        context = CuTeDSLBackwardContext(shard, do, grad_summaries, incoming, end_grads)
+        context = CuTeDSLBackwardContext(shard, do, grad_summaries, incoming, end_grads, grad_out)
         return CPBackwardPackedSummary(summary), context
 
     def cp_backward_apply(self, backward_context, following):
@@ -630,7 +631,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             return self._fallback.cp_backward_apply(backward_context, following)
         ctx = backward_context
         shard = ctx.shard
-        end_grads = ctx.end_grads
+        end_grads, grad_out = ctx.end_grads, ctx.grad_out
         stacked = None if following is None else _packed_backward_stack(following)
         if stacked is not None and stacked.shape[0]:
             outgoing = compose_backward(stacked).transpose(-1, -2)  # [H, V, K] (packed) or [B, H, V, K] (rows)
@@ -640,7 +641,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             else:  # the trailing (last nonempty) sequence's end
                 trailing = _last_nonempty(self._cu(shard.inputs, shard.q.device))
                 end_grads.index_add_(0, trailing.view(1), outgoing[None])
-        grad_out = self._descending_fold(shard, ctx.grad_summaries, end_grads, final=None)
+            grad_out = self._descending_fold(shard, ctx.grad_summaries, end_grads, final=None)
         grads, grad_in = self._reverse(shard, ctx.do, ctx.incoming, grad_out)
         if shard.inputs.initial_state is None:
             return grads
