@@ -102,14 +102,15 @@ class Recorder:
             if kind == "ChunkGamma":
                 # written: the gamma rows of the flagged segments, and the transition rows of those without
                 # FORWARD_TRANSITION_FLAG (the others' hold the forward's copy, untouched by either)
-                flags = gpu.seg_flags[:int(gpu.num_segments[0])].cpu()
+                count = int(gpu.num_segments[0])
+                flags = gpu.seg_flags[:count].cpu()
                 summarised = (flags & kl.SUMMARY_FLAG) != 0
                 computed = summarised & ((flags & kl.FORWARD_TRANSITION_FLAG) == 0)
                 if not bool(summarised.any()):
                     continue
                 value_dim = gpu.config.value_dim
-                a, b = (torch.cat([x[summarised.to(x.device), :, :value_dim].flatten(),
-                                   x[computed.to(x.device), :, value_dim:].flatten()]) for x in (a, b))
+                a, b = (torch.cat([x[:count][summarised.to(x.device), :, :value_dim].flatten(),
+                                   x[:count][computed.to(x.device), :, value_dim:].flatten()]) for x in (a, b))
             if kind == "ChunkReverseScan" and name == "grad_in":
                 count = int(gpu.num_segments[0])
                 a, b = a[:count], b[:count]
