@@ -24,8 +24,9 @@ The backward runs the backward kernels (the default, ``backward="kernels"``, as 
 
     prepare   chunk_prep, chunk_gamma    backward summaries [gamma ; M_b] per segment (M_b = M^T taken
                                          from the forward's summary where it made one)
-              segment_fold (descending)  the leading sequence's gamma
-    apply     segment_fold (descending)  every segment's outgoing state gradient
+              segment_fold (descending)  the leading sequence's gamma, every segment's outgoing gradient
+    apply     segment_fold (descending)  again only when following summaries change the trailing
+                                         sequence's end gradient (CP); else prepare's
               chunk_scan (mode "states"), the reverse scan, chunk_reverse, chunk_prep_backward:
                                          input gradients, dL/d initial state
 
