@@ -40,7 +40,9 @@ def parse_args(argv):
 
 def start_jax(args):
     """Import JAX with ``--local-devices`` CPU devices, joined to the other processes when there are any."""
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.local_devices}"
+    # the parent's other XLA flags (tests/conftest.py: fast compilation) stay; the device count is ours
+    kept = [flag for flag in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in flag]
+    os.environ["XLA_FLAGS"] = " ".join([f"--xla_force_host_platform_device_count={args.local_devices}", *kept])
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
 

@@ -57,7 +57,7 @@ def free_port() -> int:
 def start_workers(out: Path, logs: Path) -> list[tuple[subprocess.Popen, Path]]:
     coordinator = f"127.0.0.1:{free_port()}"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    env.pop("XLA_FLAGS", None)  # the worker sets its own device count before importing jax
+    # the worker sets its own device count before importing jax (and keeps the session's other XLA flags)
     workers = []
     for process_id in range(NUM_PROCESSES):
         log = logs / f"worker{process_id}.log"

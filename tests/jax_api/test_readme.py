@@ -11,6 +11,8 @@ import pytest
 
 pytest.importorskip("jax")
 
+from tests.conftest import child_xla_flags  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -39,7 +41,7 @@ one, _ = gated_delta_product(q, k, v, g, beta, seq_idx=seq_idx, num_householder=
 assert_close("CP against one device", one, o, tol)
 print("README snippet OK")
 """
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=child_xla_flags(4), JAX_PLATFORMS="cpu")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0 and "README snippet OK" in result.stdout, (result.stdout[-2000:]
