@@ -141,29 +141,22 @@ def invert_unit_lower(tidx, s_a: cute.Tensor, s_x: cute.Tensor, threads: cutlass
 
     half = C // 2
     scratch = cute.local_tile(s_x, (half, half), (0, 1))
-    if cutlass.const_expr(threads == 4 * C):  # 256 threads: step 3 on all of them, one row of 4 columns each
+    # step 3 on 128 threads, two rows of 4 columns each; given 256, on all of them, one row each
+    rows_each = 1 if threads == 4 * C else 2
+    step3_working = True if threads == 4 * C else working
+    if step3_working:
         _block_product(tidx, cute.local_tile(s_a, (half, half), (1, 0)), cute.local_tile(s_x, (half, half), (0, 0)),
-                       scratch, half, half, half, 1, False)
-        cute.arch.sync_threads()
+                       scratch, half, half, half, rows_each, False)
+    cute.arch.sync_threads()
+    if step3_working:
         _block_product(tidx, cute.local_tile(s_x, (half, half), (1, 1)), scratch,
-                       cute.local_tile(s_x, (half, half), (1, 0)), half, half, half, 1, True)
-        cute.arch.sync_threads()
-        cute.local_tile(scratch, (1, 4), (tidx // 8, tidx % 8)).fill(0.0)  # the upper block back to zero
-        cute.arch.sync_threads()
-    else:
-        if working:
-            _block_product(tidx, cute.local_tile(s_a, (half, half), (1, 0)),
-                           cute.local_tile(s_x, (half, half), (0, 0)), scratch, half, half, half, 2, False)
-        cute.arch.sync_threads()
-        if working:
-            _block_product(tidx, cute.local_tile(s_x, (half, half), (1, 1)), scratch,
-                           cute.local_tile(s_x, (half, half), (1, 0)), half, half, half, 2, True)
-        cute.arch.sync_threads()
-        if working:
-            for it in cutlass.range_constexpr(2):  # the upper 32 x 32 block back to zero: two float4 per thread
-                flat = tidx + it * 128
-                cute.local_tile(scratch, (1, 4), (flat // 8, flat % 8)).fill(0.0)
-        cute.arch.sync_threads()
+                       cute.local_tile(s_x, (half, half), (1, 0)), half, half, half, rows_each, True)
+    cute.arch.sync_threads()
+    if step3_working:
+        for it in cutlass.range_constexpr(rows_each):  # the upper 32 x 32 block back to zero: 256 float4
+            flat = tidx + it * 128
+            cute.local_tile(scratch, (1, 4), (flat // 8, flat % 8)).fill(0.0)
+    cute.arch.sync_threads()
 
 
 @cute.jit
