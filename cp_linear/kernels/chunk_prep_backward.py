@@ -46,6 +46,8 @@ class ChunkPrepBackwardKernel:
         self.dtype = cutlass_dtype(config.dtype)
         self.key_dim = config.key_dim
         self.query_tile = config.query_tile
+        if THREADS // config.query_tile not in (4, 8) or THREADS % config.query_tile:
+            raise ValueError(f"chunk_prep_backward splits a query tile of 32 or 64 rows; got {config.query_tile}")
         # the float32 products run on bf16 halves (big + small); fp16 keys and queries are split too
         self.inputs_bf16 = self.dtype is cutlass.BFloat16
 
@@ -94,11 +96,11 @@ class ChunkPrepBackwardKernel:
         s_gate, s_beta, s_f, s_fq = (smem_vector(allocator, C) for _ in range(4))
         # partial gradients by step (j) or token (t), each entry written by one thread
         s_dbeta, s_df, s_dg, s_dfq = (smem_vector(allocator, C) for _ in range(4))
-        # sums of steps 4-6 (the second four: the same sums' other halves, from threads [128, 256)); step 2
-        # uses the eight rows before them for its partial column sums
-        s_sums = allocator.allocate_tensor(Float32, cute.make_layout((8, C), stride=(C, 1)), 16)
-        s_row_s, s_col_s, s_col_p, s_dfq_total, s_row_s2, s_col_s2, s_col_p2, s_dfq2 = (s_sums[r, None]
-                                                                                        for r in range(8))
+        # sums of steps 4-6: S's row and column sums (two halves each), P's column sums (four quarters), dfq;
+        # step 2 uses the first eight rows for its partial column sums
+        s_sums = allocator.allocate_tensor(Float32, cute.make_layout((9, C), stride=(C, 1)), 16)
+        s_row_s, s_col_s, s_row_s2, s_col_s2, s_dfq_total = (s_sums[r, None] for r in (0, 1, 2, 3, 8))
+        s_p_parts = cute.domain_offset((4, 0), s_sums)  # rows 4-7
         s_sum = smem_vector(allocator, 2)
         s_scalars = allocator.allocate_tensor(Float32, cute.make_layout((4, C), stride=(C, 1)), 16)  # db, dc, dd
 
@@ -208,47 +210,48 @@ class ChunkPrepBackwardKernel:
                     s_col_s2[line] = sum_s
             cute.arch.sync_threads()
 
-            # 5. through P: dP staged in s_work (dA is consumed), QK = q k^T in s_t (Gram is consumed); rows t
-            #    (threads 0-63), columns j (64-127); dQK into s_a (A is consumed). U = dP P is not summed: its
-            #    row sums are fq_t dfq_t and its column sums f_j col_p_j (step 6). Loads and exponentials are
-            #    unconditional, then selected.
+            # 5. through P: dP staged in s_work (dA is consumed), QK = q k^T in s_t (Gram is consumed), dQK into s_a
+            #    (A is consumed). U = dP P is not summed: its row sums are fq_t dfq_t and its column sums f_j col_p_j
+            #    (step 6). a) the NQ token rows on every thread (THREADS / NQ per row, their columns interleaved
+            #    so that a warp's lanes hit distinct banks): dQK and dfq; loads and exponentials unconditional,
+            #    then selected. b) P's column sums from dQK: f_j col_p_j = sum_t dQK_tj QK_tj (two reads a term,
+            #    no exponential), a quarter of the tokens per thread
             _mma.copy_rows_g2s(g2s_f32, tidx, d_p[chunk, head, None, None], cute.local_tile(s_work, (NQ, C), (0, 0)),
                                NQ)
             cute.arch.cp_async_commit_group()
             self.store_raw_product(tiled_mma, tidx, s_q, s_k, s_t)
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
-            if tidx % (2 * C) < C:  # token rows t: steps [0, 32) here, [32, 64) on threads 128-191
-                t = line
-                row_ok = t < tokens
-                last = cutlass.min(t * NH + NH - 1, C - 1)
-                dfq_t = Float32(0.0)
-                for jj in cutlass.range(C // 2, unroll=4):
-                    j = (C // 2) * parity + (jj + t) % (C // 2)  # rotated, as in step 4
-                    keep = row_ok & (j <= last)
-                    decay = cute.math.exp(s_gate[last] - s_gate[j])
-                    grad_p = s_work[t, j]
-                    base = scale * decay * s_t[t, j]
-                    dfq_t = dfq_t + zero_unless(keep, grad_p * base * s_f[j])
-                    s_a[t, j] = zero_unless(keep, grad_p * scale * s_fq[t] * s_f[j] * decay)
-                if parity == 0:
-                    s_dfq[t] = dfq_t
-                else:
-                    s_dfq2[t] = dfq_t
-            else:  # step columns j: even tokens here, odd ones on threads 192-255
-                j = line
-                col_p = Float32(0.0)
-                for tt in cutlass.range(NQ // 2, unroll=4):
-                    t = 2 * tt + parity
-                    last = cutlass.min(t * NH + NH - 1, C - 1)
-                    keep = (t < tokens) & (j <= last)
-                    grad_p = s_work[t, j]
-                    base = scale * cute.math.exp(s_gate[last] - s_gate[j]) * s_t[t, j]
-                    col_p = col_p + zero_unless(keep, grad_p * base * s_fq[t])
-                if parity == 0:
-                    s_col_p[j] = col_p
-                else:
-                    s_col_p2[j] = col_p
+            row_threads = THREADS // NQ
+            t = tidx // row_threads
+            part = tidx % row_threads
+            row_ok = t < tokens
+            last = cutlass.min(t * NH + NH - 1, C - 1)
+            gate_last_t = s_gate[last]
+            fq_t = s_fq[t]
+            dfq_t = Float32(0.0)
+            for jj in cutlass.range(C // row_threads, unroll=4):
+                j = row_column(part, jj, row_threads)
+                keep = row_ok & (j <= last)
+                weighted = s_work[t, j] * scale * cute.math.exp(gate_last_t - s_gate[j]) * s_f[j]
+                dfq_t = dfq_t + zero_unless(keep, weighted * s_t[t, j])
+                s_a[t, j] = zero_unless(keep, weighted * fq_t)
+            for d in cutlass.range_constexpr(row_threads.bit_length() - 1):  # the row's threads are adjacent lanes
+                dfq_t = dfq_t + cute.arch.shuffle_sync_bfly(dfq_t, 1 << d)
+            if part == 0:
+                s_dfq[t] = dfq_t
+            if cutlass.const_expr(NQ < C):  # dQK's rows past the query tile feed dk's product: zero
+                for n in cutlass.range_constexpr((C - NQ) * C // THREADS):
+                    flat = tidx + n * THREADS
+                    s_a[NQ + flat // C, flat % C] = Float32(0.0)
+            cute.arch.sync_threads()
+            j = tidx % C
+            quarter = tidx // C
+            p_part = Float32(0.0)
+            for tt in cutlass.range(NQ // 4, unroll=4):
+                t = quarter * (NQ // 4) + tt
+                p_part = p_part + s_a[t, j] * s_t[t, j]
+            s_p_parts[quarter, j] = p_part
             cute.arch.sync_threads()
 
             # dk's accumulator starts as the scan's part: its global loads are issued here and waited for in
@@ -265,23 +268,27 @@ class ChunkPrepBackwardKernel:
                 grad_b = s_scalars[0, j]
                 b_j = s_f[j] * cute.math.exp(gate_last - s_gate[j])
                 row_s = s_row_s[j] + s_row_s2[j]
-                col_sp = s_col_s[j] + s_col_s2[j] + s_col_p[j] + s_col_p2[j]
-                s_df[j] = s_df[j] + s_beta[j] * row_s + col_sp + grad_b * cute.math.exp(gate_last - s_gate[j])
+                col_s = s_col_s[j] + s_col_s2[j]
+                f_col_p = s_p_parts[0, j] + s_p_parts[1, j] + s_p_parts[2, j] + s_p_parts[3, j]
+                col_p = zero_unless(s_f[j] != 0.0, f_col_p / s_f[j])  # f = 0 only on padding steps (col_p 0)
+                s_df[j] = s_df[j] + s_beta[j] * row_s + col_s + col_p + grad_b * cute.math.exp(gate_last - s_gate[j])
                 s_dbeta[j] = s_dbeta[j] + s_f[j] * row_s
                 # W = dA A and U = dP P: row sum of W minus the column sums of W and U
-                grad_g = s_dg[j] + s_f[j] * (s_beta[j] * row_s - col_sp) - grad_b * b_j
+                grad_g = s_dg[j] + s_f[j] * (s_beta[j] * row_s - col_s) - f_col_p - grad_b * b_j
                 if j % NH == NH - 1:  # token j // n_h ends here: its P rows (U's row sum) and c read exp(G_j)
                     t = j // NH
                     if t < tokens:
                         c_t = scale * s_fq[t] * cute.math.exp(s_gate[j])
-                        grad_g = grad_g + s_fq[t] * (s_dfq[t] + s_dfq2[t]) + s_scalars[1, t] * c_t
+                        grad_g = grad_g + s_fq[t] * s_dfq[t] + s_scalars[1, t] * c_t
                 s_dg[j] = grad_g
                 bb = cute.arch.warp_reduction_sum(grad_b * b_j)
                 if tidx % 32 == 0:
                     s_sum[tidx // 32] = bb
-            elif tidx < C + NQ:
+            elif tidx < 2 * C:  # every token slot (step 7's diagonal reads all 64): zero past the chunk's tokens
                 t = tidx - C
-                s_dfq_total[t] = s_dfq[t] + s_dfq2[t] + s_scalars[1, t] * scale * cute.math.exp(s_gate[t * NH + NH - 1])
+                token_end = cutlass.min(t * NH + NH - 1, C - 1)
+                s_dfq_total[t] = zero_unless(t < tokens, s_dfq[t] + s_scalars[1, t] * scale *
+                                             cute.math.exp(s_gate[token_end]))
             cute.arch.sync_threads()
             if tidx == 0:
                 s_dg[last_step] = s_dg[last_step] + s_sum[0] + s_sum[1] + \
@@ -375,6 +382,15 @@ def load_rows(acc: cute.Tensor, coords: cute.Tensor, scan: cute.Tensor, row0, ro
                 pair = cute.make_tensor(at, cute.make_layout(2)).load()
                 acc[(0, row_half), m, n] = pair[0]
                 acc[(1, row_half), m, n] = pair[1]
+
+
+def row_column(part, jj, row_threads: int):
+    """Column of the ``jj``-th term of thread ``part`` of a token row's ``row_threads`` (step 5): with a row
+    pitch of 68 words, a warp's lanes read 32 distinct banks (8 rows x 4 threads: plain stride; 4 rows x 8
+    threads: rows sit 4 banks apart, so the 8 threads take columns {0-3, 16-19} + 4 (jj % 4) + 32 (jj // 4))."""
+    if row_threads == 8:
+        return part % 4 + 16 * (part // 4) + 4 * (jj % 4) + 32 * (jj // 4)
+    return part + row_threads * jj
 
 
 def float_transposed(tile: cute.Tensor) -> cute.Tensor:
