@@ -164,6 +164,8 @@ def main() -> None:
     parser.add_argument("--check-read-ab", action="store_true",
                         help="also time ours with the value checks read before the forward is queued")
     parser.add_argument("--unchecked", action="store_true", help="also time ours with check_inputs=False")
+    parser.add_argument("--recompute-states", action="store_true",
+                        help="also time ours with save_chunk_states=False (the backward recomputes the chunk states)")
     parser.add_argument("--graph", action="store_true",
                         help="also time ours (check_inputs=False) captured in a CUDA graph and replayed")
     args = parser.parse_args()
@@ -186,6 +188,8 @@ def main() -> None:
         variants = {"ours": CuTeDSLGatedDeltaProductCPBackend(backward="kernels")}
         if args.check_read_ab:
             variants["ours-read-first"] = variants["ours"]
+        if args.recompute_states:  # the backward reruns the scan for the chunk states (less saved memory)
+            variants["ours-recompute"] = CuTeDSLGatedDeltaProductCPBackend(backward="kernels", save_chunk_states=False)
         if args.unchecked:
             variants["ours-unchecked"] = variants["ours"]
         if args.graph:

@@ -92,7 +92,8 @@ class Recorder:
         kind = type(gpu).__name__.replace("Launch", "")
         mode = getattr(gpu.config, "mode", "")
         outputs = {"ChunkPrep": ("ta", "tb", "p", "scalars"), "SegmentFold": ("incoming",),
-                   "ChunkScan": {"output": ("state_out", "o"), "summary": ("state_out",), "states": ("o",)}.get(mode),
+                   "ChunkScan": {"output": ("state_out", "o"), "summary": ("state_out",), "states": ("chunk_states",),
+                                 "output_states": ("state_out", "o", "chunk_states")}.get(mode),
                    "ChunkGamma": ("summaries",),
                    "ChunkReverseScan": ("grad_in", "chunk_grads"),
                    "ChunkReverse": ("dv", "dq_scan", "dk_scan", "d_ta", "d_tb", "d_p", "d_scalars"),
@@ -114,7 +115,7 @@ class Recorder:
             if kind == "ChunkReverseScan" and name == "grad_in":
                 count = int(gpu.num_segments[0])
                 a, b = a[:count], b[:count]
-            if (kind, name) in (("ChunkReverseScan", "chunk_grads"), ("ChunkScan", "o")) and mode != "output" \
+            if (kind, name) in (("ChunkReverseScan", "chunk_grads"), ("ChunkScan", "chunk_states")) \
                     or kind == "ChunkReverse" and name in ("d_ta", "d_tb", "d_p", "d_scalars"):
                 count = int(gpu.chunk_steps.ne(0).sum())  # per-chunk buffers: the real chunks
                 a, b = a[:count], b[:count]
@@ -210,11 +211,14 @@ def backward_case(lengths, heads, dim, n_h, segment_chunks, mma="auto"):
     do = torch.randn(1, sum(lengths), heads, dim, device="cuda", generator=gen).bfloat16()
     dfinal = torch.randn(len(lengths), heads, dim, dim, device="cuda", generator=gen)
     backend = cutedsl.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=segment_chunks, backward="kernels", mma=mma)
+    # the backward that recomputes the chunk states (chunk_scan mode "states") instead of reading the forward's
+    recompute = cutedsl.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=segment_chunks, backward="kernels", mma=mma,
+                                                          save_chunk_states=False)
 
-    def grads():
+    def grads(with_backend=backend):
         leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
         o, final = gated_delta_product(*leaves, num_householder=n_h, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
-                                       backend=backend)
+                                       backend=with_backend)
         torch.autograd.backward([o, final], [do, dfinal])
         return [leaf.grad for leaf in leaves]
 
@@ -222,6 +226,10 @@ def backward_case(lengths, heads, dim, n_h, segment_chunks, mma="auto"):
         got = grads()
     again = grads()
     check(f"{tag} bitwise repeat (all gradients)", float(not all(torch.equal(a, b) for a, b in zip(got, again))), 0.0)
+    with Recorder(tag + "[recomputed chunk states]"):
+        recomputed = grads(recompute)
+    check(f"{tag} stored vs recomputed chunk states: bitwise equal gradients",
+          float(not all(torch.equal(a, b) for a, b in zip(got, recomputed))), 0.0)
     starts = np.cumsum([0] + lengths)
     ref = [[] for _ in range(5)]
     for n, (t0, t1) in enumerate(zip(starts[:-1], starts[1:])):

@@ -11,17 +11,21 @@ scalars), with rounding to the input dtype wherever a value becomes an MMA opera
 
     Y  = X k^T                                  A: X from registers, B: k (K-major)
     D  = v^T Tb^T - Y Ta^T                      (delta^T; value rows only for the first term)
-    O  = (X q^T) diag(c) + D P^T                (mode "output" only)
+    O  = (X q^T) diag(c) + D P^T                (modes "output", "output_states" only)
     X <- exp(G_last) X + (D diag(b)) k          B: k^T (the same k tile, read MN-major)
 
-Two modes (compile-time):
+Four modes (compile-time):
 * "summary": rows are the segment's [E^T ; M^T] (V value rows, then K transition rows that see
   zero values), starting from [0 ; I]; the end rows go to ``summary`` [S, H, V + K, K]. Only
   segments whose flag has bit 0 set run.
 * "output": rows are S^T from ``state_in`` [S, H, V, K] (the folded incoming state of each
   segment); outputs go to ``o`` and the segment's end state to ``state_out``.
-* "states": rows as in "output", no outputs: every chunk's start state goes to ``o`` (then
-  [C_max, H, V·K], input dtype), the chunk states the backward reads (its recompute of the forward).
+* "states": rows as in "output", no outputs: every chunk's start state goes to ``chunk_states``
+  ([C_max, H, V·K], input dtype), the chunk states the backward reads (its recompute of the forward).
+* "output_states": "output" and "states" in one pass (a training forward that keeps the chunk
+  states, so that the backward does not rerun the scan). The start state of chunk i + 1 is staged
+  after chunk i's step, in that chunk's k tile (free by then) when the CTA has 64 rows: a staging
+  tile of its own would take the shared memory that lets two 64-row CTAs share an SM.
 
 The next chunk's tiles are fetched with cp.async into the other of two shared-memory stages
 while the current chunk is computed.
@@ -61,8 +65,9 @@ class ChunkScanKernel:
         self.warps = self.rows // 16
         self.threads = 32 * self.warps
         self.summary = config.mode == "summary"
-        self.states = config.mode == "states"
-        self.reads_queries = config.mode == "output"
+        self.states = config.mode == "states"  # chunk states staged before each step (own staging tile)
+        self.output_states = config.mode == "output_states"  # chunk states staged after each step
+        self.reads_queries = config.mode in ("output", "output_states")
         self.wgmma = config.mma == "wgmma"
 
     def row_blocks(self) -> int:
@@ -73,10 +78,10 @@ class ChunkScanKernel:
     def __call__(self,
                  k: cute.Tensor,  # [S_all, H, K] input dtype
                  v: cute.Tensor,  # [S_all, H, V] input dtype
-                 q: cute.Tensor,  # [T_all, H, K] input dtype (read in mode "output")
+                 q: cute.Tensor,  # [T_all, H, K] input dtype (read in the output modes)
                  ta: cute.Tensor,  # [C_max, H, 64, 64] input dtype
                  tb: cute.Tensor,  # [C_max, H, 64, 64] input dtype
-                 p: cute.Tensor,  # [C_max, H, NQ, 64] input dtype (read in mode "output")
+                 p: cute.Tensor,  # [C_max, H, NQ, 64] input dtype (read in the output modes)
                  scalars: cute.Tensor,  # [C_max, H, 4, 64] float32
                  chunk_first_step: cute.Tensor,  # int32 [C_max]
                  chunk_steps: cute.Tensor,  # int32 [C_max]
@@ -84,16 +89,18 @@ class ChunkScanKernel:
                  seg_chunks: cute.Tensor,  # int32 [S_max]
                  seg_flags: cute.Tensor,  # int32 [S_max] (bit 0: build this segment's summary)
                  num_segments: cute.Tensor,  # int32 [1]
-                 state_in: cute.Tensor,  # [S_max, H, V, K] float32 (mode "output")
-                 state_out: cute.Tensor,  # [S_max, H, V, K] float32 (out, mode "output") or
+                 state_in: cute.Tensor,  # [S_max, H, V, K] float32 (modes other than "summary")
+                 state_out: cute.Tensor,  # [S_max, H, V, K] float32 (out, the output modes) or
                                           # [S_max, H, V + K, K] (out, mode "summary")
-                 o: cute.Tensor,  # [T_all, H, V] input dtype (out, mode "output"); [C_max, H, V K] (mode "states")
+                 o: cute.Tensor,  # [T_all, H, V] input dtype (out, modes "output", "output_states")
+                 chunk_states: cute.Tensor,  # [C_max, H, V K] input dtype (out, modes "states", "output_states")
                  num_householder: Int32, stream):
         tiled_mma = _mma.make_tiled_mma(self.dtype, self.warps)  # the "sync" products (unused for "wgmma")
         g2s = _mma.make_g2s_copy(self.dtype, self.threads)
-        s2g = _mma.make_s2g_copy(self.dtype, self.threads)  # mode "states" only
+        s2g = _mma.make_s2g_copy(self.dtype, self.threads)  # the chunk states only
         self.kernel(k, v, q, ta, tb, p, scalars, chunk_first_step, chunk_steps, seg_first_chunk, seg_chunks,
-                    seg_flags, num_segments, state_in, state_out, o, num_householder, tiled_mma, g2s, s2g).launch(
+                    seg_flags, num_segments, state_in, state_out, o, chunk_states, num_householder, tiled_mma, g2s,
+                    s2g).launch(
             grid=(seg_first_chunk.shape[0], k.shape[1], self.row_blocks()), block=(self.threads, 1, 1),
             stream=stream)
 
@@ -127,7 +134,8 @@ class ChunkScanKernel:
                p: cute.Tensor, scalars: cute.Tensor, chunk_first_step: cute.Tensor, chunk_steps: cute.Tensor,
                seg_first_chunk: cute.Tensor, seg_chunks: cute.Tensor, seg_flags: cute.Tensor,
                num_segments: cute.Tensor, state_in: cute.Tensor, state_out: cute.Tensor, o: cute.Tensor,
-               num_householder: Int32, tiled_mma: cute.TiledMma, g2s: cute.TiledCopy, s2g: cute.TiledCopy):
+               chunk_states: cute.Tensor, num_householder: Int32, tiled_mma: cute.TiledMma, g2s: cute.TiledCopy,
+               s2g: cute.TiledCopy):
         K, V, R, NQ, NH = self.key_dim, self.value_dim, self.rows, self.query_tile, num_householder
         tidx, _, _ = cute.arch.thread_idx()
         segment, head, row_block = cute.arch.block_idx()
@@ -142,8 +150,8 @@ class ChunkScanKernel:
             s_q_all = self._tile(allocator, NQ, K)
             s_p_all = self._tile(allocator, NQ, C)
         s_scalars = allocator.allocate_tensor(Float32, cute.make_layout((4, C, STAGES), stride=(C, 1, 4 * C)), 16)
-        s_out = None
-        if cutlass.const_expr(self.states):  # a chunk's start state on its way to o, as whole 16-byte rows
+        s_out = None  # a chunk's start state on its way to chunk_states, as whole 16-byte rows
+        if cutlass.const_expr(self.states or (self.output_states and R != C)):
             s_out = allocator.allocate_tensor(self.dtype, _mma.smem_tile_layout(R, K), 128)
 
         run = segment < num_segments[0]
@@ -186,6 +194,10 @@ class ChunkScanKernel:
             for j in cutlass.range_constexpr(per_thread):
                 index = tidx + j * self.threads
                 scalar_next[j] = scalars[first_chunk, head, index // C, index % C]
+            if cutlass.const_expr(self.output_states):  # chunk 0's start state, staged in stage 1 (loaded later)
+                if chunk_count > 0:
+                    self.store_chunk_state(s2g, tidx, state, state_coords, s_out, s_k_all, 1,
+                                           chunk_states, first_chunk, head, row_block)
             for it in range(chunk_count):
                 stage = it % STAGES
                 chunk = first_chunk + it
@@ -212,18 +224,42 @@ class ChunkScanKernel:
                 first_token = chunk_first_step[chunk] // NH
                 tokens = chunk_steps[chunk] // NH
                 if cutlass.const_expr(self.states):  # staged before the sync above; stored by whole rows
-                    rows = cute.local_tile(o[chunk, head, None], (R * K,), (row_block,))
-                    _mma.copy_tile_s2g(s2g, tidx, s_out, cute.make_tensor(rows.iterator, cute.make_layout(
-                        (R, K), stride=(K, 1))))
+                    _mma.copy_tile_s2g(s2g, tidx, s_out, self.chunk_state_rows(chunk_states, chunk, head, row_block))
                 self.chunk_step(products, state, stage, s_sc, s_k_all, s_v_all, s_ta_all, s_tb_all,
                                 s_q_all, s_p_all, o, head, row0, first_token, tokens)
                 if cutlass.const_expr(self.states):
                     cute.arch.sync_threads()  # every row of s_out is stored before the next chunk restages it
+                if cutlass.const_expr(self.output_states):
+                    if it + 1 < chunk_count:
+                        cute.arch.sync_threads()  # every warp is done with this stage's tiles
+                        self.store_chunk_state(s2g, tidx, state, state_coords, s_out, s_k_all, stage,
+                                               chunk_states, chunk + 1, head, row_block)
+                        # the next loads into this stage are issued after the next iteration's sync
 
             if cutlass.const_expr(not self.states):
                 for e in cutlass.range_constexpr(cute.size(state)):
                     r, c = state_coords[e]
                     state_out[segment, head, row0 + r, c] = state[e]
+
+    def chunk_state_rows(self, chunk_states: cute.Tensor, chunk, head, row_block) -> cute.Tensor:
+        """This CTA's [R, K] rows of one chunk's start state in ``chunk_states`` [C_max, H, V K]."""
+        R, K = self.rows, self.key_dim
+        rows = cute.local_tile(chunk_states[chunk, head, None], (R * K,), (row_block,))
+        return cute.make_tensor(rows.iterator, cute.make_layout((R, K), stride=(K, 1)))
+
+    @cute.jit
+    def store_chunk_state(self, s2g, tidx, state, state_coords, s_out, s_k_all, stage, chunk_states, chunk, head,
+                          row_block):
+        """Mode "output_states": stage the state (rounded to the input dtype) in ``s_out``, or, without
+        one (R = 64 rows: R x K is the size of a k tile), in the k tile of ``stage`` (unused until the
+        next sync), then store it as chunk ``chunk``'s start state."""
+        staging = s_out
+        if cutlass.const_expr(s_out is None):
+            base = cute.recast_ptr(s_k_all[None, None, stage].iterator, dtype=self.dtype)  # plain, 1024-aligned
+            staging = cute.make_tensor(base, _mma.smem_tile_layout(self.rows, self.key_dim))
+        _mma.stage_accumulator(state, state_coords, staging)
+        cute.arch.sync_threads()
+        _mma.copy_tile_s2g(s2g, tidx, staging, self.chunk_state_rows(chunk_states, chunk, head, row_block))
 
     @cute.jit
     def chunk_step(self, products, state: cute.Tensor, stage, s_sc: cute.Tensor, s_k_all, s_v_all,

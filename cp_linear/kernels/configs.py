@@ -21,7 +21,8 @@ def _check_head_dim(name: str, value: int) -> None:
 
 TENSOR_CORE_DTYPES = ("bfloat16", "float16")
 QUERY_TILES = (32, 64)
-SCAN_MODES = ("summary", "output", "states")
+SCAN_MODES = ("summary", "output", "states", "output_states")
+OUTPUT_MODES = ("output", "output_states")  # the scan modes that read queries and write outputs
 FOLD_MODES = ("fold", "apply_affine")
 MMA_KINDS = ("sync", "wgmma")
 
@@ -78,7 +79,8 @@ class ChunkScanConfig:
     0); mode "output": the state rows from a folded incoming state, writing outputs and the
     segment's end state (``query_tile`` as for ``ChunkPrepConfig``); mode "states": the state rows
     from the incoming state, writing every chunk's start state in the input dtype and nothing else
-    (the backward's recompute; reads no queries: ``query_tile`` must be 0).
+    (the backward's recompute; reads no queries: ``query_tile`` must be 0); mode "output_states":
+    "output" that also writes every chunk's start state (a forward that keeps them for the backward).
     """
 
     dtype: str
@@ -101,9 +103,9 @@ class ChunkScanConfig:
         _check_head_dim("value_dim", self.value_dim)
         if self.mode not in SCAN_MODES:
             raise ValueError(f"mode must be one of {SCAN_MODES}; received {self.mode!r}")
-        if self.mode != "output" and self.query_tile != 0:
+        if self.mode not in OUTPUT_MODES and self.query_tile != 0:
             raise ValueError(f"mode {self.mode!r} reads no queries: query_tile must be 0; received {self.query_tile}")
-        if self.mode == "output":
+        if self.mode in OUTPUT_MODES:
             _check_query_tile(self.query_tile)
         _check_mma(self.mma)
         if self.row_block not in (0, 64, 128) or self.row_block > min(self.key_dim, self.value_dim):
@@ -230,17 +232,19 @@ def tensor_core_configs() -> list:
                     configs.append(ChunkScanConfig(dtype, key_dim, value_dim, mode))
                     if key_dim == value_dim == 128:  # the 4-warp variant (two CTAs per SM)
                         configs.append(ChunkScanConfig(dtype, key_dim, value_dim, mode, 0, 64))
-                for tile in QUERY_TILES:
-                    configs.append(ChunkScanConfig(dtype, key_dim, value_dim, "output", tile))
-                    if key_dim == value_dim == 128:
-                        configs.append(ChunkScanConfig(dtype, key_dim, value_dim, "output", tile, 64))
+                for mode in OUTPUT_MODES:
+                    for tile in QUERY_TILES:
+                        configs.append(ChunkScanConfig(dtype, key_dim, value_dim, mode, tile))
+                        if key_dim == value_dim == 128:
+                            configs.append(ChunkScanConfig(dtype, key_dim, value_dim, mode, tile, 64))
                 if key_dim == value_dim == 128 and dtype == "bfloat16":  # the warpgroup-MMA variant
                     for row_block in (0, 64):
                         for mode in ("summary", "states"):
                             configs.append(ChunkScanConfig(dtype, key_dim, value_dim, mode, 0, row_block, "wgmma"))
-                        for tile in QUERY_TILES:
-                            configs.append(ChunkScanConfig(dtype, key_dim, value_dim, "output", tile, row_block,
-                                                           "wgmma"))
+                        for mode in OUTPUT_MODES:
+                            for tile in QUERY_TILES:
+                                configs.append(ChunkScanConfig(dtype, key_dim, value_dim, mode, tile, row_block,
+                                                               "wgmma"))
     return configs
 
 

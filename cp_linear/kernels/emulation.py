@@ -103,11 +103,11 @@ def emulate_chunk_scan(launch) -> None:
             ta, tb = launch.ta[chunk].float(), launch.tb[chunk].float()
             sc = launch.scalars[chunk].float()
             Xb = rnd(X)
-            if config.mode == "states":
-                launch.o[chunk] = Xb.reshape(heads, V * K).to(launch.o.dtype)
+            if config.mode in ("states", "output_states"):
+                launch.chunk_states[chunk] = Xb.reshape(heads, V * K).to(launch.chunk_states.dtype)
             Y = Xb @ kc.transpose(1, 2)
             D = vin.transpose(1, 2) @ tb.transpose(1, 2) - rnd(Y) @ ta.transpose(1, 2)
-            if config.mode == "output":
+            if config.mode in ("output", "output_states"):
                 tokens = steps // n_h
                 tile = launch.p.shape[2]
                 qc = torch.zeros(heads, tile, K)

@@ -123,14 +123,15 @@ class ChunkPrepLaunch(_Launch):
 
 @dataclass
 class ChunkScanLaunch(_Launch):
-    """``state_out`` is [S, H, V, K] in mode "output", [S, H, V + K, K] (summaries) in "summary";
-    mode "summary" does not read q, p, state_in or o (pass any array of the right type). Mode
-    "states" writes each chunk's start state into ``o`` [C_max, H, V·K] (the [C_max, H, V, K] chunk
-    states, flattened so that every mode's ``o`` has one rank) and does not read q or p nor write
-    ``state_out``."""
+    """``state_out`` is [S, H, V, K] in modes "output" and "output_states", [S, H, V + K, K]
+    (summaries) in "summary"; mode "summary" does not read q, p or state_in. Modes "states" and
+    "output_states" write each chunk's start state into ``chunk_states`` [C_max, H, V·K] (the
+    [C_max, H, V, K] chunk states, flattened so that one spec serves every V and K); mode "states"
+    does not read q or p nor write ``state_out``. An output a mode does not write may be any array
+    of the right type and trailing extent (a one-row placeholder)."""
 
     KERNEL: ClassVar[str] = "cp_linear.kernels.chunk_scan:ChunkScanKernel"
-    OUTPUTS: ClassVar[tuple[str, ...]] = ("state_out", "o")
+    OUTPUTS: ClassVar[tuple[str, ...]] = ("state_out", "o", "chunk_states")
     config: cfg.ChunkScanConfig
     k: Any = _spec(None, None, "key_dim", align=16)
     v: Any = _spec(None, None, "value_dim", align=16)
@@ -147,7 +148,8 @@ class ChunkScanLaunch(_Launch):
     num_segments: Any = _spec(1, dtype="int32")
     state_in: Any = _spec(None, None, "value_dim", "key_dim", dtype="float32")
     state_out: Any = _spec(None, None, "state_rows", "key_dim", dtype="float32")
-    o: Any = _spec(None, None, "scan_output", align=16)  # mode "states" writes 16-byte rows
+    o: Any = _spec(None, None, "value_dim")
+    chunk_states: Any = _spec(None, None, "chunk_state_size", align=16)  # written by 16-byte rows
     num_householder: Any = _scalar("int32")
 
 
@@ -302,8 +304,8 @@ def _extent(config, entry):
         return None
     if entry == "gamma_rows":
         return config.value_dim + config.key_dim
-    if entry == "scan_output":
-        return config.value_dim * config.key_dim if config.mode == "states" else config.value_dim
+    if entry == "chunk_state_size":
+        return config.value_dim * config.key_dim
     if entry == "state_rows":
         return config.value_dim + config.key_dim if config.mode == "summary" else config.value_dim
     return getattr(config, entry)
@@ -498,6 +500,7 @@ class KernelBackwardContext:
     # [S_max, H, V, K] float32: every segment's outgoing gradient from prepare's fold of ``end_grads``,
     # reused by apply unless following summaries change the trailing sequence's end gradient
     grad_out: Any = None
+    chunk_states: Any = None  # [C_max, H, V, K] input dtype: the forward's chunk states, when it kept them
 
 
 def forward_layout(cu_seqlens, *, total_tokens: int, num_householder: int, heads: int, row_blocks: int,

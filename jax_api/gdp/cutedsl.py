@@ -251,10 +251,14 @@ class CuTeDSLGatedDeltaProductCPBackend:
 
     def _scan(self, shard: _Shard, mode: str, *, state_in, state_rows: int, o_shape: tuple):
         """chunk_scan -> (state_out [S_max, H, state_rows, K] float32, o of ``o_shape``); mode "states"
-        writes no state_out (a one-segment placeholder is returned)."""
+        writes no state_out (a one-segment placeholder is returned) and returns the chunk states
+        [C_max, H, V K] as its ``o``."""
         layout, heads = shard.layout, shard.heads
         segments = 1 if mode == "states" else layout.max_segments
-        tile = shard.query_tile if mode == "output" else 0
+        tile = shard.query_tile if mode in kcfg.OUTPUT_MODES else 0
+        states_shape = (layout.max_chunks, heads, shard.value_dim * shard.key_dim)
+        o_shape, chunk_states_shape = ((1, 1, shard.value_dim), states_shape) if mode == "states" else (o_shape, (
+            1, 1, shard.value_dim * shard.key_dim))
         out = self._launch(
             kl.ChunkScanLaunch,
             kcfg.ChunkScanConfig(shard.dtype, shard.key_dim, shard.value_dim, mode, tile, shard.row_block,
@@ -262,9 +266,9 @@ class CuTeDSLGatedDeltaProductCPBackend:
             dict(k=shard.k, v=shard.v, q=shard.q, ta=shard.ta, tb=shard.tb, p=shard.p, scalars=shard.scalars,
                  **shard.tables("chunk_first_step", "chunk_steps", "seg_first_chunk", "seg_chunks", "seg_flags",
                                 "num_segments"), state_in=state_in),
-            dict(state_out=(segments, heads, state_rows, shard.key_dim), o=o_shape),
+            dict(state_out=(segments, heads, state_rows, shard.key_dim), o=o_shape, chunk_states=chunk_states_shape),
             dict(num_householder=shard.inputs.num_householder))
-        return out["state_out"], out["o"]
+        return out["state_out"], out["chunk_states" if mode == "states" else "o"]
 
     def _fold(self, shard: _Shard, summaries: jax.Array, *, init: jax.Array | None, init_count: int, rows: int,
               first_sequence: int, write_final: int, descending: bool) -> tuple[jax.Array, jax.Array | None]:
@@ -465,8 +469,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         layout, inputs = shard.layout, shard.inputs
         heads, key_dim, value_dim, tile = shard.heads, shard.key_dim, shard.value_dim, shard.query_tile
         chunks, tokens_all, steps_all = layout.max_chunks, shard.q.shape[0], shard.k.shape[0]
-        _, flat_states = self._scan(shard, "states", state_in=incoming, state_rows=value_dim,
-                                    o_shape=(chunks, heads, value_dim * key_dim))
+        _, flat_states = self._scan(shard, "states", state_in=incoming, state_rows=value_dim, o_shape=())
         scan = self._launch(
             kl.ChunkReverseScanLaunch,
             kcfg.ChunkReverseScanConfig(shard.dtype, key_dim, value_dim, tile, 0, kl.gradient_rows_mma(self.mma)),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -80,15 +81,21 @@ def test_backward_split_configs_validate_and_every_launch_orders_its_arguments()
         inputs, outputs, scalars = launch.argument_roles()
         assert set(outputs) == set(launch.OUTPUTS) and not set(inputs) & set(outputs)
     assert kl.ChunkReverseScanLaunch.argument_roles()[1] == ("chunk_grads", "grad_in")
-    # the states scan writes [C, H, V·K] rows through the output argument; the output mode [T, H, V]
-    fake = {mode: kl._extent(kcfg.ChunkScanConfig("bfloat16", 128, 64, mode, 0 if mode == "states" else 32),
-                             "scan_output") for mode in ("states", "output")}
-    assert fake == {"states": 128 * 64, "output": 64}
+    # the chunk states travel as [C, H, V·K] rows (both state modes), the outputs as [T, H, V]
+    config = kcfg.ChunkScanConfig("bfloat16", 128, 64, "output_states", 32)
+    config.validate()
+    assert [kl._extent(config, "chunk_state_size"), kl._extent(config, "value_dim")] == [128 * 64, 64]
+    assert kl.ChunkScanLaunch.argument_roles()[1] == ("state_out", "o", "chunk_states")
+    with pytest.raises(ValueError, match="query_tile"):
+        kcfg.ChunkScanConfig("bfloat16", 128, 128, "output_states", 0).validate()
     library = kcfg.all_configs()
     for dtype in kcfg.TENSOR_CORE_DTYPES:
         assert kcfg.ChunkReverseScanConfig(dtype, 128, 128, 32) in library
-        assert kcfg.ChunkScanConfig(dtype, 128, 128, "states", 0, 64, "wgmma" if dtype == "bfloat16" else "sync") \
-            in library
+        mma = "wgmma" if dtype == "bfloat16" else "sync"
+        assert kcfg.ChunkScanConfig(dtype, 128, 128, "states", 0, 64, mma) in library
+        # every output config has its twin that keeps the chunk states
+        outputs = [c for c in library if isinstance(c, kcfg.ChunkScanConfig) and c.mode == "output"]
+        assert outputs and all(replace(c, mode="output_states") in library for c in outputs)
 
 
 def test_backward_warpgroup_variants_are_chosen_where_compiled_and_map_to_their_kernels():

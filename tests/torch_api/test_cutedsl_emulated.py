@@ -220,10 +220,12 @@ def test_backward_summaries_take_the_forward_transitions_transposed(emulated):
     assert max(errors["transposed"]) > 10 * GRAD_LIMIT, errors["transposed"]
 
 
-def test_saved_prep_and_recomputed_prep_give_identical_gradients(emulated):
-    """save_prep=True (the forward's Ta, Tb, P and scalars ride in the saved buffer) and save_prep=False
-    (the backward reruns chunk_prep) give bitwise-equal gradients; the saved buffer is larger by exactly
-    the prep results, and the backward never rebuilds the layout from cu_seqlens."""
+def test_saved_and_recomputed_prep_and_chunk_states_give_identical_gradients(emulated):
+    """save_prep (the forward's Ta, Tb, P and scalars ride in the saved buffer, or the backward reruns
+    chunk_prep) and save_chunk_states (the output pass writes every chunk's start state, mode
+    "output_states", or the backward reruns the scan in mode "states") give bitwise-equal gradients;
+    the saved buffer is larger by exactly what each keeps, and the backward never rebuilds the layout
+    from cu_seqlens."""
     from torch_api import gated_delta_product
     from torch_api.gdp.types import GDPInputs
 
@@ -231,26 +233,45 @@ def test_saved_prep_and_recomputed_prep_give_identical_gradients(emulated):
     q, k, v, g, beta = _inputs(lengths, heads=heads, key_dim=dim, value_dim=dim, n_h=n_h, seed=31)
     cu = torch.tensor(np.cumsum([0] + lengths), dtype=torch.int32)
     do = torch.randn(1, sum(lengths), heads, dim, generator=torch.Generator().manual_seed(6)).bfloat16()
-    grads, words = {}, {}
-    for save_prep in (True, False):
-        backend = cutedsl.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=2, backward="kernels", save_prep=save_prep)
+    grads, words, modes = {}, {}, {}
+    variants = [(True, True), (False, True), (True, False)]  # (save_prep, save_chunk_states)
+    real_run = kl._Launch.run
+    for variant in variants:
+        save_prep, save_chunk_states = variant
+        backend = cutedsl.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=2, backward="kernels", save_prep=save_prep,
+                                                            save_chunk_states=save_chunk_states)
         leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
-        o, _ = gated_delta_product(*leaves, num_householder=n_h, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
-                                   backend=backend)
-        real_layout = kl.forward_layout
-        kl.forward_layout = None  # the backward must take the saved tables
+        scan_modes = modes[variant] = []
+
+        def run(launch):
+            if isinstance(launch, kl.ChunkScanLaunch):
+                scan_modes.append(launch.config.mode)
+            real_run(launch)
+
+        kl._Launch.run = run
         try:
-            o.backward(do)
+            o, _ = gated_delta_product(*leaves, num_householder=n_h, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
+                                       backend=backend)
+            real_layout = kl.forward_layout
+            kl.forward_layout = None  # the backward must take the saved tables
+            try:
+                o.backward(do)
+            finally:
+                kl.forward_layout = real_layout
         finally:
-            kl.forward_layout = real_layout
-        grads[save_prep] = [leaf.grad for leaf in leaves]
+            kl._Launch.run = real_run
+        grads[variant] = [leaf.grad for leaf in leaves]
         inputs = GDPInputs(q, k, v, g, beta, dim ** -0.5, n_h, True, cu)
-        words[save_prep] = backend.saved_buffer_shape(inputs)[0]
-    for name, with_saved, recomputed in zip(("q", "k", "v", "g", "beta"), grads[True], grads[False]):
-        assert torch.equal(with_saved, recomputed), name
+        words[variant] = backend.saved_buffer_shape(inputs)[0]
+    for variant in variants[1:]:
+        for name, kept, other in zip(("q", "k", "v", "g", "beta"), grads[variants[0]], grads[variant]):
+            assert torch.equal(kept, other), (variant, name)
+    assert modes[(True, True)] == ["summary", "output_states"]
+    assert modes[(True, False)] == ["summary", "output", "states"]
     chunks = sum(lengths) // 32 + len(lengths)  # C_max at n_h = 2 (32 tokens per chunk)
     prep_bytes = chunks * heads * (2 * 64 * 64 * 2 + 32 * 64 * 2 + 4 * 64 * 4)
-    assert (words[True] - words[False]) * 4 == prep_bytes
+    assert (words[(True, True)] - words[(False, True)]) * 4 == prep_bytes
+    assert (words[(True, True)] - words[(True, False)]) * 4 == chunks * heads * dim * dim * 2
 
 
 @pytest.mark.parametrize("layout", ["spanning", "packed", "rows"])

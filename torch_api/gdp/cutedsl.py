@@ -18,7 +18,8 @@ that one long sequence fills the GPU):
     apply     segment_fold         (mode apply_affine, parallel over segments) every segment's
                                    incoming state E_pre + M_pre S: S = S_in (the fold of the
                                    preceding summaries) for sequence 0, the initial state, or zero
-              chunk_scan output    every segment from its incoming state: outputs, end states
+              chunk_scan output    every segment from its incoming state: outputs, end states (and,
+                                   mode "output_states" for the kernel backward, every chunk's start state)
 
 A sequence that spans ranks therefore costs one summary pass (run before the all-gather) and
 one output pass — no second state pass, and one sequential fold per forward. The kernel
@@ -31,8 +32,10 @@ backward mirrors it:
                                    segment's outgoing state gradient
     apply     segment_fold (descending)  again only when following summaries change the trailing
                                    sequence's end gradient (CP); else prepare's outgoing gradients
-              chunk_scan (mode "states"), the reverse scan, chunk_reverse, chunk_prep_backward:
-                                   input gradients, dL/d initial state
+              the reverse scan, chunk_reverse, chunk_prep_backward from the chunk states the forward's
+                                   output pass stored (mode "output_states"; chunk_scan mode "states"
+                                   recomputes them with save_chunk_states=False): input gradients,
+                                   dL/d initial state
 """
 
 from __future__ import annotations
@@ -252,8 +255,11 @@ class CuTeDSLGatedDeltaProductCPBackend:
     (``TorchGDPBackend``'s recomputation from the saved inputs). The kernel backward saves one
     float32 state per segment (9.4 MB at 32k tokens, H = 16, K = V = 128) and the transition rows of
     each segment's forward summary (S_max x H x K x K x 4 bytes: as much again at K = V; ``chunk_gamma``
-    then computes only the gamma rows of those segments), and recomputes the chunk states inside
-    each segment (storing them would cost 0.5 GB at that shape). It also saves the
+    then computes only the gamma rows of those segments). With ``save_chunk_states=True`` (the
+    default) the forward's output pass also writes every chunk's start state into the saved buffer
+    (input dtype: C_max x H x V x K x 2 bytes, 0.27 GB at that shape) and the backward reads them;
+    ``False`` recomputes them in the backward (``chunk_scan`` mode "states"; bitwise the same
+    values) and saves that memory. It also saves the
     forward's work layout (no second layout build) and, with ``save_prep=True`` (the default), the
     per-chunk prep results Ta, Tb, P and the scalars (+0.35 GB at that shape, where FLA's step peaks
     1.8 GB higher than ours) instead of rerunning chunk_prep (0.5 ms at 32k on an H200): the one
@@ -267,7 +273,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
 
     def __init__(self, segment_chunks: int | None = None, *, row_block: int = 0,
                  ctas_per_sm: float = 2, fallback: bool = True, mma: str = "auto", backward: str = "kernels",
-                 save_prep: bool = True):
+                 save_prep: bool = True, save_chunk_states: bool = True):
         if segment_chunks is not None and (not isinstance(segment_chunks, int) or segment_chunks < 1):
             raise ValueError(f"segment_chunks must be a positive int or None; received {segment_chunks!r}")
         if row_block not in (0, 64, 128):
@@ -281,6 +287,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         self.mma = mma
         self.backward = backward
         self.save_prep = bool(save_prep)
+        self.save_chunk_states = bool(save_chunk_states)
         self.row_block = row_block
         self.ctas_per_sm = ctas_per_sm
         self.fallback = fallback
@@ -336,13 +343,15 @@ class CuTeDSLGatedDeltaProductCPBackend:
             # prep rows of chunk slots past the last real chunk (only slots from T_all // tokens per chunk on
             # can be spare: every sequence's chunks cover its tokens)
             unwritten = [saved["padding"], saved["transitions"]]  # transitions: only summarised segments below
+            first_spare = total_tokens // kcfg.tokens_per_chunk(inputs.num_householder)
             if self.save_prep:
-                first_spare = total_tokens // kcfg.tokens_per_chunk(inputs.num_householder)
                 unwritten += [saved[name][first_spare:] for name in _PREP]
+            if self.save_chunk_states:
+                unwritten.append(saved["chunk_states"][first_spare:])
             torch._foreach_zero_(unwritten)  # one op (and one launch) for all of them
         shard = self._new_shard(inputs, layout, saved, trailing, sizes.row_block, summaries=True)
         self._prep(shard)
-        # mode "summary" reads neither state_in nor o: tiny placeholders of the right type
+        # mode "summary" reads no state_in and writes no o nor chunk states: tiny placeholders of the right type
         self._scan(shard, "summary", state_in=shard.summaries.new_empty(1, 1, value_dim, key_dim),
                    state_out=shard.summaries, o=shard.q.new_empty(1, 1, value_dim))
         if saved is not None:
@@ -405,7 +414,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
                        ) -> tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]:
         """The kernel backward's saved buffer region by region (name, dtype, shape), from shapes only:
         the segments' incoming states, the transition rows of the forward's segment summaries (in the
-        backward's orientation, M_b = M^T), the prep results (``save_prep``), then the layout tables."""
+        backward's orientation, M_b = M^T), the prep results (``save_prep``), the chunk states
+        (``save_chunk_states``), then the layout tables."""
         sizes = sizes or self._sizes(inputs)
         heads, key_dim, value_dim = int(inputs.q.shape[2]), int(inputs.q.shape[3]), int(inputs.v.shape[-1])
         chunks, segments, sequences = sizes.max_chunks, sizes.max_segments, sizes.num_sequences
@@ -416,6 +426,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
             regions += [("ta", inputs.q.dtype, (chunks, heads, 64, 64)), ("tb", inputs.q.dtype, (chunks, heads, 64, 64)),
                         ("p", inputs.q.dtype, (chunks, heads, tile, 64)),
                         ("scalars", torch.float32, (chunks, heads, 4, 64))]
+        if self.save_chunk_states:
+            regions.append(("chunk_states", inputs.q.dtype, (chunks, heads, value_dim, key_dim)))
         table_sizes = dict(chunk_first_step=chunks, chunk_steps=chunks, num_chunks=1, seq_first_segment=sequences + 1,
                            seq_segments=sequences, seg_first_chunk=segments, seg_chunks=segments, seg_flags=segments,
                            num_segments=1, seg_grad_flags=segments)
@@ -457,16 +469,21 @@ class CuTeDSLGatedDeltaProductCPBackend:
         inputs, _, _ = read_cp_saved_context(CPSavedContext(saved.tensors[:9], saved.metadata))
         return _carve(buffer, self._saved_regions(inputs))["states"]
 
-    def _scan(self, shard: _Shard, mode: str, *, state_in, state_out, o) -> None:
+    def _scan(self, shard: _Shard, mode: str, *, state_in, state_out, o, chunk_states=None) -> None:
+        """chunk_scan in ``mode``; ``chunk_states`` [C_max, H, V, K] (modes "states", "output_states")."""
         layout = shard.layout
-        tile = shard.query_tile if mode == "output" else 0
+        tile = shard.query_tile if mode in kcfg.OUTPUT_MODES else 0
+        if chunk_states is None:  # not written in this mode: an empty placeholder of the right type
+            chunk_states = shard.q.new_empty(1, 1, shard.value_dim * shard.key_dim)
+        else:
+            chunk_states = chunk_states.view(chunk_states.shape[0], shard.heads, -1)
         kl.ChunkScanLaunch(
             kcfg.ChunkScanConfig(shard.dtype, shard.key_dim, shard.value_dim, mode, tile, shard.row_block,
                                   kl.scan_mma(self.mma, shard.dtype, shard.key_dim, shard.value_dim)),
             k=shard.k, v=shard.v, q=shard.q, ta=shard.ta, tb=shard.tb, p=shard.p, scalars=shard.scalars,
             chunk_first_step=layout.chunk_first_step, chunk_steps=layout.chunk_steps,
             seg_first_chunk=layout.seg_first_chunk, seg_chunks=layout.seg_chunks, seg_flags=layout.seg_flags,
-            num_segments=layout.num_segments, state_in=state_in, state_out=state_out, o=o,
+            num_segments=layout.num_segments, state_in=state_in, state_out=state_out, o=o, chunk_states=chunk_states,
             num_householder=shard.inputs.num_householder).run()
 
     def _prefix_fold(self, shard: _Shard, final: torch.Tensor) -> torch.Tensor:
@@ -506,10 +523,13 @@ class CuTeDSLGatedDeltaProductCPBackend:
         return incoming
 
     def _output(self, shard: _Shard, incoming: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """chunk_scan output -> (o [B, T, H, V], end state of every segment [S_max, H, V, K] float32)."""
+        """chunk_scan output -> (o [B, T, H, V], end state of every segment [S_max, H, V, K] float32); mode
+        "output_states" when the saved buffer keeps the chunk states (``save_chunk_states``)."""
         o = torch.empty(shard.q.shape[0], shard.heads, shard.value_dim, dtype=shard.q.dtype, device=shard.q.device)
         state_out = torch.empty_like(incoming)
-        self._scan(shard, "output", state_in=incoming, state_out=state_out, o=o)
+        chunk_states = None if shard.saved is None else shard.saved.get("chunk_states")
+        self._scan(shard, "output" if chunk_states is None else "output_states", state_in=incoming,
+                   state_out=state_out, o=o, chunk_states=chunk_states)
         batch, tokens = shard.inputs.q.shape[:2]
         return o.view(batch, tokens, shard.heads, shard.value_dim), state_out
 
@@ -620,7 +640,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
         grad_out = self._descending_fold(shard, grad_summaries, end_grads, final=gamma_rows)
         gamma = gamma_rows.transpose(-1, -2) if shard.rows else gamma_rows[0].transpose(-1, -2)
         summary = torch.cat([gamma, transition.transpose(-1, -2)], dim=-1)  # a new contiguous tensor
-        context = CuTeDSLBackwardContext(shard, do, grad_summaries, incoming, end_grads, grad_out)
+        context = CuTeDSLBackwardContext(shard, do, grad_summaries, incoming, end_grads, grad_out,
+                                         saved.get("chunk_states"))
         return CPBackwardPackedSummary(summary), context
 
     def cp_backward_apply(self, backward_context, following):
@@ -642,7 +663,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
                 trailing = _last_nonempty(self._cu(shard.inputs, shard.q.device))
                 end_grads.index_add_(0, trailing.view(1), outgoing[None])
             grad_out = self._descending_fold(shard, ctx.grad_summaries, end_grads, final=None)
-        grads, grad_in = self._reverse(shard, ctx.do, ctx.incoming, grad_out)
+        grads, grad_in = self._reverse(shard, ctx.do, ctx.incoming, grad_out, ctx.chunk_states)
         if shard.inputs.initial_state is None:
             return grads
         # d initial state: the gradient entering each sequence's first segment (an empty one passes its end's)
@@ -696,17 +717,21 @@ class CuTeDSLGatedDeltaProductCPBackend:
             num_segments=layout.num_segments, summaries=summaries,
             num_householder=shard.inputs.num_householder).run()
 
-    def _reverse(self, shard: _Shard, do: torch.Tensor, incoming: torch.Tensor, grad_out: torch.Tensor):
-        """The chunk states (chunk_scan mode "states"), the state-gradient pass, chunk_reverse, then
-        chunk_prep_backward -> (GDPInputGradients, dX at every segment start)."""
+    def _reverse(self, shard: _Shard, do: torch.Tensor, incoming: torch.Tensor, grad_out: torch.Tensor,
+                 chunk_states: torch.Tensor | None):
+        """The chunk states (the forward's, or chunk_scan mode "states" when it kept none), the
+        state-gradient pass, chunk_reverse, then chunk_prep_backward -> (GDPInputGradients, dX at every
+        segment start)."""
         layout, inputs = shard.layout, shard.inputs
         heads, key_dim, value_dim, tile = shard.heads, shard.key_dim, shard.value_dim, shard.query_tile
         device, chunks = shard.q.device, layout.max_chunks
         f32 = dict(dtype=torch.float32, device=device)
         tokens_all, steps_all = shard.q.shape[0], shard.k.shape[0]
-        chunk_states = torch.empty(chunks, heads, value_dim, key_dim, dtype=shard.q.dtype, device=device)
-        self._scan(shard, "states", state_in=incoming, state_out=incoming,  # state_out: not written
-                   o=chunk_states.view(chunks, heads, value_dim * key_dim))
+        if chunk_states is None:
+            chunk_states = torch.empty(chunks, heads, value_dim, key_dim, dtype=shard.q.dtype, device=device)
+            # state_out and o are not written
+            self._scan(shard, "states", state_in=incoming, state_out=incoming, o=shard.q.new_empty(1, 1, value_dim),
+                       chunk_states=chunk_states)
         chunk_grads = torch.empty_like(chunk_states)
         grad_in = torch.empty_like(grad_out)
         kl.ChunkReverseScanLaunch(
