@@ -138,7 +138,7 @@ def main() -> None:
         nh = int(nh)
         q, k, v, g, beta, cu = make_inputs(docs, doc_tokens, args.heads, args.dim, nh)
         tokens = docs * doc_tokens
-        inputs = GDPInputs(q, k, v, g, beta, args.dim ** -0.5, nh, True, cu)
+        inputs = GDPInputs(q, k, v, g, beta, args.dim ** -0.5, nh, True, cu, save_for_backward=False)  # inference
         flops = chunked_flops(tokens, args.heads, args.dim, args.dim, nh)
         with torch.no_grad():
             t_fla = k_fla = float("nan")

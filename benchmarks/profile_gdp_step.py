@@ -1,7 +1,11 @@
 """Where a GDP training step's time goes beyond the kernels: aten ops by GPU time, host syncs with
 the Python line that caused them, and wall vs kernel time with and without ``check_inputs``.
 
-    python benchmarks/profile_gdp_step.py [--tokens 8192 32768] [--out DIR]
+    python benchmarks/profile_gdp_step.py [--tokens 8192 32768] [--out DIR] [--host]
+
+``--host``: the host's time per step split by phase (perf_counter around the backend's four
+functions, the value checks and every kernel launch: its Python preparation and the TVM-FFI call),
+without the profiler, whose own per-event cost distorts host time.
 
 Same step as bench_gdp_train.py (one sequence, H = 16, K = V = 128, n_h = 2, bf16, l2norm, loss
 <o, dO> + <S_T, dS>) on the CuTeDSL backend. Writes a Chrome trace per size to DIR.
@@ -11,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
+from collections import defaultdict
 
 import torch
 from bench_gdp_train import _time as wall_ms  # the same timer (benchmarks/ is the script's directory)
@@ -63,15 +69,82 @@ def profile_step(step, tokens: int, out: str) -> None:
             print(f"  {e.key:<28} x{e.count:<3} cpu {e.cpu_time_total / 1e3:7.3f} ms  {stack[:400]}")
 
 
+def host_split(step, repeat: int = 20) -> None:
+    """Host milliseconds per step by phase: each wrapped function's inclusive time (nested phases
+    are also inside their callers), with the device synchronised before each step so that no host
+    call waits for the GPU."""
+    import torch_api.gdp.ops as ops
+    from cp_linear.kernels import launch as kl
+    from cp_linear.kernels.cache import compiled
+
+    spent = defaultdict(float)
+    counts = defaultdict(int)
+    restore = []
+
+    def wrap(owner, name, label):
+        original = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                spent[label] += time.perf_counter() - started
+                counts[label] += 1
+
+        restore.append((owner, name, original))
+        setattr(owner, name, timed)
+
+    def run(launch):  # replaces _Launch.run: preparation and the FFI call timed apart
+        started = time.perf_counter()
+        function, arguments = compiled(launch.config), launch.arguments()
+        called = time.perf_counter()
+        function(*arguments)
+        spent["launch: prepare arguments"] += called - started
+        spent["launch: TVM-FFI call"] += time.perf_counter() - called
+        counts["launch: TVM-FFI call"] += 1
+
+    backend_cls = CuTeDSLGatedDeltaProductCPBackend
+    for name in ("cp_forward_prepare", "cp_forward_apply", "cp_backward_prepare", "cp_backward_apply", "_shard",
+                 "_saved_shard", "_reverse"):
+        wrap(backend_cls, name, f"backend.{name}")
+    wrap(ops, "gdp_value_flags", "value checks (flags)")
+    restore.append((kl._Launch, "run", kl._Launch.run))
+    kl._Launch.run = run
+    try:
+        step()
+        torch.cuda.synchronize()
+        spent.clear()
+        counts.clear()
+        total = 0.0
+        for _ in range(repeat):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            step()
+            total += time.perf_counter() - started
+        torch.cuda.synchronize()
+    finally:
+        for owner, name, original in reversed(restore):
+            setattr(owner, name, original)
+    print(f"host ms per step (mean of {repeat}): whole step {1e3 * total / repeat:.3f}")
+    for label, seconds in sorted(spent.items(), key=lambda item: -item[1]):
+        print(f"  {label:<36} {1e3 * seconds / repeat:7.3f} ms  ({counts[label] // repeat} calls)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--nh", type=int, default=2)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--out", default="out/profile_gdp_step")
+    parser.add_argument("--host", action="store_true", help="only the host time split by phase (no profiler)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     for tokens in args.tokens:
+        if args.host:
+            print(f"== T={tokens}, check_inputs=True")
+            host_split(make_step(tokens, args.nh, args.heads, True))
+            continue
         for check in (True, False):
             step = make_step(tokens, args.nh, args.heads, check)
             print(f"T={tokens} check_inputs={check}: wall {wall_ms(step, 10):.3f} ms per fwd+bwd", flush=True)

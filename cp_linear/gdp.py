@@ -16,6 +16,8 @@ registers it as a pytree (arrays are leaves, the rest static).
                    under CP the first one is then advanced by the preceding ranks' summaries
     output_final_state  when True, ``cp_forward_apply`` returns ``(o, final_state [N, H, K, V])``
                    as its output, and ``cp_backward_prepare`` takes ``(do, d_final_state)``
+    save_for_backward   False when no backward will run (inference, no_grad): a backend may then
+                   skip what it keeps only for its backward (the kernel backend's saved buffer)
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class GDPInputs:
     cu_seqlens: Array | None = None
     initial_state: Array | None = None
     output_final_state: bool = False
+    save_for_backward: bool = True
 
     @property
     def is_packed(self) -> bool:

@@ -122,6 +122,41 @@ def test_cutedsl_kernel_backward_runs_through_the_op_and_compiles_to_eager_resul
             assert torch.equal(got, want), f"{name}: output {index} differs from eager by {rel_err(got, want):.2e}"
 
 
+def test_cutedsl_forward_without_gradients_keeps_nothing_for_the_backward(emulated_kernels):
+    """Under no_grad (or with no input requiring grad) the op is told no backward will run
+    (``save_for_backward=False``): the kernel backend writes no saved buffer and runs the output pass
+    without the chunk states (mode "output"); with gradients it keeps them (mode "output_states").
+    The outputs are bitwise the same, and opcheck passes with the flag off (the fake agrees: [0])."""
+    backend = cutedsl.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=2)
+    n_h, dim, lengths = 2, 64, [70, 37]
+    q, k, v, g, beta = emulation_inputs(lengths, heads=2, key_dim=dim, value_dim=dim, n_h=n_h, seed=5)
+    cu = torch.tensor(np.cumsum([0] + lengths), dtype=torch.int32)
+    options = dict(scale=dim ** -0.5, num_householder=n_h, use_qk_l2norm_in_kernel=True)
+    real_run = kl._Launch.run
+    runs = {}
+    for name, grad in (("inference", False), ("training", True)):
+        modes = runs[name] = []
+
+        def run(launch, modes=modes):
+            if isinstance(launch, kl.ChunkScanLaunch):
+                modes.append(launch.config.mode)
+            real_run(launch)
+
+        kl._Launch.run = run
+        try:
+            leaves = [x.clone().requires_grad_(grad) for x in (q, k, v, g, beta)]
+            outputs = run_gated_delta_product(*leaves, backend=backend, cu_seqlens=cu, **options)
+        finally:
+            kl._Launch.run = real_run
+        runs[name + " outputs"] = [x.detach() for x in outputs]
+    assert runs["inference"] == ["summary", "output"] and runs["training"] == ["summary", "output_states"]
+    for got, want in zip(runs["inference outputs"], runs["training outputs"]):
+        assert torch.equal(got, want)
+    args = (q, k, v, g, beta, cu, None, *options.values(), backend_name(backend), False)
+    assert torch.ops.cp_linear.gdp_forward(*args)[4].shape == (0,)
+    torch.library.opcheck(torch.ops.cp_linear.gdp_forward.default, args)
+
+
 def _op_inputs(leaves, cu, options):
     from torch_api.gdp.types import GDPInputs
 

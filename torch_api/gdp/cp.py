@@ -60,7 +60,7 @@ from torch_api.gdp.isolation import (
     token_poison,
     trailing_bad,
 )
-from torch_api.gdp.types import GDPInputGradients, GDPInputs, float32_region
+from torch_api.gdp.types import GDPInputGradients, GDPInputs, float32_region, needs_backward
 from torch_api.gdp.validation import (
     dtype_code,
     float_bits,
@@ -389,7 +389,7 @@ def run_cp_op(q, k, v, g, beta, *, cu_seqlens, rank_range, group_name: str, back
         trailing = torch.zeros(0, dtype=torch.bool, device=q.device)
     output, *_, incoming_bad = torch.ops.cp_linear.gdp_cp_forward(
         q, k, v, g, beta, cu_seqlens, rank_range, trailing, scale, num_householder, use_qk_l2norm_in_kernel,
-        backend_name(backend), group_name)
+        backend_name(backend), group_name, needs_backward(q, k, v, g, beta))
     if contain:
         output = poison(output, token_poison(state_bad, read_bad, start, incoming_bad)[..., None])
     return output

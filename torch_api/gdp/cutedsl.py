@@ -297,6 +297,12 @@ class CuTeDSLGatedDeltaProductCPBackend:
 
     # ------------------------------------------------------------------ prepare: per-chunk work and summaries
 
+    def _keeps_saved(self, inputs: GDPInputs) -> bool:
+        """The forward keeps the kernel backward's saved buffer: ``backward="kernels"``, unless the
+        caller says no backward will run (``inputs.save_for_backward``: inference skips the buffer and
+        the chunk states' stores)."""
+        return self.backward == "kernels" and inputs.save_for_backward
+
     def _use_kernels(self, inputs: GDPInputs) -> bool:
         """True when the kernels take ``inputs``; else warn once per reason (or raise without fallback)."""
         check_gdp_inputs(inputs)
@@ -310,7 +316,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         device, value_dim, total_tokens = inputs.q.device, inputs.v.shape[-1], batch * tokens
         rows = inputs.cu_seqlens is None
         sizes = self._sizes(inputs)
-        kernel_backward = self.backward == "kernels"
+        kernel_backward = self._keeps_saved(inputs)
         layout_args = dict(total_tokens=total_tokens, num_householder=inputs.num_householder, heads=heads,
                            row_blocks=sizes.row_blocks, sm_count=_sm_count(device), segment_chunks=sizes.segment_chunks,
                            ctas_per_sm=self.ctas_per_sm)
@@ -453,10 +459,10 @@ class CuTeDSLGatedDeltaProductCPBackend:
     def saved_buffer_shape(self, inputs: GDPInputs) -> tuple[int] | None:
         """Shape of the extra tensor the forward saves for the kernel backward: one float32 buffer
         holding the segments' incoming states, the prep results (``save_prep``) and the layout tables
-        (``_saved_regions``); None when it saves none (``backward="torch"``, or inputs the kernels do
-        not take, which run on the fallback). Shapes only: the ``cp_linear`` custom ops' fake kernels
-        call it (``torch_api.gdp.library``)."""
-        if self.backward != "kernels" or unsupported_reason(inputs) is not None:
+        (``_saved_regions``); None when it saves none (``backward="torch"``, ``inputs.save_for_backward``
+        False, or inputs the kernels do not take, which run on the fallback). Shapes only: the
+        ``cp_linear`` custom ops' fake kernels call it (``torch_api.gdp.library``)."""
+        if not self._keeps_saved(inputs) or unsupported_reason(inputs) is not None:
             return None
         return (_region_offsets(self._saved_regions(inputs))[1] // 4,)
 

@@ -94,8 +94,10 @@ def _group(name: str) -> dist.ProcessGroup:
     return _resolve_process_group(name)
 
 
-def _inputs(q, k, v, g, beta, cu_seqlens, scale, num_householder, l2norm, initial_state=None, final=False):
-    return GDPInputs(q, k, v, g, beta, scale, num_householder, l2norm, cu_seqlens, initial_state, final)
+def _inputs(q, k, v, g, beta, cu_seqlens, scale, num_householder, l2norm, initial_state=None, final=False,
+            save_for_backward=True):
+    return GDPInputs(q, k, v, g, beta, scale, num_householder, l2norm, cu_seqlens, initial_state, final,
+                     save_for_backward)
 
 
 def _state_shapes(q, v, packed: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -182,11 +184,12 @@ _AUTOGRAD_KEYS = tuple(getattr(torch._C.DispatchKey, name) for name in (
 @torch.library.custom_op("cp_linear::gdp_forward", mutates_args=())
 def gdp_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 cu_seqlens: torch.Tensor | None, initial_state: torch.Tensor | None, scale: float,
-                num_householder: int, use_qk_l2norm_in_kernel: bool, backend: str
+                num_householder: int, use_qk_l2norm_in_kernel: bool, backend: str, save_for_backward: bool = True
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """save_for_backward False (no gradient will be asked for): segment_states may come back empty."""
     impl = _backend(backend)
     inputs = _inputs(q, k, v, g, beta, cu_seqlens, scale, num_householder, use_qk_l2norm_in_kernel,
-                     initial_state, True)
+                     initial_state, True, save_for_backward)
     with float32_region(q.device):
         summary, local = impl.cp_forward_prepare(inputs)
         (output, final_state), saved = impl.cp_forward_apply(local, _empty_stack(summary))
@@ -195,13 +198,14 @@ def gdp_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 
 
 @gdp_forward.register_fake
-def _(q, k, v, g, beta, cu_seqlens, initial_state, scale, num_householder, use_qk_l2norm_in_kernel, backend):
+def _(q, k, v, g, beta, cu_seqlens, initial_state, scale, num_householder, use_qk_l2norm_in_kernel, backend,
+      save_for_backward=True):
     batch, tokens, heads, key_dim = q.shape
     sequences = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
     incoming, transition = _state_shapes(q, v, cu_seqlens is not None)
     f32 = dict(dtype=torch.float32, device=q.device)
     inputs = _inputs(q, k, v, g, beta, cu_seqlens, scale, num_householder, use_qk_l2norm_in_kernel,
-                     initial_state, True)
+                     initial_state, True, save_for_backward)
     return (q.new_empty((batch, tokens, heads, v.shape[-1])), q.new_empty((sequences, heads, key_dim, v.shape[-1]),
                                                                           **f32),
             q.new_empty(incoming, **f32), q.new_empty(transition, **f32),
@@ -237,7 +241,7 @@ def _(do, d_final_state, q, k, v, g, beta, cu_seqlens, initial_state, incoming, 
 
 
 def _setup_gdp(ctx, inputs, output):
-    q, k, v, g, beta, cu_seqlens, initial_state, scale, num_householder, l2norm, backend = inputs
+    q, k, v, g, beta, cu_seqlens, initial_state, scale, num_householder, l2norm, backend, _ = inputs
     _, _, incoming, transition, segment_states = output
     ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, initial_state, incoming, transition, segment_states)
     ctx.options = (scale, num_householder, l2norm, backend)
@@ -247,12 +251,12 @@ def _setup_gdp(ctx, inputs, output):
 
 def _gdp_autograd(ctx, do, d_final_state, _d_incoming, _d_transition, _d_segment_states):
     if do is None and d_final_state is None:
-        return (None,) * 11
+        return (None,) * 12
     q, k, v, g, beta, cu_seqlens, initial_state, incoming, transition, segment_states = ctx.saved_tensors
     dq, dk, dv, dg, dbeta, d_initial = gdp_backward(do, d_final_state, q, k, v, g, beta, cu_seqlens, initial_state,
                                                     incoming, transition, segment_states, *ctx.options)
     d_initial = None if ctx.initial_dtype is None else d_initial.to(ctx.initial_dtype)
-    return dq, dk, dv, dg, dbeta, None, d_initial, None, None, None, None
+    return dq, dk, dv, dg, dbeta, None, d_initial, None, None, None, None, None
 
 
 gdp_forward.register_autograd(_gdp_autograd, setup_context=_setup_gdp)
@@ -304,16 +308,19 @@ def _empty_stack(summary) -> torch.Tensor:
 @torch.library.custom_op("cp_linear::gdp_cp_forward", mutates_args=())
 def gdp_cp_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    cu_seqlens: torch.Tensor | None, rank_range: torch.Tensor, trailing_bad: torch.Tensor, scale: float,
-                   num_householder: int, use_qk_l2norm_in_kernel: bool, backend: str, group_name: str
+                   num_householder: int, use_qk_l2norm_in_kernel: bool, backend: str, group_name: str,
+                   save_for_backward: bool = True
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """trailing_bad: bool [B or 1, H] for containment (``torch_api.gdp.isolation``: those heads'
     summaries travel as NaN; the last output, incoming_bad [B or 1, H], says which heads of the
-    incoming state were poisoned), or an empty [0] without (incoming_bad is then [0] too)."""
+    incoming state were poisoned), or an empty [0] without (incoming_bad is then [0] too).
+    save_for_backward False (no gradient will be asked for): segment_states may come back empty."""
     from torch_api.gdp.isolation import incoming_bad_and_clean, poison_summary
 
     impl, group = _backend(backend), _group(group_name)
     rank = dist.get_rank(group)
-    inputs = _inputs(q, k, v, g, beta, cu_seqlens, scale, num_householder, use_qk_l2norm_in_kernel)
+    inputs = _inputs(q, k, v, g, beta, cu_seqlens, scale, num_householder, use_qk_l2norm_in_kernel,
+                     save_for_backward=save_for_backward)
     range_ = rank_range.to(q.device)
     contain = trailing_bad.numel() > 0
     with float32_region(q.device):
@@ -332,10 +339,11 @@ def gdp_cp_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
 
 @gdp_cp_forward.register_fake
 def _(q, k, v, g, beta, cu_seqlens, rank_range, trailing_bad, scale, num_householder, use_qk_l2norm_in_kernel,
-      backend, group_name):
+      backend, group_name, save_for_backward=True):
     incoming, transition = _state_shapes(q, v, cu_seqlens is not None)
     f32 = dict(dtype=torch.float32, device=q.device)
-    inputs = _inputs(q, k, v, g, beta, cu_seqlens, scale, num_householder, use_qk_l2norm_in_kernel)
+    inputs = _inputs(q, k, v, g, beta, cu_seqlens, scale, num_householder, use_qk_l2norm_in_kernel,
+                     save_for_backward=save_for_backward)
     bad_shape = (0,) if trailing_bad.numel() == 0 else (1 if cu_seqlens is not None else q.shape[0], q.shape[2])
     return (q.new_empty((*q.shape[:3], v.shape[-1])), q.new_empty(incoming, **f32), q.new_empty(transition, **f32),
             _fake_segment_states(_backend(backend), inputs), trailing_bad.new_empty(bad_shape))
@@ -368,7 +376,7 @@ def _(do, q, k, v, g, beta, cu_seqlens, rank_range, incoming, transition, segmen
 
 
 def _setup_cp(ctx, inputs, output):
-    q, k, v, g, beta, cu_seqlens, rank_range, _, scale, num_householder, l2norm, backend, group_name = inputs
+    q, k, v, g, beta, cu_seqlens, rank_range, _, scale, num_householder, l2norm, backend, group_name, _ = inputs
     _, incoming, transition, segment_states, _ = output
     ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, rank_range, incoming, transition, segment_states)
     ctx.options = (scale, num_householder, l2norm, backend, group_name)
@@ -380,7 +388,7 @@ def _cp_autograd(ctx, do, _d_incoming, _d_transition, _d_segment_states, _d_inco
         do = torch.zeros((*q.shape[:3], v.shape[-1]), dtype=q.dtype, device=q.device)
     grads = gdp_cp_backward(do.contiguous(), q, k, v, g, beta, cu_seqlens, rank_range, incoming, transition,
                             segment_states, *ctx.options)
-    return (*grads, None, None, None, None, None, None, None, None)
+    return (*grads, None, None, None, None, None, None, None, None, None)
 
 
 gdp_cp_forward.register_autograd(_cp_autograd, setup_context=_setup_cp)

@@ -21,7 +21,7 @@ from cp_linear.protocol import CPSavedContext
 from cp_linear.summary import as_packed_array
 from cp_linear.validation import GDP_VALUE_CHECKS, NONFINITE, nonfinite_rows, poison
 from torch_api.gdp.isolation import bad_tokens, sanitized, sequence_bad, sequence_start_index, token_poison
-from torch_api.gdp.types import float32_region
+from torch_api.gdp.types import float32_region, needs_backward
 from torch_api.gdp.validation import (
     PendingValueChecks,
     gdp_input_error,
@@ -159,7 +159,7 @@ def _run(backend, q, k, v, g, beta, initial_state, *, scale, num_householder, cu
     if has_op_layout(backend):
         output, final_state, *_ = torch.ops.cp_linear.gdp_forward(
             q, k, v, g, beta, cu_seqlens, initial_state, scale, num_householder, use_qk_l2norm_in_kernel,
-            backend_name(backend))
+            backend_name(backend), needs_backward(q, k, v, g, beta, initial_state))
         return output, final_state
     options = dict(scale=scale, num_householder=num_householder, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                    cu_seqlens=cu_seqlens)

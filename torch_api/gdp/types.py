@@ -18,4 +18,10 @@ def float32_region(device: torch.device):
     return contextlib.nullcontext()
 
 
-__all__ = ["GDPInputGradients", "GDPInputs", "float32_region"]
+def needs_backward(*tensors) -> bool:
+    """True when autograd may ask for gradients through an op on ``tensors`` (grad mode on and one of
+    them requires grad): ``GDPInputs.save_for_backward``. A constant under ``torch.compile`` (guarded)."""
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
+
+
+__all__ = ["GDPInputGradients", "GDPInputs", "float32_region", "needs_backward"]
