@@ -214,8 +214,19 @@ class ChunkPrepBackwardConfig:
         _check_query_tile(self.query_tile)
 
 
+@dataclass(frozen=True)
+class ValueChecksConfig:
+    """The GDP input value checks in one launch (``value_checks``): NaN/Inf in q, k, v (``dtype``), g
+    and beta (float32), g > 0 and beta outside [0, BETA_MAX]."""
+
+    dtype: str
+
+    def validate(self) -> None:
+        _check_tensor_core_dtype(self.dtype)
+
+
 KERNEL_CONFIGS = (ChunkPrepConfig, ChunkScanConfig, SegmentFoldConfig, ChunkGammaConfig, ChunkReverseScanConfig,
-                  ChunkReverseConfig, ChunkPrepBackwardConfig)
+                  ChunkReverseConfig, ChunkPrepBackwardConfig, ValueChecksConfig)
 
 
 def tensor_core_configs() -> list:
@@ -267,8 +278,9 @@ def backward_configs() -> list:
 
 
 def all_configs() -> list:
-    """Every kernel config (forward and backward), for ahead-of-time compilation (the CLI and CI)."""
-    return tensor_core_configs() + backward_configs()
+    """Every kernel config (forward and backward, and the value checks), for ahead-of-time compilation
+    (the CLI and CI)."""
+    return tensor_core_configs() + backward_configs() + [ValueChecksConfig(dtype) for dtype in TENSOR_CORE_DTYPES]
 
 
 def ci_configs() -> list:
@@ -280,7 +292,8 @@ def ci_configs() -> list:
     for config in all_configs():
         if getattr(config, "dtype", "bfloat16") != "bfloat16":
             continue
-        key_dim, value_dim = config.key_dim, getattr(config, "value_dim", config.key_dim)
+        key_dim = getattr(config, "key_dim", 128)  # a kernel without head sizes (the value checks): K = V = 128
+        value_dim = getattr(config, "value_dim", key_dim)
         variant = tuple((f.name, getattr(config, f.name)) for f in fields(config)
                         if f.name not in ("dtype", "key_dim", "value_dim"))
         if key_dim == value_dim == 128 and (type(config), variant) not in variants_seen:

@@ -175,7 +175,22 @@ def run_emulated(launch) -> None:
                   kl.SegmentFoldLaunch: emulate_segment_fold, kl.ChunkGammaLaunch: eb.emulate_chunk_gamma,
                   kl.ChunkReverseScanLaunch: eb.emulate_chunk_reverse_scan,
                   kl.ChunkReverseLaunch: eb.emulate_chunk_reverse,
-                  kl.ChunkPrepBackwardLaunch: eb.emulate_chunk_prep_backward}
+                  kl.ChunkPrepBackwardLaunch: eb.emulate_chunk_prep_backward,
+                  kl.ValueChecksLaunch: emulate_value_checks}
     if type(launch) not in emulations:
         raise TypeError(f"no emulation for {type(launch).__name__}")
     emulations[type(launch)](launch)
+
+
+def emulate_value_checks(launch) -> None:
+    """``value_checks``: ORs 1 into ``flags`` at each failed check (GDP_VALUE_CHECKS order), as the kernel
+    does; NaN sets only its tensor's non-finite flag (it fails the range comparisons)."""
+    import torch
+
+    from cp_linear.validation import BETA_MAX
+
+    tensors = [x.float() for x in (launch.q, launch.k, launch.v, launch.g, launch.beta)]
+    nonfinite = [~torch.isfinite(x).all() for x in tensors]
+    g, beta = tensors[3], tensors[4]
+    failed = torch.stack(nonfinite + [(g > 0).any(), ((beta < 0) | (beta > BETA_MAX)).any()])
+    launch.flags |= failed.to(launch.flags.dtype)

@@ -64,6 +64,9 @@ def _scalar(dtype: str) -> Any:
     return field(metadata={"spec": ScalarSpec(dtype)})
 
 
+_ARGUMENT_NAMES: dict[type, tuple[str, ...]] = {}  # argument names of each launch class, in order
+
+
 class _Launch:
     """Base of the typed launches: fields after ``config`` are the kernel's arguments in order.
 
@@ -92,7 +95,10 @@ class _Launch:
         return tuple(tuple(n for (n, _), r in zip(specs, roles) if r == role) for role in ("input", "output", "scalar"))
 
     def arguments(self) -> tuple:
-        return tuple(getattr(self, name) for name, _ in self.argument_specs())
+        names = _ARGUMENT_NAMES.get(type(self))
+        if names is None:  # dataclasses.fields on every launch cost ~15 us of host time per kernel
+            names = _ARGUMENT_NAMES[type(self)] = tuple(name for name, _ in self.argument_specs())
+        return tuple(getattr(self, name) for name in names)
 
     def run(self) -> None:
         from cp_linear.kernels.cache import compiled
@@ -587,3 +593,43 @@ def forward_layout(cu_seqlens, *, total_tokens: int, num_householder: int, heads
         seg_flags=xp.astype(summarized, i32), num_segments=num_segments,
         seg_grad_flags=xp.astype(grad_summarized, i32) + FORWARD_TRANSITION_FLAG * xp.astype(
             grad_summarized & summarized, i32))
+
+
+# ---------------------------------------------------------------------------------------------- value checks
+
+VALUE_CHECKS_THREADS = 256  # threads per value-checks CTA
+VALUE_CHECKS_UNROLL = 4  # 16-byte vectors a thread loads per grid-stride step, all in flight before any is tested
+# CTAs per SM for the largest tensor: q, k and v (about as large) each get that many, ~6 CTAs of 256
+# threads per SM in all, one wave with 4 x 16 bytes in flight per thread
+VALUE_CHECKS_CTAS_PER_SM = 2
+_VALUE_CHECKS_BYTES = (2, 2, 2, 4, 4)  # bytes per element of q, k, v (bf16 / fp16), g and beta (float32)
+
+
+@dataclass
+class ValueChecksLaunch(_Launch):
+    """The GDP value checks (``value_checks``) on 1-D views of the contiguous inputs: ORs 1 into the
+    entries of ``flags`` (int32 [7], zero-filled by the caller; ``cp_linear.validation.GDP_VALUE_CHECKS``
+    order) whose check fails. ``blocks``: CTAs per tensor (``ValueChecksLaunch.of`` picks it)."""
+
+    KERNEL: ClassVar[str] = "cp_linear.kernels.value_checks:ValueChecksKernel"
+    OUTPUTS: ClassVar[tuple[str, ...]] = ("flags",)
+    config: cfg.ValueChecksConfig
+    q: Any = _spec(None, align=16)  # every input is read by 16-byte vectors
+    k: Any = _spec(None, align=16)
+    v: Any = _spec(None, align=16)
+    g: Any = _spec(None, dtype="float32", align=16)
+    beta: Any = _spec(None, dtype="float32", align=16)
+    flags: Any = _spec(7, dtype="int32")
+    blocks: Any = _scalar("int32")
+
+    @classmethod
+    def of(cls, config, q, k, v, g, beta, flags, *, sm_count: int) -> ValueChecksLaunch:
+        """The launch with ``blocks`` from the sizes (host ints): enough CTAs that each thread of the
+        largest tensor's CTAs takes at least one step, at most ``VALUE_CHECKS_CTAS_PER_SM`` per SM."""
+        largest = max(math.prod(x.shape) * width for x, width in zip((q, k, v, g, beta), _VALUE_CHECKS_BYTES))
+        step_bytes = VALUE_CHECKS_THREADS * VALUE_CHECKS_UNROLL * 16
+        blocks = max(1, min(VALUE_CHECKS_CTAS_PER_SM * sm_count, -(-largest // step_bytes)))
+        return cls(config, q, k, v, g, beta, flags, blocks)
+
+
+LAUNCHES[cfg.ValueChecksConfig] = ValueChecksLaunch

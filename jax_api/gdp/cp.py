@@ -120,13 +120,13 @@ def _context_parallel(q, k, v, g, beta, local_initial, cu_seqlens, preceding_ran
         q, k, v, g, beta, local_initial, cu_seqlens, preceding_rank_start, following_rank_stop, trailing_bad,
         scan_stops, axis_name=axis_name, backend=backend, scale=scale, num_householder=num_householder,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, output_final_state=output_final_state,
-        summary_exchange=summary_exchange)
+        summary_exchange=summary_exchange, save_for_backward=False)  # the primal: no gradient follows
     return outputs
 
 
 def _context_parallel_fwd(q, k, v, g, beta, local_initial, cu_seqlens, preceding_rank_start, following_rank_stop,
                           trailing_bad, scan_stops, axis_name, backend, scale, num_householder,
-                          use_qk_l2norm_in_kernel, output_final_state, summary_exchange):
+                          use_qk_l2norm_in_kernel, output_final_state, summary_exchange, save_for_backward=True):
     """Returns ((output, local final states or None, incoming_bad), residuals). ``local_initial``: the
     initial states of the local sequences [n, H, K, V] or None. ``trailing_bad`` bool [B or 1, H]: heads
     whose trailing fragment holds a non-finite input travel as NaN; ``incoming_bad`` (same shape) says
@@ -134,7 +134,7 @@ def _context_parallel_fwd(q, k, v, g, beta, local_initial, cu_seqlens, preceding
     ``summary_exchange`` "all_gather" | "scan" (resolved); ``scan_stops`` bool [2]: the scan's folds
     stop at this rank (forward, backward; ``jax_api.gdp.summary_exchange``)."""
     inputs = GDPInputs(q, k, v, g, beta, scale, num_householder, use_qk_l2norm_in_kernel, cu_seqlens,
-                       local_initial, output_final_state)
+                       local_initial, output_final_state, save_for_backward)
     summary, local = backend.cp_forward_prepare(inputs)
     packed_summary = poisoned_summary(summary, trailing_bad)  # [(B,) H, K, V + K]
     rank = jax.lax.axis_index(axis_name)

@@ -160,7 +160,11 @@ class CuTeDSLGatedDeltaProductCPBackend:
     the backward kernels from the segments' saved incoming states, checked on an H200 as the torch
     backend's) or "jax" (``JaxGDPBackend``'s recomputation from the saved inputs). ``sm_count``: SMs
     to size segments for (None: the device's). ``cuda_graph``: let XLA capture the custom calls in
-    its command buffers.
+    its command buffers. ``save_chunk_states`` (kernel backward): the forward's output pass keeps every
+    chunk's start state as a residual (C_max x H x V x K in the input dtype) and the backward reads it,
+    as the torch backend's default; False recomputes them in the backward (bitwise the same values).
+    A forward that no gradient follows (the custom_vjp's primal; ``GDPInputs.save_for_backward``)
+    keeps none.
     Frozen and hashable: an argument of ``jax.jit`` / ``custom_vjp`` like ``JaxGDPBackend``.
     """
 
@@ -172,6 +176,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
     backward: str = "kernels"
     sm_count: int | None = None
     cuda_graph: bool = False
+    save_chunk_states: bool = True
     _warned: set = field(default_factory=set, compare=False, hash=False, repr=False)
 
     supports_sequence_states = True
@@ -245,20 +250,20 @@ class CuTeDSLGatedDeltaProductCPBackend:
             dict(scale=float(inputs.scale), use_l2=int(bool(inputs.use_qk_l2norm_in_kernel)), num_householder=n_h))
         shard.ta, shard.tb, shard.p, shard.scalars = prep["ta"], prep["tb"], prep["p"], prep["scalars"]
         if summaries:  # mode "summary" reads neither state_in nor o: tiny placeholders of the right type
-            shard.summaries, _ = self._scan(shard, "summary", state_in=jnp.zeros((1, 1, value_dim, key_dim), _F32),
-                                            state_rows=value_dim + key_dim, o_shape=(1, 1, value_dim))
+            shard.summaries = self._scan(shard, "summary", state_in=jnp.zeros((1, 1, value_dim, key_dim), _F32),
+                                         state_rows=value_dim + key_dim, o_shape=(1, 1, value_dim))["state_out"]
         return shard
 
-    def _scan(self, shard: _Shard, mode: str, *, state_in, state_rows: int, o_shape: tuple):
-        """chunk_scan -> (state_out [S_max, H, state_rows, K] float32, o of ``o_shape``); mode "states"
-        writes no state_out (a one-segment placeholder is returned) and returns the chunk states
-        [C_max, H, V K] as its ``o``."""
+    def _scan(self, shard: _Shard, mode: str, *, state_in, state_rows: int, o_shape: tuple) -> dict:
+        """chunk_scan -> {"state_out": [S_max, H, state_rows, K] float32 (a one-segment placeholder in
+        mode "states"), "o": ``o_shape``, "chunk_states": [C_max, H, V K] (modes "states" and
+        "output_states"; a one-row placeholder otherwise)}."""
         layout, heads = shard.layout, shard.heads
         segments = 1 if mode == "states" else layout.max_segments
         tile = shard.query_tile if mode in kcfg.OUTPUT_MODES else 0
-        states_shape = (layout.max_chunks, heads, shard.value_dim * shard.key_dim)
-        o_shape, chunk_states_shape = ((1, 1, shard.value_dim), states_shape) if mode == "states" else (o_shape, (
-            1, 1, shard.value_dim * shard.key_dim))
+        state_size = shard.value_dim * shard.key_dim
+        chunk_states_shape = (layout.max_chunks, heads, state_size) if mode in ("states", "output_states") else (
+            1, 1, state_size)
         out = self._launch(
             kl.ChunkScanLaunch,
             kcfg.ChunkScanConfig(shard.dtype, shard.key_dim, shard.value_dim, mode, tile, shard.row_block,
@@ -268,7 +273,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
                                 "num_segments"), state_in=state_in),
             dict(state_out=(segments, heads, state_rows, shard.key_dim), o=o_shape, chunk_states=chunk_states_shape),
             dict(num_householder=shard.inputs.num_householder))
-        return out["state_out"], out["chunk_states" if mode == "states" else "o"]
+        return out
 
     def _fold(self, shard: _Shard, summaries: jax.Array, *, init: jax.Array | None, init_count: int, rows: int,
               first_sequence: int, write_final: int, descending: bool) -> tuple[jax.Array, jax.Array | None]:
@@ -302,12 +307,18 @@ class CuTeDSLGatedDeltaProductCPBackend:
                  write_final=kl.FINAL_NONE, descending=0))
         return out["incoming"]
 
-    def _output(self, shard: _Shard, incoming: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """chunk_scan output -> (o [B, T, H, V], end state of every segment [S_max, H, V, K] float32)."""
-        state_out, o = self._scan(shard, "output", state_in=incoming, state_rows=shard.value_dim,
-                                  o_shape=(shard.q.shape[0], shard.heads, shard.value_dim))
+    def _output(self, shard: _Shard, incoming: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """chunk_scan output -> (o [B, T, H, V], end state of every segment [S_max, H, V, K] float32, the
+        chunk states [C_max, H, V, K] in the input dtype when the kernel backward keeps them, else None)."""
+        keep = self.backward == "kernels" and self.save_chunk_states and shard.inputs.save_for_backward
+        out = self._scan(shard, "output_states" if keep else "output", state_in=incoming,
+                         state_rows=shard.value_dim, o_shape=(shard.q.shape[0], shard.heads, shard.value_dim))
         batch, tokens = shard.inputs.q.shape[:2]
-        return o.reshape(batch, tokens, shard.heads, shard.value_dim), state_out
+        chunk_states = None
+        if keep:
+            chunk_states = out["chunk_states"].reshape(shard.layout.max_chunks, shard.heads, shard.value_dim,
+                                                       shard.key_dim)
+        return out["o"].reshape(batch, tokens, shard.heads, shard.value_dim), out["state_out"], chunk_states
 
     # ------------------------------------------------------------------ forward protocol
 
@@ -363,7 +374,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         else:
             init, init_count = None, 0
         incoming = self._apply_affine(shard, local_context.incoming_affine, init, init_count)
-        output, state_out = self._output(shard, incoming)
+        output, state_out, chunk_states = self._output(shard, incoming)
         if inputs.output_final_state:
             start = initial if initial is not None else jnp.zeros(inputs.state_shape, _F32)
             output = (output, _final_states(shard, state_out, start))
@@ -377,7 +388,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             saved = CPSavedContext(
                 tensors=(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.cu_seqlens,
                          transition if shard.rows else transition[0], inputs.initial_state, incoming,
-                         segment_transitions),
+                         segment_transitions, chunk_states),
                 metadata={"scale": inputs.scale, "num_householder": inputs.num_householder,
                           "use_qk_l2norm_in_kernel": inputs.use_qk_l2norm_in_kernel,
                           "output_final_state": inputs.output_final_state, _KERNEL_BACKWARD: True})
@@ -394,7 +405,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
         metadata = dict(saved_context.metadata)
         if not metadata.pop(_KERNEL_BACKWARD, False):
             return self._fallback.cp_backward_prepare(output_grad, saved_context)
-        q, k, v, g, beta, cu_seqlens, transition, initial_state, incoming, segment_transitions = saved_context.tensors
+        (q, k, v, g, beta, cu_seqlens, transition, initial_state, incoming, segment_transitions,
+         chunk_states) = saved_context.tensors
         inputs = GDPInputs(q, k, v, g, beta, cu_seqlens=cu_seqlens, initial_state=initial_state, **metadata)
         output_grad, final_grad = output_grad if inputs.output_final_state else (output_grad, None)
         # the forward's layout (cp_summary as there): its seg_flags say which transitions it kept
@@ -416,7 +428,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
                                           descending=True)
         gamma = jnp.swapaxes(gamma_rows if shard.rows else gamma_rows[0], -1, -2)
         summary = jnp.concatenate([gamma, jnp.swapaxes(transition, -1, -2)], axis=-1)
-        context = CuTeDSLBackwardContext(shard, do, grad_summaries, incoming, end_grads, grad_out)
+        context = CuTeDSLBackwardContext(shard, do, grad_summaries, incoming, end_grads, grad_out, chunk_states)
         return CPBackwardPackedSummary(summary), context
 
     def cp_backward_apply(self, backward_context, following) -> GDPInputGradients:
@@ -436,7 +448,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             grad_out, _ = self._fold(shard, ctx.grad_summaries, init=end_grads, init_count=layout.num_sequences,
                                      rows=shard.value_dim, first_sequence=0, write_final=kl.FINAL_NONE,
                                      descending=True)
-        grads, grad_in = self._reverse(shard, ctx.do, ctx.incoming, grad_out)
+        grads, grad_in = self._reverse(shard, ctx.do, ctx.incoming, grad_out, ctx.chunk_states)
         if inputs.initial_state is None:
             return grads
         # d initial state: the gradient entering each sequence's first segment (an empty one passes its end's)
@@ -463,13 +475,18 @@ class CuTeDSLGatedDeltaProductCPBackend:
         return summaries.at[:, :, value_dim:].set(jnp.where(from_forward, segment_transitions,
                                                              summaries[:, :, value_dim:]))
 
-    def _reverse(self, shard: _Shard, do: jax.Array, incoming: jax.Array, grad_out: jax.Array):
-        """The chunk states (chunk_scan mode "states"), the state-gradient pass, chunk_reverse, then
-        chunk_prep_backward -> (GDPInputGradients, dX at every segment start)."""
+    def _reverse(self, shard: _Shard, do: jax.Array, incoming: jax.Array, grad_out: jax.Array,
+                 chunk_states: jax.Array | None):
+        """The chunk states (the forward's, or chunk_scan mode "states" when it kept none), the
+        state-gradient pass, chunk_reverse, then chunk_prep_backward -> (GDPInputGradients, dX at every
+        segment start)."""
         layout, inputs = shard.layout, shard.inputs
         heads, key_dim, value_dim, tile = shard.heads, shard.key_dim, shard.value_dim, shard.query_tile
         chunks, tokens_all, steps_all = layout.max_chunks, shard.q.shape[0], shard.k.shape[0]
-        _, flat_states = self._scan(shard, "states", state_in=incoming, state_rows=value_dim, o_shape=())
+        if chunk_states is None:
+            chunk_states = self._scan(shard, "states", state_in=incoming, state_rows=value_dim,
+                                      o_shape=(1, 1, value_dim))["chunk_states"].reshape(chunks, heads, value_dim,
+                                                                                         key_dim)
         scan = self._launch(
             kl.ChunkReverseScanLaunch,
             kcfg.ChunkReverseScanConfig(shard.dtype, key_dim, value_dim, tile, 0, kl.gradient_rows_mma(self.mma)),
@@ -483,7 +500,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             kcfg.ChunkReverseConfig(shard.dtype, key_dim, value_dim, tile, kl.reverse_mma(self.mma, value_dim)),
             dict(k=shard.k, v=shard.v, q=shard.q, do=do, ta=shard.ta, tb=shard.tb, p=shard.p, scalars=shard.scalars,
                  **shard.tables("chunk_first_step", "chunk_steps", "num_chunks"),
-                 chunk_states=flat_states.reshape(chunks, heads, value_dim, key_dim), chunk_grads=scan["chunk_grads"]),
+                 chunk_states=chunk_states, chunk_grads=scan["chunk_grads"]),
             dict(dv=(steps_all, heads, value_dim), dq_scan=(tokens_all, heads, key_dim),
                  dk_scan=(steps_all, heads, key_dim), d_ta=(chunks, heads, 64, 64), d_tb=(chunks, heads, 64, 64),
                  d_p=(chunks, heads, tile, 64), d_scalars=(chunks, heads, 4, 64)),

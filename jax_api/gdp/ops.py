@@ -106,15 +106,22 @@ _NONDIFF = ("backend", "scale", "num_householder", "use_qk_l2norm_in_kernel")
 @functools.partial(jax.custom_vjp, nondiff_argnames=_NONDIFF)
 def _one_device(q, k, v, g, beta, cu_seqlens, initial_state, backend, scale, num_householder,
                 use_qk_l2norm_in_kernel):
-    outputs, _ = _one_device_fwd(q, k, v, g, beta, cu_seqlens, initial_state, backend=backend, scale=scale,
-                                 num_householder=num_householder, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    # the primal runs only where no gradient is taken: the backend may keep nothing for a backward
+    outputs, _ = _forward(q, k, v, g, beta, cu_seqlens, initial_state, backend, scale, num_householder,
+                          use_qk_l2norm_in_kernel, save_for_backward=False)
     return outputs
 
 
 def _one_device_fwd(q, k, v, g, beta, cu_seqlens, initial_state, backend, scale, num_householder,
                     use_qk_l2norm_in_kernel):
+    return _forward(q, k, v, g, beta, cu_seqlens, initial_state, backend, scale, num_householder,
+                    use_qk_l2norm_in_kernel, save_for_backward=True)
+
+
+def _forward(q, k, v, g, beta, cu_seqlens, initial_state, backend, scale, num_householder, use_qk_l2norm_in_kernel,
+             *, save_for_backward: bool):
     inputs = GDPInputs(q, k, v, g, beta, scale, num_householder, use_qk_l2norm_in_kernel, cu_seqlens,
-                       initial_state, output_final_state=True)
+                       initial_state, output_final_state=True, save_for_backward=save_for_backward)
     summary, local = backend.cp_forward_prepare(inputs)
     (output, final_state), saved = backend.cp_forward_apply(local, empty_stack(summary))
     return (output, final_state), Residuals.of(saved)

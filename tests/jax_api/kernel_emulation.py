@@ -59,7 +59,9 @@ def every_config() -> list:
                         for mode in ("summary", "states"):
                             configs.add(kcfg.ChunkScanConfig(dtype, key_dim, value_dim, mode, 0, row_block, mma))
                         for tile in kcfg.QUERY_TILES:
-                            configs.add(kcfg.ChunkScanConfig(dtype, key_dim, value_dim, "output", tile, row_block, mma))
+                            for mode in kcfg.OUTPUT_MODES:
+                                configs.add(kcfg.ChunkScanConfig(dtype, key_dim, value_dim, mode, tile, row_block,
+                                                                 mma))
     return sorted(configs, key=kcfg.describe)
 
 

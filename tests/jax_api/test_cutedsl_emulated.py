@@ -100,9 +100,12 @@ def _reference_grads(q, k, v, g, beta, do, lengths, n_h, dim, rows=1, initial=No
 # --------------------------------------------------------------------------- one device
 
 
-@pytest.mark.parametrize("n_h, segment_chunks", [(1, None), (2, 2), (3, 3)])
-def test_one_device_op_matches_float64_and_the_torch_backend_bit_for_bit(emulated, n_h, segment_chunks):
-    """Outputs, final states and every gradient (kernel backward, dL/d initial state included)."""
+@pytest.mark.parametrize("n_h, segment_chunks, save_chunk_states", [(1, None, True), (2, 2, False), (3, 3, True)])
+def test_one_device_op_matches_float64_and_the_torch_backend_bit_for_bit(emulated, n_h, segment_chunks,
+                                                                         save_chunk_states):
+    """Outputs, final states and every gradient (kernel backward, dL/d initial state included); the torch
+    backend keeps the forward's chunk states (its default), JAX keeps them or recomputes them in the
+    backward (``save_chunk_states=False``): bitwise the same either way."""
     lengths, heads, dim = [150, 37, 301], 2, 64
     q, k, v, g, beta = _inputs(lengths, heads, dim, dim, n_h, seed=20 + n_h)
     cu = torch.tensor(np.cumsum([0] + lengths), dtype=torch.int32)
@@ -120,7 +123,8 @@ def test_one_device_op_matches_float64_and_the_torch_backend_bit_for_bit(emulate
                                                                           backward="kernels"))
     torch.autograd.backward([o_t, final_t], [do, dfinal])
 
-    backend = jcd.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=segment_chunks, backward="kernels", sm_count=132)
+    backend = jcd.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=segment_chunks, backward="kernels", sm_count=132,
+                                                    save_chunk_states=save_chunk_states)
 
     @jax.jit
     def run(q, k, v, g, beta, initial, cu, do, dfinal):

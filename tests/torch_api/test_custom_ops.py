@@ -248,19 +248,25 @@ def cutedsl_cp_op_equals_eager(rank, backend, group) -> list[str]:
     differ = []
     for contain in (False, True):  # the op's containment against check_inputs=False's
         results = []
-        for path in ("op", "eager"):
+        # run_cp_op runs the op's bodies through an autograd.Function in eager mode: the custom op itself too
+        for path in ("run_cp_op", "eager") + (() if contain else ("custom op",)):
             leaves = [x.clone().requires_grad_() for x in inputs]
-            if path == "op":
+            if path == "run_cp_op":
                 out = run_cp_op(*leaves, cu_seqlens=None, rank_range=span, group_name=group.group_name,
                                 backend=backend, scale=64 ** -0.5, num_householder=2, use_qk_l2norm_in_kernel=True,
                                 contain=contain)
+            elif path == "custom op":
+                out = torch.ops.cp_linear.gdp_cp_forward(*leaves, None, span, torch.zeros(0, dtype=torch.bool),
+                                                         64 ** -0.5, 2, True, backend_name(backend),
+                                                         group.group_name)[0]
             else:
                 out = gdp_chunkwise_context_parallel(*leaves, cp_group=group, num_householder=2, backend=backend,
                                                      use_qk_l2norm_in_kernel=True, check_inputs=not contain)
             out.backward(do)
             results.append([out, *(x.grad for x in leaves)])
         names = [f"{name} (contain={contain})" for name in ("o", "dq", "dk", "dv", "dg", "dbeta")]
-        differ += [name for name, a, b in zip(names, *results) if not torch.equal(a, b)]
+        for other in results[1:]:
+            differ += [name for name, a, b in zip(names, results[0], other) if not torch.equal(a, b)]
     return differ
 
 

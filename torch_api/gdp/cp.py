@@ -370,6 +370,37 @@ def _metadata_error(metadata, rank: int, world: int, q: torch.Tensor) -> str | N
     return None
 
 
+class _EagerCPOp(torch.autograd.Function):
+    """``cp_linear::gdp_cp_forward`` / ``gdp_cp_backward`` in eager mode: the ops' bodies
+    (``torch_api.gdp.library.cp_forward`` / ``cp_backward``), the backend's saved context kept as is."""
+
+    @staticmethod
+    def forward(ctx, backend, group_name, rank_range, trailing_bad, options, q, k, v, g, beta):
+        from torch_api.gdp.library import _group, cp_forward
+
+        group = _group(group_name)
+        output, saved, incoming_bad = cp_forward(backend, group, GDPInputs(q, k, v, g, beta, **options), rank_range,
+                                                 trailing_bad)
+        ctx.backend, ctx.group, ctx.rank_range, ctx.saved_metadata = backend, group, rank_range, saved.metadata
+        ctx.input_dtypes = tuple(x.dtype for x in (q, k, v, g, beta))
+        ctx.save_for_backward(*saved.tensors)
+        ctx.mark_non_differentiable(incoming_bad)
+        return output, incoming_bad
+
+    @staticmethod
+    def backward(ctx, output_grad, _incoming_bad_grad):
+        from torch_api.gdp.library import cp_backward
+
+        saved = CPSavedContext(tuple(ctx.saved_tensors), ctx.saved_metadata)
+        q, v = saved.tensors[0], saved.tensors[2]
+        if output_grad is None:  # every rank runs the backward's collectives, with or without a gradient
+            output_grad = torch.zeros((*q.shape[:3], v.shape[-1]), dtype=q.dtype, device=q.device)
+        grads = cp_backward(ctx.backend, ctx.group, output_grad.contiguous(), saved, ctx.rank_range)
+        cast = [x if x.dtype == dtype else x.to(dtype) for x, dtype in
+                zip((grads.dq, grads.dk, grads.dv, grads.dg, grads.dbeta), ctx.input_dtypes)]
+        return (None, None, None, None, None, *cast)
+
+
 def run_cp_op(q, k, v, g, beta, *, cu_seqlens, rank_range, group_name: str, backend, scale: float, num_householder: int,
               use_qk_l2norm_in_kernel: bool, contain: bool) -> torch.Tensor:
     """The CP op after validation and agreement: ``cp_linear::gdp_cp_forward`` (collectives inside,
@@ -377,7 +408,9 @@ def run_cp_op(q, k, v, g, beta, *, cu_seqlens, rank_range, group_name: str, back
     call that a model agreement covered, with their checks off. rank_range int [2] =
     (preceding_rank_start, following_rank_stop), on any device (the layers pass a cached device
     tensor). contain: non-finite inputs are contained as with ``check_inputs=False``
-    (``torch_api.gdp.isolation``: sanitised inputs, poisoned summaries and outputs)."""
+    (``torch_api.gdp.isolation``: sanitised inputs, poisoned summaries and outputs). In eager mode
+    the op's bodies run through ``_EagerCPOp`` (the same numbers without the custom op's dispatch
+    layers, as for the one-device op)."""
     from torch_api.gdp.library import backend_name
 
     if contain:
@@ -387,9 +420,15 @@ def run_cp_op(q, k, v, g, beta, *, cu_seqlens, rank_range, group_name: str, back
         q, k, v, g, beta = sanitized(q, k, v, g, beta)
     else:
         trailing = torch.zeros(0, dtype=torch.bool, device=q.device)
-    output, *_, incoming_bad = torch.ops.cp_linear.gdp_cp_forward(
-        q, k, v, g, beta, cu_seqlens, rank_range, trailing, scale, num_householder, use_qk_l2norm_in_kernel,
-        backend_name(backend), group_name, needs_backward(q, k, v, g, beta))
+    save_for_backward = needs_backward(q, k, v, g, beta)
+    if torch.compiler.is_compiling():
+        output, *_, incoming_bad = torch.ops.cp_linear.gdp_cp_forward(
+            q, k, v, g, beta, cu_seqlens, rank_range, trailing, scale, num_householder, use_qk_l2norm_in_kernel,
+            backend_name(backend), group_name, save_for_backward)
+    else:
+        options = dict(scale=scale, num_householder=num_householder, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                       cu_seqlens=cu_seqlens, save_for_backward=save_for_backward)
+        output, incoming_bad = _EagerCPOp.apply(backend, group_name, rank_range, trailing, options, q, k, v, g, beta)
     if contain:
         output = poison(output, token_poison(state_bad, read_bad, start, incoming_bad)[..., None])
     return output

@@ -40,6 +40,7 @@ backward mirrors it:
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import warnings
@@ -791,9 +792,11 @@ def with_kernel_saved(saved: CPSavedContext, buffer: torch.Tensor | None) -> CPS
     return CPSavedContext(saved.tensors + (buffer,), {**saved.metadata, _KERNEL_BACKWARD: True})
 
 
+@functools.lru_cache(maxsize=64)
 def _region_offsets(regions) -> tuple[dict[str, int], int]:
     """Byte offset of each region and the total, 16-byte aligned: the kernels read Ta, Tb and P with
-    16-byte vectors. The int32 tables follow each other unpadded, so one ``torch.cat`` fills them."""
+    16-byte vectors. The int32 tables follow each other unpadded, so one ``torch.cat`` fills them.
+    Cached (a step asks three times for the same regions; callers must not modify the dict)."""
     offsets, offset = {}, 0
     for name, dtype, shape in regions:
         if name not in _TABLES or name == _TABLES[0]:
@@ -803,22 +806,33 @@ def _region_offsets(regions) -> tuple[dict[str, int], int]:
     return offsets, -(-offset // 16) * 16
 
 
+@functools.lru_cache(maxsize=256)
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, stride = [], 1
+    for size in reversed(shape):
+        strides.append(stride)
+        stride *= size
+    return tuple(reversed(strides))
+
+
 def _carve(buffer: torch.Tensor, regions) -> dict:
     """Typed views of the saved buffer by region name, plus "tables" (every table, one int32 span) and
     "buffer" itself. Few view ops (the forward and the backward each carve once per step): one view
-    of the buffer per dtype, a slice and a reshape per region, one split for the tables."""
+    of the buffer per dtype, one ``as_strided`` per region, one split for the tables."""
     offsets, total = _region_offsets(regions)
     if buffer.numel() * 4 != total:
         raise ValueError(f"the saved kernel buffer holds {buffer.numel() * 4} bytes; its regions need {total}")
     as_dtype = {torch.float32: buffer}
     views = {"buffer": buffer}
+    base = buffer.storage_offset() * 4  # as_strided offsets count from the storage's start
     for name, dtype, shape in regions:
         if name in _TABLES:
             continue
         if dtype not in as_dtype:
             as_dtype[dtype] = buffer.view(dtype)
-        start = offsets[name] // dtype.itemsize  # regions start 16-byte aligned
-        views[name] = as_dtype[dtype][start:start + math.prod(shape)].view(shape)
+        # one as_strided per region (regions start 16-byte aligned) instead of a slice and a view
+        views[name] = as_dtype[dtype].as_strided(shape, _contiguous_strides(shape),
+                                                 (base + offsets[name]) // dtype.itemsize)
     table_sizes = [math.prod(shape) for name, _, shape in regions if name in _TABLES]
     first = offsets[_TABLES[0]] // 4
     views["tables"] = buffer.view(torch.int32)[first:first + sum(table_sizes)]

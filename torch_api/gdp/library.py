@@ -22,7 +22,9 @@ name), the chunk prep results and the work layout's tables (size from the shapes
 ``saved_buffer_shape``), or an empty [0] for a backend that saves none. The forward
 returns them so that autograd saves them, and the backward rebuilds the context from them and the
 inputs. ``TorchGDPBackend`` and ``CuTeDSLGatedDeltaProductCPBackend`` (either backward) go through
-these ops; any other backend keeps the eager ``autograd.Function`` path (``has_op_layout``).
+these ops under ``torch.compile``; any other backend (``has_op_layout``), and every backend in eager
+mode for the one-device op (less host time per step, the same numbers: ``torch_api.gdp.ops._run``),
+takes the eager ``autograd.Function`` path.
 
 The CP ops run their all-gather inside (the fake kernels need none). ``rank_range`` int [2] =
 (preceding_rank_start, following_rank_stop) lives on the device: summaries of ranks outside the
@@ -315,15 +317,24 @@ def gdp_cp_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     summaries travel as NaN; the last output, incoming_bad [B or 1, H], says which heads of the
     incoming state were poisoned), or an empty [0] without (incoming_bad is then [0] too).
     save_for_backward False (no gradient will be asked for): segment_states may come back empty."""
-    from torch_api.gdp.isolation import incoming_bad_and_clean, poison_summary
-
-    impl, group = _backend(backend), _group(group_name)
-    rank = dist.get_rank(group)
     inputs = _inputs(q, k, v, g, beta, cu_seqlens, scale, num_householder, use_qk_l2norm_in_kernel,
                      save_for_backward=save_for_backward)
-    range_ = rank_range.to(q.device)
+    output, saved, incoming_bad = cp_forward(_backend(backend), _group(group_name), inputs, rank_range, trailing_bad)
+    return _unaliased((_fresh(output), *_saved_extras(saved), _fresh(incoming_bad)),
+                      (q, k, v, g, beta, cu_seqlens, rank_range, trailing_bad))
+
+
+def cp_forward(impl, group: dist.ProcessGroup, inputs: GDPInputs, rank_range: torch.Tensor,
+               trailing_bad: torch.Tensor) -> tuple[torch.Tensor, CPSavedContext, torch.Tensor]:
+    """The body of ``gdp_cp_forward`` (also the eager path, ``torch_api.gdp.cp.run_cp_op``): prepare,
+    the all-gather of the summaries (ranks outside ``rank_range`` as the identity), apply ->
+    (o, the backend's saved context, incoming_bad)."""
+    from torch_api.gdp.isolation import incoming_bad_and_clean, poison_summary
+
+    rank = dist.get_rank(group)
+    range_ = rank_range.to(inputs.q.device)
     contain = trailing_bad.numel() > 0
-    with float32_region(q.device):
+    with float32_region(inputs.q.device):
         summary, local = impl.cp_forward_prepare(inputs)
         if contain:
             summary = poison_summary(summary, trailing_bad)
@@ -333,8 +344,7 @@ def gdp_cp_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         if contain:
             incoming_bad, preceding = incoming_bad_and_clean(preceding)
         output, saved = impl.cp_forward_apply(local, preceding)
-    return _unaliased((_fresh(output), *_saved_extras(saved), _fresh(incoming_bad)),
-                      (q, k, v, g, beta, cu_seqlens, rank_range, trailing_bad))
+    return output, saved, incoming_bad
 
 
 @gdp_cp_forward.register_fake
@@ -355,18 +365,24 @@ def gdp_cp_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                     incoming: torch.Tensor, transition: torch.Tensor, segment_states: torch.Tensor, scale: float,
                     num_householder: int, use_qk_l2norm_in_kernel: bool, backend: str, group_name: str
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    impl, group = _backend(backend), _group(group_name)
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
     inputs = _inputs(q, k, v, g, beta, cu_seqlens, scale, num_householder, use_qk_l2norm_in_kernel)
     saved = _saved_context(inputs, incoming, transition, segment_states)
-    range_ = rank_range.to(q.device)
-    with float32_region(q.device), _autograd_inside():
+    with _autograd_inside():
+        grads = cp_backward(_backend(backend), _group(group_name), do, saved, rank_range)
+    return _unaliased(_grads(grads, q, k, v, g, beta),
+                      (do, q, k, v, g, beta, cu_seqlens, rank_range, incoming, transition, segment_states))
+
+
+def cp_backward(impl, group: dist.ProcessGroup, do: torch.Tensor, saved: CPSavedContext, rank_range: torch.Tensor):
+    """The body of ``gdp_cp_backward`` (also the eager path): prepare, the all-gather of the backward
+    summaries (ranks outside ``rank_range`` as the identity), apply -> the backend's input gradients."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    range_ = rank_range.to(do.device)
+    with float32_region(do.device):
         summary, context = impl.cp_backward_prepare(do, saved)
         gathered = _gather(_packed(summary), group)
         following = _masked_stack(gathered, rank + 1, world, rank + 1, range_[1])
-        grads = impl.cp_backward_apply(context, following)
-    return _unaliased(_grads(grads, q, k, v, g, beta),
-                      (do, q, k, v, g, beta, cu_seqlens, rank_range, incoming, transition, segment_states))
+        return impl.cp_backward_apply(context, following)
 
 
 @gdp_cp_backward.register_fake
@@ -394,4 +410,5 @@ def _cp_autograd(ctx, do, _d_incoming, _d_transition, _d_segment_states, _d_inco
 gdp_cp_forward.register_autograd(_cp_autograd, setup_context=_setup_cp)
 
 
-__all__ = ["backend_name", "register_backend", "gdp_backward", "gdp_cp_backward", "gdp_cp_forward", "gdp_forward", "has_op_layout"]
+__all__ = ["backend_name", "cp_backward", "cp_forward", "gdp_backward", "gdp_cp_backward", "gdp_cp_forward", "gdp_forward",
+           "has_op_layout", "register_backend"]

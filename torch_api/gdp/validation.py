@@ -67,8 +67,55 @@ def gdp_input_error(q, k, v, g, beta, *, num_householder, scale, cu_seqlens=None
 
 
 def gdp_value_flags(q, k, v, g, beta) -> torch.Tensor:
-    """bool [7] on the inputs' device, in ``cp_linear.validation.GDP_VALUE_CHECKS`` order (no host read)."""
+    """bool [7] on the inputs' device, in ``cp_linear.validation.GDP_VALUE_CHECKS`` order (no host read).
+
+    One kernel launch (``cp_linear.kernels.value_checks``) where ``_kernel_checks_available``, else
+    five torch reductions and the comparisons on their bounds (~19 operations)."""
+    if _kernel_checks_available(q, k, v, g, beta):
+        return _kernel_value_flags(q, k, v, g, beta)
     return gdp_value_flag_array(q, k, v, g, beta, extrema=torch.aminmax)
+
+
+_INT32_ELEMENTS = 2**31  # the kernel indexes its 1-D views with int32
+
+
+def _kernel_checks_available(q, k, v, g, beta) -> bool:
+    """The value-checks kernel takes these tensors: q / k / v of one kernel dtype on a device that runs
+    the kernels (``_kernel_platform_ready``), every tensor there, contiguous, 16-byte aligned (the kernel
+    reads 16-byte vectors; a view into a larger tensor may not be), non-empty and indexable with int32."""
+    from cp_linear.kernel_support import KERNEL_DTYPES
+
+    if not q.dtype == k.dtype == v.dtype or str(q.dtype).removeprefix("torch.") not in KERNEL_DTYPES:
+        return False
+    if not _kernel_platform_ready(q.device):
+        return False
+    return all(x.device == q.device and x.is_contiguous() and 0 < x.numel() < _INT32_ELEMENTS
+               and x.data_ptr() % 16 == 0 for x in (q, k, v, g, beta))
+
+
+def _kernel_platform_ready(device: torch.device) -> bool:
+    """A CUDA device the kernels run on (the kernel backend's platform check: Hopper, the DSL installed),
+    and no ``torch.compile`` tracing (the launch is no traceable op)."""
+    if device.type != "cuda":
+        return False
+    from torch_api.gdp import cutedsl
+
+    return not cutedsl._compiling() and cutedsl.kernel_platform_reason(device) is None
+
+
+def _kernel_value_flags(q, k, v, g, beta) -> torch.Tensor:
+    """The checks in one launch: the kernel ORs 1 into a zeroed int32 [7] at every failed check."""
+    from cp_linear.kernels import configs as kcfg
+    from cp_linear.kernels import launch as kl
+    from torch_api.gdp import cutedsl
+
+    flags = torch.zeros(7, dtype=torch.int32, device=q.device)
+    config = kcfg.ValueChecksConfig(str(q.dtype).removeprefix("torch."))
+    # float32 g / beta as they are (.float() returns the tensor itself), others as a float32 copy; detached,
+    # as DLPack exports no tensor that requires grad
+    flat = [x.detach().view(-1) for x in (q, k, v, g.float(), beta.float())]
+    kl.ValueChecksLaunch.of(config, *flat, flags, sm_count=cutedsl._sm_count(q.device)).run()
+    return flags != 0
 
 
 def initial_state_error(initial_state, sequences: int, q, v, *, rows: str = "") -> str | None:
