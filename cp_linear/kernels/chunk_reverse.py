@@ -32,12 +32,17 @@ from cutlass import Float32, Int32
 from cp_linear.kernels import _mma
 from cp_linear.kernels._common import cutlass_dtype
 from cp_linear.kernels.chunk_scan import _scaled_as_a, staged_tile
-from cp_linear.kernels.configs import CHUNK_SIZE, ChunkGammaConfig, ChunkReverseConfig, ChunkReverseScanConfig
+from cp_linear.kernels.configs import (
+    CHUNK_SIZE,
+    FORWARD_TRANSITION_FLAG,
+    SUMMARY_FLAG,
+    ChunkGammaConfig,
+    ChunkReverseConfig,
+    ChunkReverseScanConfig,
+)
 
 C = CHUNK_SIZE
 STAGES = 2
-SUMMARY_FLAG = 1
-FORWARD_TRANSITION_FLAG = 2  # launch.FORWARD_TRANSITION_FLAG: the transition rows come from the forward
 
 
 @cute.jit

@@ -39,11 +39,10 @@ from cutlass import Float32, Int32
 
 from cp_linear.kernels import _mma
 from cp_linear.kernels._common import cutlass_dtype
-from cp_linear.kernels.configs import CHUNK_SIZE, ChunkScanConfig
+from cp_linear.kernels.configs import CHUNK_SIZE, SUMMARY_FLAG, ChunkScanConfig
 
 C = CHUNK_SIZE
 STAGES = 2
-SUMMARY_FLAG = 1
 
 
 def _scaled_as_a(acc: cute.Tensor, scale_of, dtype) -> cute.Tensor:

@@ -19,6 +19,15 @@ def _check_head_dim(name: str, value: int) -> None:
         raise ValueError(f"{name} must be one of {HEAD_DIMS}; received {value}")
 
 
+# Constants that both the kernels and the host code use live here: this module is part of the prebuilt
+# library's source hash (cache._source_hash) and launch.py is not, so a changed value rebuilds the kernels.
+SUMMARY_FLAG = 1  # seg_flags / seg_grad_flags bit 0: build this segment's (backward) summary
+# seg_grad_flags bit 1: the forward summarised this segment too; its backward transition rows M_b are
+# the forward's transition rows transposed (kept by the forward), so ChunkGamma skips them
+FORWARD_TRANSITION_FLAG = 2
+VALUE_CHECKS_THREADS = 256  # threads per value-checks CTA
+VALUE_CHECKS_UNROLL = 4  # 16-byte vectors a thread loads per grid-stride step, all in flight before any is tested
+
 TENSOR_CORE_DTYPES = ("bfloat16", "float16")
 QUERY_TILES = (32, 64)
 SCAN_MODES = ("summary", "output", "states", "output_states")

@@ -31,10 +31,8 @@ from typing import Any, ClassVar
 
 from cp_linear.kernels import configs as cfg
 
-SUMMARY_FLAG = 1  # forward_layout writes flag words as int32 bools: this must stay bit 0
-# seg_grad_flags bit 1: the forward summarised this segment too; its backward transition rows M_b are
-# the forward's transition rows transposed (kept by the forward), so ChunkGamma skips them
-FORWARD_TRANSITION_FLAG = 2
+SUMMARY_FLAG = cfg.SUMMARY_FLAG  # forward_layout writes flag words as int32 bools: this must stay bit 0
+FORWARD_TRANSITION_FLAG = cfg.FORWARD_TRANSITION_FLAG
 # SegmentFoldLaunch.write_final: which sequences write their final rows (the trailing ones: the last
 # sequence with segments and the empty ones after it, whose index may be data)
 FINAL_NONE, FINAL_EVERY, FINAL_TRAILING = 0, 1, 2
@@ -597,8 +595,7 @@ def forward_layout(cu_seqlens, *, total_tokens: int, num_householder: int, heads
 
 # ---------------------------------------------------------------------------------------------- value checks
 
-VALUE_CHECKS_THREADS = 256  # threads per value-checks CTA
-VALUE_CHECKS_UNROLL = 4  # 16-byte vectors a thread loads per grid-stride step, all in flight before any is tested
+VALUE_CHECKS_THREADS, VALUE_CHECKS_UNROLL = cfg.VALUE_CHECKS_THREADS, cfg.VALUE_CHECKS_UNROLL
 # CTAs per SM for the largest tensor: q, k and v (about as large) each get that many, ~6 CTAs of 256
 # threads per SM in all, one wave with 4 x 16 bytes in flight per thread
 VALUE_CHECKS_CTAS_PER_SM = 2

@@ -21,9 +21,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32
 
+from cp_linear.kernels.configs import VALUE_CHECKS_THREADS as THREADS
+from cp_linear.kernels.configs import VALUE_CHECKS_UNROLL as UNROLL
 from cp_linear.kernels.configs import ValueChecksConfig
-from cp_linear.kernels.launch import VALUE_CHECKS_THREADS as THREADS
-from cp_linear.kernels.launch import VALUE_CHECKS_UNROLL as UNROLL
 from cp_linear.validation import BETA_MAX
 
 WARPS = THREADS // 32
