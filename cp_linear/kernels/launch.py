@@ -599,7 +599,6 @@ VALUE_CHECKS_THREADS, VALUE_CHECKS_UNROLL = cfg.VALUE_CHECKS_THREADS, cfg.VALUE_
 # CTAs per SM for the largest tensor: q, k and v (about as large) each get that many, ~6 CTAs of 256
 # threads per SM in all, one wave with 4 x 16 bytes in flight per thread
 VALUE_CHECKS_CTAS_PER_SM = 2
-_VALUE_CHECKS_BYTES = (2, 2, 2, 4, 4)  # bytes per element of q, k, v (bf16 / fp16), g and beta (float32)
 
 
 @dataclass
@@ -623,7 +622,7 @@ class ValueChecksLaunch(_Launch):
     def of(cls, config, q, k, v, g, beta, flags, *, sm_count: int) -> ValueChecksLaunch:
         """The launch with ``blocks`` from the sizes (host ints): enough CTAs that each thread of the
         largest tensor's CTAs takes at least one step, at most ``VALUE_CHECKS_CTAS_PER_SM`` per SM."""
-        largest = max(math.prod(x.shape) * width for x, width in zip((q, k, v, g, beta), _VALUE_CHECKS_BYTES))
+        largest = max(math.prod(x.shape) * x.dtype.itemsize for x in (q, k, v, g, beta))
         step_bytes = VALUE_CHECKS_THREADS * VALUE_CHECKS_UNROLL * 16
         blocks = max(1, min(VALUE_CHECKS_CTAS_PER_SM * sm_count, -(-largest // step_bytes)))
         return cls(config, q, k, v, g, beta, flags, blocks)

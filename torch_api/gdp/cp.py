@@ -389,13 +389,11 @@ class _EagerCPOp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, output_grad, _incoming_bad_grad):
-        from torch_api.gdp.library import cp_backward
+        from torch_api.gdp.library import cp_backward, output_grad_or_zeros
 
         saved = CPSavedContext(tuple(ctx.saved_tensors), ctx.saved_metadata)
-        q, v = saved.tensors[0], saved.tensors[2]
-        if output_grad is None:  # every rank runs the backward's collectives, with or without a gradient
-            output_grad = torch.zeros((*q.shape[:3], v.shape[-1]), dtype=q.dtype, device=q.device)
-        grads = cp_backward(ctx.backend, ctx.group, output_grad.contiguous(), saved, ctx.rank_range)
+        output_grad = output_grad_or_zeros(output_grad, saved.tensors[0], saved.tensors[2])  # q, v
+        grads = cp_backward(ctx.backend, ctx.group, output_grad, saved, ctx.rank_range)
         cast = [x if x.dtype == dtype else x.to(dtype) for x, dtype in
                 zip((grads.dq, grads.dk, grads.dv, grads.dg, grads.dbeta), ctx.input_dtypes)]
         return (None, None, None, None, None, *cast)

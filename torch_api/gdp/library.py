@@ -398,12 +398,18 @@ def _setup_cp(ctx, inputs, output):
     ctx.options = (scale, num_householder, l2norm, backend, group_name)
 
 
+def output_grad_or_zeros(do: torch.Tensor | None, q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The CP backward's contiguous output gradient; zeros without one: every rank runs the backward's
+    collectives, with or without a gradient (the custom op's autograd and the eager path)."""
+    if do is None:
+        return torch.zeros((*q.shape[:3], v.shape[-1]), dtype=q.dtype, device=q.device)
+    return do.contiguous()
+
+
 def _cp_autograd(ctx, do, _d_incoming, _d_transition, _d_segment_states, _d_incoming_bad):
     q, k, v, g, beta, cu_seqlens, rank_range, incoming, transition, segment_states = ctx.saved_tensors
-    if do is None:
-        do = torch.zeros((*q.shape[:3], v.shape[-1]), dtype=q.dtype, device=q.device)
-    grads = gdp_cp_backward(do.contiguous(), q, k, v, g, beta, cu_seqlens, rank_range, incoming, transition,
-                            segment_states, *ctx.options)
+    grads = gdp_cp_backward(output_grad_or_zeros(do, q, v), q, k, v, g, beta, cu_seqlens, rank_range, incoming,
+                            transition, segment_states, *ctx.options)
     return (*grads, None, None, None, None, None, None, None, None, None)
 
 
@@ -411,4 +417,4 @@ gdp_cp_forward.register_autograd(_cp_autograd, setup_context=_setup_cp)
 
 
 __all__ = ["backend_name", "cp_backward", "cp_forward", "gdp_backward", "gdp_cp_backward", "gdp_cp_forward", "gdp_forward",
-           "has_op_layout", "register_backend"]
+           "has_op_layout", "output_grad_or_zeros", "register_backend"]
