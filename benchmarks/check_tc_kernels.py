@@ -97,7 +97,11 @@ class Recorder:
                    "ChunkGamma": ("summaries",),
                    "ChunkReverseScan": ("grad_in", "chunk_grads"),
                    "ChunkReverse": ("dv", "dq_scan", "dk_scan", "d_ta", "d_tb", "d_p", "d_scalars"),
-                   "ChunkPrepBackward": ("dq", "dk", "dg", "dbeta")}[kind]
+                   "ChunkPrepBackward": ("dq", "dk", "dg", "dbeta"), "ValueChecks": ("flags",)}[kind]
+        if kind == "ValueChecks":  # flags: exact
+            differ = not torch.equal(gpu.flags.cpu(), emulated.flags)
+            check(f"{self.tag} ValueChecks flags equal the emulation's", float(differ), 0.0)
+            return
         for name in outputs:
             a, b = getattr(gpu, name), getattr(emulated, name)
             if kind == "ChunkGamma":

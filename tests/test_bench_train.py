@@ -62,3 +62,81 @@ def test_dry_run_prints_and_writes_a_row_per_world_size(tmp_path, gloo_pools, ca
     assert [line.split(" | ")[1] for line in table[header + 1:header + 3]] == ["cp_linear-1gpu", "cp_linear-2gpu"]
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "bench_train.png").stat().st_size > 0
+
+
+def _fla_baseline():
+    _load()  # puts benchmarks/ on the path
+    return importlib.import_module("fla_baseline")
+
+
+def test_fla_row_prints_its_note_and_the_speedup_and_keeps_the_csv_columns(tmp_path, capsys):
+    bench = _load()
+    row = dict(framework="torch", gpus=1, tokens_per_gpu=TOKENS, step_ms=1.0, mfu=0.5, peak_gib=1.0)
+    rows = [dict(row, variant="cp_linear-1gpu", tokens_per_s=3000.0),
+            dict(row, variant="fla-1gpu", tokens_per_s=2000.0, note="guard switched off: timing only")]
+    bench.write(rows, str(tmp_path))
+    with open(tmp_path / "bench_train.csv") as handle:
+        reader = csv.DictReader(handle)
+        assert reader.fieldnames == COLUMNS
+        assert [r["variant"] for r in reader] == ["cp_linear-1gpu", "fla-1gpu"]
+    out = capsys.readouterr().out
+    assert "fla-1gpu: guard switched off: timing only" in out
+    assert "speedup: cp_linear-1gpu / fla-1gpu tokens/s = 1.50x" in out
+    assert bench.speedup(rows[:1]) is None
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # eager, on the CPU
+def test_fla_baseline_attention_matches_ours_on_cpu():
+    """The baseline's flex_attention under the document-causal BlockMask (eager, forward) gives our
+    BlockDiagAttention's output: same projections, RoPE positions and documents."""
+    import numpy as np
+    import torch
+
+    from cp_linear.model_config import DecoderConfig
+    from torch_api.layers import BlockDiagAttention, build_shard_layout
+
+    baseline = _fla_baseline()
+    config = DecoderConfig(**_load().TINY).attention_config()
+    torch.manual_seed(0)
+    ours = BlockDiagAttention(config)
+    ids = np.repeat([1, 2, 3], [13, 40, 22])  # 75 tokens: documents across and inside flex's 128 blocks
+    layout = build_shard_layout(total_len=ids.size, doc_ids=ids)
+    x = torch.randn(1, ids.size, config.hidden_size)
+    with torch.no_grad():  # flex_attention has no CPU backward
+        expected = ours(x, layout=layout)
+        received = baseline.FlexDocAttention(ours)(x, layout=baseline.FlexLayout(layout, torch.device("cpu")))
+    torch.testing.assert_close(received, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_fla_decoder_has_our_parameters_and_weights():
+    """The FLA variant at the tiny size: FLA's GatedDeltaProduct in every GDP block, holding our layer's
+    weights (the strict load in fla_decoder checks names and shapes), and the same parameter count."""
+    pytest.importorskip("fla.layers")  # flash-linear-attention is not a dependency: skipped without it
+    import torch
+    from fla.layers import GatedDeltaProduct as FLAGatedDeltaProduct
+
+    from cp_linear.model_config import DecoderConfig
+    from torch_api.layers import HybridDecoder
+
+    baseline = _fla_baseline()
+    config = DecoderConfig(**_load().TINY)
+    torch.manual_seed(0)
+    ours = HybridDecoder(config)
+    torch.manual_seed(0)
+    fla_model = baseline.fla_decoder(config)
+    count = lambda model: sum(p.numel() for p in model.parameters())  # noqa: E731
+    assert count(fla_model) == count(ours)
+    for index, kind in enumerate(config.layer_types):
+        mixer, our_mixer = fla_model.layers[index].attn, ours.layers[index].attn
+        if kind == "gdp":
+            assert isinstance(mixer.fla, FLAGatedDeltaProduct)
+            received, expected = mixer.fla.state_dict(), our_mixer.state_dict()
+        else:
+            assert isinstance(mixer, baseline.FlexDocAttention)
+            received, expected = mixer.state_dict(), our_mixer.state_dict()
+        assert list(received) == list(expected)
+        for name in expected:
+            torch.testing.assert_close(received[name], expected[name], rtol=0, atol=0)
+    # embedding, norms, MLPs and head are ours, with our initial weights
+    torch.testing.assert_close(fla_model.lm_head.weight, ours.lm_head.weight, rtol=0, atol=0)
+    assert baseline.bypass_fla_hopper_guard() is False  # no Hopper here: nothing to bypass

@@ -222,9 +222,19 @@ def wgmma_tile(allocator, dtype, rows: int, cols: int) -> cute.Tensor:
 def wgmma_tile_at(region: cute.Tensor, byte_offset: int, dtype, rows: int, cols: int) -> cute.Tensor:
     """A [rows, cols] ``wgmma_tile_layout`` tile carved out of the float32 shared ``region`` at
     ``byte_offset`` (a multiple of 1024): tiles that share memory with a later use of the region."""
+    return wgmma_tile_on(region.iterator + byte_offset // 4, dtype, rows, cols)
+
+
+def wgmma_tile_on(pointer, dtype, rows: int, cols: int) -> cute.Tensor:
+    """A [rows, cols] ``wgmma_tile_layout`` tile at the shared ``pointer`` (1024-byte aligned)."""
     layout = wgmma_tile_layout(dtype, rows, cols, 1)
-    pointer = cute.recast_ptr(region.iterator + byte_offset // 4, layout.inner, dtype)
-    return cute.make_tensor(pointer, layout.outer)[None, None, 0]
+    return cute.make_tensor(cute.recast_ptr(pointer, layout.inner, dtype), layout.outer)[None, None, 0]
+
+
+def as_wgmma_tile(tile: cute.Tensor, dtype, rows: int, cols: int) -> cute.Tensor:
+    """A 16-bit ``smem_tile_layout`` tile (1024-byte aligned) as a warpgroup-MMA tile: the same memory, its
+    swizzle on the pointer (the 128-byte swizzle of 16-bit elements is ``smem_tile_layout``'s (3, 3, 3))."""
+    return wgmma_tile_on(tile.iterator, dtype, rows, cols)
 
 
 def wgmma_transposed_view(tile: cute.Tensor, dtype, rows: int, cols: int, stages: int) -> cute.Tensor:
@@ -300,6 +310,20 @@ def wgmma(tiled_mma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor, accumulat
     for k in cutlass.range_constexpr(cute.size(a, mode=[2])):
         tiled_mma.set(warpgroup.Field.ACCUMULATE, accumulate or k != 0)
         cute.gemm(tiled_mma, acc, a[None, None, k], b[None, None, k], acc)
+    warpgroup.commit_group()
+    warpgroup.wait_group(0)
+
+
+def wgmma_sum(acc: cute.Tensor, products, accumulate: bool = True) -> None:
+    """acc (+)= sum of A B^T over ``products`` [(tiled_mma, A, B)] (MMAs of one C layout) on the warpgroup
+    tensor cores: every product issued, one commit, one wait (``accumulate`` False: acc starts at zero)."""
+    from cutlass.cute.nvgpu import warpgroup
+
+    warpgroup.fence()
+    for index, (tiled_mma, a, b) in enumerate(products):
+        for k in range(cute.size(a, mode=[2])):  # trace-time loops (a plain function, not cute.jit)
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, accumulate or index > 0 or k > 0)
+            cute.gemm(tiled_mma, acc, a[None, None, k], b[None, None, k], acc)
     warpgroup.commit_group()
     warpgroup.wait_group(0)
 

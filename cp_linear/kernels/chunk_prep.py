@@ -3,7 +3,8 @@
 One CTA of 4 warps per (chunk, head); chunks are independent, so this kernel fills the GPU at any
 batch size. For a chunk of C <= 64 steps (whole tokens; see ``emulation.py`` for the notation):
 
-* Gram = k k^T and QK = q k^T on ``mma.sync`` (float32 accumulation);
+* Gram = k k^T and QK = q k^T on one warpgroup MMA each (float32 accumulation; the tensor cores read
+  the k and q tiles once, where ``mma.sync`` had every warp load k through ldmatrix);
 * A[i, j] = beta_i f_i f_j exp(G_i - G_j) Gram[i, j] (j < i) and T = (I + A)^-1 in float32,
   blocked (16 x 16 diagonal blocks by substitution, merged 16 -> 32 -> 64 by products);
 * written for the scan: Ta = T diag(exp(G) f beta) and Tb = T diag(beta) (input dtype,
@@ -52,24 +53,23 @@ class ChunkPrepKernel:
                  p: cute.Tensor,  # [C_max, H, NQ, 64] input dtype (out)
                  scalars: cute.Tensor,  # [C_max, H, 4, 64] float32 (out)
                  scale: Float32, use_l2: Int32, num_householder: Int32, stream):
-        tiled_mma = _mma.make_tiled_mma(self.dtype, WARPS)
         g2s = _mma.make_g2s_copy(self.dtype, THREADS)
         self.kernel(q, k, g, beta, chunk_first_step, chunk_steps, num_chunks, ta, tb, p, scalars, scale, use_l2,
-                    num_householder, tiled_mma, g2s).launch(grid=(chunk_first_step.shape[0], k.shape[1], 1),
+                    num_householder, g2s).launch(grid=(chunk_first_step.shape[0], k.shape[1], 1),
                                            block=(THREADS, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, q: cute.Tensor, k: cute.Tensor, g: cute.Tensor, beta: cute.Tensor,
                chunk_first_step: cute.Tensor, chunk_steps: cute.Tensor, num_chunks: cute.Tensor,
                ta: cute.Tensor, tb: cute.Tensor, p: cute.Tensor, scalars: cute.Tensor,
-               scale: Float32, use_l2: Int32, num_householder: Int32, tiled_mma: cute.TiledMma,
-               g2s: cute.TiledCopy):
+               scale: Float32, use_l2: Int32, num_householder: Int32, g2s: cute.TiledCopy):
         K, NH, NQ = self.key_dim, num_householder, self.query_tile
         tidx, _, _ = cute.arch.thread_idx()
         chunk, head, _ = cute.arch.block_idx()
         allocator = cutlass.utils.SmemAllocator()
-        s_k = allocator.allocate_tensor(self.dtype, _mma.smem_tile_layout(C, K), 128)
-        s_q = allocator.allocate_tensor(self.dtype, _mma.smem_tile_layout(C, K), 128)
+        # 1024-byte aligned: read by warpgroup MMAs (``_mma.as_wgmma_tile``)
+        s_k = allocator.allocate_tensor(self.dtype, _mma.smem_tile_layout(C, K), 1024)
+        s_q = allocator.allocate_tensor(self.dtype, _mma.smem_tile_layout(C, K), 1024)
         s_a = allocator.allocate_tensor(Float32, cute.make_layout((C, C), stride=(A_PITCH, 1)), 16)
         # T overlays the k and q tiles (dead once A and P are formed) where they are large enough:
         # 51 KB per CTA at K = 128, four CTAs per SM
@@ -92,18 +92,18 @@ class ChunkPrepKernel:
                                            s_beta, K)
             chunk_common.gate_cumsum(tidx, s_gate)
             chunk_common.row_norms(tidx, s_k, s_q, s_f, s_fq, steps, tokens, use_l2, K)
+            cute.arch.fence_view_async_shared()  # cp.async data -> the warpgroup MMAs' reads
             cute.arch.sync_threads()
 
-            thr_mma = tiled_mma.get_slice(tidx)
+            by_key = _mma.make_wgmma(self.dtype, 1, C, a_from_smem=True)
+            thr_mma = by_key.get_slice(tidx)
             coords = thr_mma.partition_C(cute.make_identity_tensor((C, C)))
-            k_as_a = _mma.SmemOperand(tiled_mma, tidx, s_k, self.dtype, operand="A", transpose=False)
-            q_as_a = _mma.SmemOperand(tiled_mma, tidx, s_q, self.dtype, operand="A", transpose=False)
-            k_as_b = _mma.SmemOperand(tiled_mma, tidx, s_k, self.dtype, operand="B", transpose=False)
+            keys = _mma.as_wgmma_tile(s_k, self.dtype, C, K)
+            k_as_b = _mma.wgmma_operand(thr_mma, keys, "B")
 
             # A = strictly lower beta_i f_i f_j exp(G_i - G_j) (k_i . k_j), float32 in shared memory.
-            gram = cute.make_rmem_tensor(thr_mma.partition_shape_C((C, C)), Float32)
-            gram.fill(0.0)
-            _mma.gemm_smem_ab(tiled_mma, gram, k_as_a, k_as_b)
+            gram = thr_mma.make_fragment_C(thr_mma.partition_shape_C((C, C)))
+            _mma.wgmma(by_key, gram, _mma.wgmma_operand(thr_mma, keys, "A"), k_as_b, False)
             for e in cutlass.range_constexpr(cute.size(gram)):
                 i, j = coords[e]
                 value = Float32(0.0)
@@ -112,9 +112,9 @@ class ChunkPrepKernel:
                 s_a[i, j] = value
 
             # P = scale fq_t f_j exp(G_{i_t} - G_j) (q_t . k_j) for j <= i_t (i_t: token t's last step).
-            qk = cute.make_rmem_tensor(thr_mma.partition_shape_C((C, C)), Float32)
-            qk.fill(0.0)
-            _mma.gemm_smem_ab(tiled_mma, qk, q_as_a, k_as_b)
+            qk = thr_mma.make_fragment_C(thr_mma.partition_shape_C((C, C)))
+            _mma.wgmma(by_key, qk, _mma.wgmma_operand(thr_mma, _mma.as_wgmma_tile(s_q, self.dtype, C, K), "A"), k_as_b,
+                       False)
             for e in cutlass.range_constexpr(cute.size(qk)):
                 t, j = coords[e]
                 if t < NQ:

@@ -2,7 +2,7 @@
 
 From the gradients of the prep outputs (``chunk_reverse`` wrote them: dTa, dTb [64, 64], dP
 [NQ, 64], and db, dc, dd) it recomputes the chunk's forward quantities (G, f, fq, Gram = k k^T and
-QK = q k^T on ``mma.sync``, A, T = (I + A)^-1) and runs ``backward_algorithm.prep_backward``:
+QK = q k^T, A, T = (I + A)^-1) and runs ``backward_algorithm.prep_backward``:
 
     dT = dTa diag(a) + dTb diag(beta)      da = colsum(dTa * T)      dA = -T^T dT T^T (strictly lower)
     A_ij = beta_i f_i f_j E_ij Gram_ij  ->  dbeta, df, dG and dGram;  dk += (dGram + dGram^T) k
@@ -11,16 +11,21 @@ QK = q k^T on ``mma.sync``, A, T = (I + A)^-1) and runs ``backward_algorithm.pre
     G = cumsum(gates)                   ->  dg = reverse cumsum of dG at each token's first step
     f = (|k|^2 + eps)^-1/2              ->  dk -= df f^3 k (and dq likewise), with l2norm
 
-and adds the scan's parts of dq and dk. The 64 x 64 squares and the 64 x K products of dq and dk run
-on bf16 tensor cores with float32 operands split into bf16 halves (``_mma.gemm_f32_split`` and
-``gemm_f32_by_16bit``: relative error ~2^-16, deterministic); dTa, dTb and dP are staged in shared
+and adds the scan's parts of dq and dk. The products take float32 operands split into bf16 halves
+(big + small: relative error ~2^-16, deterministic). With bf16 inputs they run on warpgroup MMAs:
+the float32 squares are split once into bf16 tiles in the 128-byte swizzle (in squares free at that
+point), the k and q tiles are read where they are (``smem_tile_layout`` is that swizzle), and the
+two warpgroups split the work (Gram and QK: 32 columns each; step 3's squares: 32 columns each;
+step 7: dk on warpgroup 0, dq on warpgroup 1). This took the kernel from 2.09 to 1.57 ms at 32k
+tokens (the mma.sync products loaded every operand per warp, A from float32 shared memory, and split
+it per k-slice). With fp16 inputs they run on ``mma.sync`` (``_mma.gemm_f32_split`` and
+``gemm_f32_by_16bit``; fp16 keys and queries are split too). dTa, dTb and dP are staged in shared
 memory by 16-byte ``cp.async`` (the first two while the inverse runs), so no loop waits on a global
 load. Code that runs once per CTA is kept short (rolled loops): the kernel was instruction-fetch bound.
-Eight warps (two CTAs per SM at <= 128 registers): the products split their columns over warp pairs,
-and the per-row / per-column loops of steps 4 and 5 split their terms over two threads. Measured no
-faster than four warps (ncu: L1 near 80 %), kept for its fewer registers. Timing the kernel with one
-phase removed at a time shows no phase above 0.2 ms at 32k tokens but the dq/dk products: the cost is a
-chain of short phases between barriers, so removing work pays, reordering does not (benchmarks/NOTES.md).
+Eight warps (two CTAs per SM at <= 128 registers): the per-row / per-column loops of steps 4 and 5
+split their terms over two threads. Timing the kernel with one phase removed at a time showed no
+phase above 0.2 ms at 32k tokens but the dq/dk products: the cost is a chain of short phases between
+barriers, so removing work pays, reordering does not (benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from cp_linear.kernels.configs import CHUNK_SIZE, ChunkPrepBackwardConfig
 C = CHUNK_SIZE
 WARPS = 8
 THREADS = 32 * WARPS
+WARPGROUP = 128
 PITCH = C + 4
 
 
@@ -69,9 +75,10 @@ class ChunkPrepBackwardKernel:
         g2s = _mma.make_g2s_copy(self.dtype, THREADS)
         g2s_f32 = _mma.make_g2s_copy(Float32, THREADS)
         s2g = _mma.make_s2g_copy(self.dtype, THREADS, self.key_dim)
+        s2g_warpgroup = _mma.make_s2g_copy(self.dtype, WARPGROUP, self.key_dim)
         self.kernel(q, k, g, beta, chunk_first_step, chunk_steps, num_chunks, d_ta, d_tb, d_p, d_scalars, dq_scan,
                     dk_scan, dq, dk, dg, dbeta, scale, use_l2, num_householder, tiled_mma, split_mma, g2s,
-                    g2s_f32, s2g).launch(
+                    g2s_f32, s2g, s2g_warpgroup).launch(
             grid=(chunk_first_step.shape[0], k.shape[1], 1), block=(THREADS, 1, 1), stream=stream)
 
     @cute.kernel
@@ -81,17 +88,20 @@ class ChunkPrepBackwardKernel:
                dq_scan: cute.Tensor, dk_scan: cute.Tensor, dq: cute.Tensor, dk: cute.Tensor, dg: cute.Tensor,
                dbeta: cute.Tensor, scale: Float32, use_l2: Int32, num_householder: Int32,
                tiled_mma: cute.TiledMma, split_mma: cute.TiledMma, g2s: cute.TiledCopy, g2s_f32: cute.TiledCopy,
-               s2g: cute.TiledCopy):
+               s2g: cute.TiledCopy, s2g_warpgroup: cute.TiledCopy):
         K, NQ, NH = self.key_dim, self.query_tile, num_householder
         tidx, _, _ = cute.arch.thread_idx()
         chunk, head, _ = cute.arch.block_idx()
         allocator = cutlass.utils.SmemAllocator()
-        s_k = allocator.allocate_tensor(self.dtype, _mma.smem_tile_layout(C, K), 128)
-        s_q = allocator.allocate_tensor(self.dtype, _mma.smem_tile_layout(C, K), 128)
+        # 1024-byte aligned: the tiles (and the squares' bf16 halves in step 7) are read by warpgroup MMAs
+        s_k = allocator.allocate_tensor(self.dtype, _mma.smem_tile_layout(C, K), 1024)
+        s_q = allocator.allocate_tensor(self.dtype, _mma.smem_tile_layout(C, K), 1024)
         square_layout = cute.make_layout((C, C), stride=(PITCH, 1))
-        square = lambda: allocator.allocate_tensor(Float32, square_layout, 16)  # noqa: E731
+        square = lambda: allocator.allocate_tensor(Float32, square_layout, 1024)  # noqa: E731
         # four float32 squares, reused phase by phase (Gram and QK are recomputed where needed), so that
-        # two CTAs share an SM: A -> dQK, T -> Gram -> QK, dTb -> dT -> dA -> dP, dTa -> M1 -> dGram
+        # two CTAs share an SM. fp16: A -> dQK, T -> Gram -> QK, dTb -> dT -> dA -> dP, dTa -> M1 -> dGram;
+        # bf16: A -> T's halves -> Gram -> dQK, T -> dA -> QK -> dQK's halves, dTb -> dT -> M1's halves ->
+        # dP -> dGram's halves, dTa -> dT's halves -> dGram -> dk's staging (dq's: s_a)
         s_a, s_t, s_work, s_m1 = square(), square(), square(), square()
         s_gate, s_beta, s_f, s_fq = (smem_vector(allocator, C) for _ in range(4))
         # partial gradients by step (j) or token (t), each entry written by one thread
@@ -121,11 +131,12 @@ class ChunkPrepBackwardKernel:
                 s_scalars[flat // C, flat % C] = d_scalars[chunk, head, flat // C, flat % C]
             chunk_common.gate_cumsum(tidx, s_gate)
             chunk_common.row_norms(tidx, s_k, s_q, s_f, s_fq, steps, tokens, use_l2, K, THREADS)
+            cute.arch.fence_view_async_shared()  # cp.async data -> the warpgroup MMAs' reads (bf16)
             cute.arch.sync_threads()
 
             # 1. A = strictly lower beta_i f_i f_j E_ij Gram_ij (Gram = k k^T, then scaled in place by a rolled
             #    loop: this code runs once per CTA, so short code matters more than registers); T = (I + A)^-1
-            self.store_raw_product(tiled_mma, tidx, s_k, s_k, s_a)
+            self.raw_product(tiled_mma, tidx, s_k, s_k, s_a)
             cute.arch.sync_threads()
             for n in cutlass.range(C * C // THREADS, unroll=2):
                 flat = tidx + n * THREADS
@@ -166,12 +177,17 @@ class ChunkPrepBackwardKernel:
                 s_dg[j] = da * a_j
             cute.arch.sync_threads()
 
-            # 3. dA = -T^T dT T^T (its strictly lower part is read): M1 = T^T dT, then dA = -M1 T^T into s_work
-            square_product(tidx, split_mma, float_transposed(s_t), float_transposed(s_work), s_m1, False)
+            # 3. dA = -T^T dT T^T (its strictly lower part is read): M1 = T^T dT, then dA = -M1 T^T; Gram again
+            if cutlass.const_expr(self.inputs_bf16):
+                s_da, s_gram = s_t, s_a
+                self.square_products_wgmma(tidx, s_t, s_work, s_a, s_m1, s_da)
+            else:
+                s_da, s_gram = s_work, s_t
+                square_product(tidx, split_mma, float_transposed(s_t), float_transposed(s_work), s_m1, False)
+                cute.arch.sync_threads()
+                square_product(tidx, split_mma, s_m1, s_t, s_da, True)
             cute.arch.sync_threads()
-            square_product(tidx, split_mma, s_m1, s_t, s_work, True)
-            cute.arch.sync_threads()
-            self.store_raw_product(tiled_mma, tidx, s_k, s_k, s_t)  # Gram (T is consumed)
+            self.raw_product(tiled_mma, tidx, s_k, s_k, s_gram)  # (T is consumed)
             cute.arch.sync_threads()
 
             # 4. through A: rows (threads 0-63) and columns (64-127) of S = dA E Gram, half the terms each;
@@ -188,8 +204,8 @@ class ChunkPrepBackwardKernel:
                 for jj in cutlass.range(C // 2, unroll=4):
                     j = (C // 2) * parity + (jj + line) % (C // 2)  # rotated: lanes hit distinct banks
                     if j < line:
-                        weighted = s_work[line, j] * cute.math.exp(s_gate[line] - s_gate[j]) * s_f[j]
-                        sum_s = sum_s + weighted * s_t[line, j]
+                        weighted = s_da[line, j] * cute.math.exp(s_gate[line] - s_gate[j]) * s_f[j]
+                        sum_s = sum_s + weighted * s_gram[line, j]
                         grad_gram = weighted * row_scale
                         s_m1[line, j] = grad_gram
                         s_m1[j, line] = grad_gram
@@ -201,8 +217,8 @@ class ChunkPrepBackwardKernel:
                 for ii in cutlass.range(C // 2, unroll=4):
                     i = 2 * ii + parity
                     if i > line:
-                        grad_a = s_work[i, line]
-                        s_ij = grad_a * cute.math.exp(s_gate[i] - s_gate[line]) * s_t[i, line]
+                        grad_a = s_da[i, line]
+                        s_ij = grad_a * cute.math.exp(s_gate[i] - s_gate[line]) * s_gram[i, line]
                         sum_s = sum_s + s_ij * s_beta[i] * s_f[i]
                 if parity == 0:
                     s_col_s[line] = sum_s
@@ -219,7 +235,7 @@ class ChunkPrepBackwardKernel:
             _mma.copy_rows_g2s(g2s_f32, tidx, d_p[chunk, head, None, None], cute.local_tile(s_work, (NQ, C), (0, 0)),
                                NQ)
             cute.arch.cp_async_commit_group()
-            self.store_raw_product(tiled_mma, tidx, s_q, s_k, s_t)
+            self.raw_product(tiled_mma, tidx, s_q, s_k, s_t)
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
             row_threads = THREADS // NQ
@@ -254,12 +270,23 @@ class ChunkPrepBackwardKernel:
             s_p_parts[quarter, j] = p_part
             cute.arch.sync_threads()
 
-            # dk's accumulator starts as the scan's part: its global loads are issued here and waited for in
-            # dk's product, so steps 6 and 7's first loop run under their latency
-            out_thr = split_mma.get_slice(tidx)
-            out_coords = out_thr.partition_C(cute.make_identity_tensor((C, K)))
-            dk_acc = cute.make_rmem_tensor(out_thr.partition_shape_C((C, K)), Float32)
-            load_rows(dk_acc, out_coords, dk_scan, first, steps, head)
+            # the products' accumulators start as the scan's parts: their global loads are issued here and waited
+            # for in the products, so steps 6 and 7's first loops run under their latency. bf16: warpgroup 0
+            # accumulates dk, warpgroup 1 dq on warpgroup MMAs; fp16: every warp dk, then dq, on mma.sync
+            if cutlass.const_expr(self.inputs_bf16):
+                wg_mma = _mma.make_wgmma(self.dtype, 1, K, a_from_smem=True, b_mn_major=True)
+                wg_thr = wg_mma.get_slice(tidx % WARPGROUP)
+                out_coords = wg_thr.partition_C(cute.make_identity_tensor((C, K)))
+                acc = wg_thr.make_fragment_C(wg_thr.partition_shape_C((C, K)))
+                if tidx < WARPGROUP:
+                    load_rows(acc, out_coords, dk_scan, first, steps, head)
+                else:
+                    load_rows(acc, out_coords, dq_scan, first_token, tokens, head)
+            else:
+                out_thr = split_mma.get_slice(tidx)
+                out_coords = out_thr.partition_C(cute.make_identity_tensor((C, K)))
+                acc = cute.make_rmem_tensor(out_thr.partition_shape_C((C, K)), Float32)
+                load_rows(acc, out_coords, dk_scan, first, steps, head)
 
             # 6. assemble df, dbeta, dG per step and dfq per token; dg = reverse cumsum of dG
             gate_last = s_gate[last_step]
@@ -303,42 +330,166 @@ class ChunkPrepBackwardKernel:
                     if j % NH == 0:
                         dg[first_token + j // NH, head] = s_dg[j]
 
-            # 7. dk = dk_scan + (dGram + dGram^T - diag(df f^3)) k + dQK^T q;  dq = dq_scan + dQK k - diag(dfq fq^3) q:
-            #    the l2norm terms ride in the products (dGram's diagonal is zero; s_t, free since step 5, holds
-            #    the query diagonal), so the epilogues only store: through a free square (dk: s_work, dq: s_m1,
-            #    read by dk's product) as 16-byte rows. dq's scan part is loaded while dk is stored.
-            for n in cutlass.range(C * C // THREADS, unroll=2):
-                flat = tidx + n * THREADS
-                i = flat // C
-                cube_q = zero_unless(use_l2 != 0, s_dfq_total[i] * s_fq[i] * s_fq[i] * s_fq[i])
-                s_t[i, flat % C] = zero_unless(i == flat % C, -cube_q)
+            # 7. dk = dk_scan + (dGram + dGram^T - diag(df f^3)) k + dQK^T q;  dq = dq_scan + dQK k - diag(dfq fq^3) q
+            #    (dGram's diagonal is zero: the key term rides in dk's product)
             if tidx < C:
                 s_m1[tidx, tidx] = -zero_unless(use_l2 != 0, s_df[tidx] * s_f[tidx] * s_f[tidx] * s_f[tidx])
-            cute.arch.sync_threads()
-            self.accumulate_products(tidx, tiled_mma, split_mma, dk_acc, s_m1, s_k, float_transposed(s_a), s_q)
-            staged_dk = _mma.staging_view(s_work, self.dtype, C, K)
-            _mma.stage_accumulator(dk_acc, out_coords, staged_dk)
-            dq_acc = cute.make_rmem_tensor(out_thr.partition_shape_C((C, K)), Float32)
-            load_rows(dq_acc, out_coords, dq_scan, first_token, tokens, head)
-            cute.arch.sync_threads()
-            self.store_rows(tidx, s2g, staged_dk, dk, first, steps, head)
-            self.accumulate_products(tidx, tiled_mma, split_mma, dq_acc, s_a, s_k, s_t, s_q)
-            staged_dq = _mma.staging_view(s_m1, self.dtype, C, K)  # s_m1: dk's product has read it (synced)
-            _mma.stage_accumulator(dq_acc, out_coords, staged_dq)
-            cute.arch.sync_threads()
-            self.store_rows(tidx, s2g, staged_dq, dq, first_token, tokens, head)
+            if cutlass.const_expr(self.inputs_bf16):
+                cute.arch.sync_threads()
+                self.products_wgmma(tidx, acc, out_coords, s_k, s_q, s_a, s_t, s_work, s_m1, s_fq, s_dfq_total,
+                                    s2g_warpgroup, dq, dk, first, steps, first_token, tokens, head, use_l2)
+            else:
+                self.products_sync(tidx, tiled_mma, split_mma, acc, out_coords, s_k, s_q, s_a, s_t, s_work, s_m1,
+                                   s_fq, s_dfq_total, s2g, dq_scan, dq, dk, first, steps, first_token, tokens, head,
+                                   use_l2)
 
     @cute.jit
-    def store_raw_product(self, tiled_mma, tidx, s_left, s_k, out: cute.Tensor):
-        """out = left k^T (64 x 64) of two 16-bit tiles on ``mma.sync``, as a float32 square (Gram = k k^T,
-        QK = q k^T, recomputed where needed)."""
-        thr = tiled_mma.get_slice(tidx)
-        acc = cute.make_rmem_tensor(thr.partition_shape_C((C, C)), Float32)
-        acc.fill(0.0)
-        _mma.gemm_smem_ab_rolled(tiled_mma, acc,
-                                 _mma.SmemOperand(tiled_mma, tidx, s_left, self.dtype, operand="A", transpose=False),
-                                 _mma.SmemOperand(tiled_mma, tidx, s_k, self.dtype, operand="B", transpose=False))
-        thr.partition_C(out).store(acc.load())
+    def products_sync(self, tidx, tiled_mma, split_mma, dk_acc, out_coords, s_k, s_q, s_a, s_t, s_work, s_m1, s_fq,
+                      s_dfq_total, s2g, dq_scan, dq, dk, first, steps, first_token, tokens, head, use_l2):
+        """Step 7 on ``mma.sync`` (every warp; fp16 inputs, split into bf16 halves): the query diagonal rides
+        in dq's product (s_t, free since step 5, holds it), so the epilogues only store: through a free
+        square (dk: s_work, dq: s_m1, read by dk's product) as 16-byte rows. dq's scan part is loaded while
+        dk is stored."""
+        K = self.key_dim
+        for n in cutlass.range(C * C // THREADS, unroll=2):
+            flat = tidx + n * THREADS
+            i = flat // C
+            cube_q = zero_unless(use_l2 != 0, s_dfq_total[i] * s_fq[i] * s_fq[i] * s_fq[i])
+            s_t[i, flat % C] = zero_unless(i == flat % C, -cube_q)
+        cute.arch.sync_threads()
+        self.accumulate_products(tidx, tiled_mma, split_mma, dk_acc, s_m1, s_k, float_transposed(s_a), s_q)
+        staged_dk = _mma.staging_view(s_work, self.dtype, C, K)
+        _mma.stage_accumulator(dk_acc, out_coords, staged_dk)
+        dq_acc = cute.make_rmem_tensor(split_mma.get_slice(tidx).partition_shape_C((C, K)), Float32)
+        load_rows(dq_acc, out_coords, dq_scan, first_token, tokens, head)
+        cute.arch.sync_threads()
+        self.store_rows(tidx, s2g, staged_dk, dk, first, steps, head)
+        self.accumulate_products(tidx, tiled_mma, split_mma, dq_acc, s_a, s_k, s_t, s_q)
+        staged_dq = _mma.staging_view(s_m1, self.dtype, C, K)  # s_m1: dk's product has read it (synced)
+        _mma.stage_accumulator(dq_acc, out_coords, staged_dq)
+        cute.arch.sync_threads()
+        self.store_rows(tidx, s2g, staged_dq, dq, first_token, tokens, head)
+
+    @cute.jit
+    def products_wgmma(self, tidx, acc, out_coords, s_k, s_q, s_a, s_t, s_work, s_m1, s_fq, s_dfq_total,
+                       s2g_warpgroup, dq, dk, first, steps, first_token, tokens, head, use_l2):
+        """Step 7 on warpgroup MMAs (bf16 inputs): the float32 squares dGram (s_m1) and dQK (s_a) are split
+        once into bf16 halves, stored as warpgroup-MMA tiles in the free squares (s_work, s_t), then
+        warpgroup 0 runs dk's four products and warpgroup 1 dq's two, each on its own accumulator (the scan
+        part), both reading k and q where they are (the swizzle of ``smem_tile_layout`` is the 128-byte
+        one warpgroup MMAs read). The query diagonal is added in dq's epilogue (float32). Each warpgroup
+        stages its output in a square the split has consumed (dk: s_m1, dq: s_a) behind its own barrier."""
+        K, dtype = self.key_dim, self.dtype
+        gram_big, gram_small = square_halves(s_work, dtype)
+        dqk_big, dqk_small = square_halves(s_t, dtype)
+        split_square(tidx, s_m1, gram_big[0], gram_small[0])
+        split_square(tidx, s_a, dqk_big[0], dqk_small[0])
+        cute.arch.fence_view_async_shared()  # thread stores (and cp.async data) -> the tensor cores' reads
+        cute.arch.sync_threads()
+        warpgroup = tidx // WARPGROUP
+        local = tidx % WARPGROUP
+        k_t = _mma.wgmma_transposed(_mma.as_wgmma_tile(s_k, dtype, C, K), dtype, C, K)
+        # each branch makes its own MMAs: an MMA's accumulate flag is state, set inside the branch
+        if warpgroup == 0:
+            by_step = _mma.make_wgmma(dtype, 1, K, a_from_smem=True, b_mn_major=True)
+            thr = by_step.get_slice(local)
+            by_token = _mma.make_wgmma(dtype, 1, K, a_from_smem=True, a_mn_major=True, b_mn_major=True)
+            thr_t = by_token.get_slice(local)
+            q_t = _mma.wgmma_transposed(_mma.as_wgmma_tile(s_q, dtype, C, K), dtype, C, K)
+            _mma.wgmma_sum(acc, [
+                (by_step, _mma.wgmma_operand(thr, gram_big[1], "A"), _mma.wgmma_operand(thr, k_t, "B")),
+                (by_step, _mma.wgmma_operand(thr, gram_small[1], "A"), _mma.wgmma_operand(thr, k_t, "B")),
+                (by_token, _mma.wgmma_operand(thr_t, _mma.wgmma_transposed(dqk_big[1], dtype, C, C), "A"),
+                 _mma.wgmma_operand(thr_t, q_t, "B")),
+                (by_token, _mma.wgmma_operand(thr_t, _mma.wgmma_transposed(dqk_small[1], dtype, C, C), "A"),
+                 _mma.wgmma_operand(thr_t, q_t, "B"))])
+            staged = _mma.staging_view(s_m1, dtype, C, K)
+            _mma.stage_accumulator(acc, out_coords, staged)
+            cute.arch.barrier(barrier_id=1, number_of_threads=WARPGROUP)
+            self.store_rows(local, s2g_warpgroup, staged, dk, first, steps, head)
+        else:
+            by_step = _mma.make_wgmma(dtype, 1, K, a_from_smem=True, b_mn_major=True)
+            thr = by_step.get_slice(local)
+            _mma.wgmma_sum(acc, [
+                (by_step, _mma.wgmma_operand(thr, dqk_big[1], "A"), _mma.wgmma_operand(thr, k_t, "B")),
+                (by_step, _mma.wgmma_operand(thr, dqk_small[1], "A"), _mma.wgmma_operand(thr, k_t, "B"))])
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                t, c = out_coords[e]
+                cube_q = zero_unless(use_l2 != 0, s_dfq_total[t] * s_fq[t] * s_fq[t] * s_fq[t])
+                acc[e] = acc[e] - cube_q * s_q[t, c].to(Float32)
+            staged = _mma.staging_view(s_a, dtype, C, K)
+            _mma.stage_accumulator(acc, out_coords, staged)
+            cute.arch.barrier(barrier_id=2, number_of_threads=WARPGROUP)
+            self.store_rows(local, s2g_warpgroup, staged, dq, first_token, tokens, head)
+
+    @cute.jit
+    def raw_product(self, tiled_mma, tidx, s_left, s_k, out: cute.Tensor):
+        """out = left k^T (64 x 64) of two 16-bit [64, K] tiles as a float32 square (Gram = k k^T, QK = q k^T,
+        recomputed where needed): bf16 on warpgroup MMAs (warpgroup g the columns [32 g, 32 g + 32)),
+        fp16 on ``mma.sync``."""
+        if cutlass.const_expr(self.inputs_bf16):
+            K, half = self.key_dim, C // 2
+            column_half = tidx // WARPGROUP
+            mma = _mma.make_wgmma(self.dtype, 1, half, a_from_smem=True)
+            thr = mma.get_slice(tidx % WARPGROUP)
+            acc = thr.make_fragment_C(thr.partition_shape_C((C, half)))
+            keys = cute.local_tile(_mma.as_wgmma_tile(s_k, self.dtype, C, K), (half, K), (column_half, 0))
+            _mma.wgmma(mma, acc, _mma.wgmma_operand(thr, _mma.as_wgmma_tile(s_left, self.dtype, C, K), "A"),
+                       _mma.wgmma_operand(thr, keys, "B"), False)
+            thr.partition_C(cute.local_tile(out, (C, half), (0, column_half))).store(acc.load())
+        else:
+            thr = tiled_mma.get_slice(tidx)
+            acc = cute.make_rmem_tensor(thr.partition_shape_C((C, C)), Float32)
+            acc.fill(0.0)
+            _mma.gemm_smem_ab_rolled(
+                tiled_mma, acc, _mma.SmemOperand(tiled_mma, tidx, s_left, self.dtype, operand="A", transpose=False),
+                _mma.SmemOperand(tiled_mma, tidx, s_k, self.dtype, operand="B", transpose=False))
+            thr.partition_C(out).store(acc.load())
+
+    @cute.jit
+    def square_products_wgmma(self, tidx, s_t, s_dt, s_free, s_free2, s_da):
+        """Step 3 on warpgroup MMAs: M1 = T^T dT, then dA = -M1 T^T into ``s_da`` (float32, may be ``s_t``),
+        each a float32 product of bf16 halves (big small + small big + big big, as ``_mma.gemm_f32_split``);
+        warpgroup g computes the columns [32 g, 32 g + 32). T's halves go to ``s_free`` as stored (the A of
+        M1 read MN-major, the B of dA), dT's transposed to ``s_free2`` (B of M1), M1's to ``s_dt`` (dT is
+        consumed by its split)."""
+        bf16, half = cutlass.BFloat16, C // 2
+        column_half = tidx // WARPGROUP
+        local = tidx % WARPGROUP
+        t_big, t_small = square_halves(s_free, bf16)
+        dt_big, dt_small = square_halves(s_free2, bf16)
+        split_square(tidx, s_t, t_big[0], t_small[0])
+        split_square(tidx, float_transposed(s_dt), dt_big[0], dt_small[0])
+        cute.arch.fence_view_async_shared()
+        cute.arch.sync_threads()
+        mine = lambda tile: cute.local_tile(tile[1], (half, C), (column_half, 0))  # noqa: E731  (rows = columns n)
+
+        # M1 = T^T dT: A[i, k] = T[k, i] (T's halves read MN-major), B[n, k] = dT[k, n]
+        by_t = _mma.make_wgmma(bf16, 1, half, a_from_smem=True, a_mn_major=True)
+        thr = by_t.get_slice(local)
+        acc = thr.make_fragment_C(thr.partition_shape_C((C, half)))
+        t_t = [_mma.wgmma_operand(thr, _mma.wgmma_transposed(x[1], bf16, C, C), "A") for x in (t_big, t_small)]
+        _mma.wgmma_sum(acc, [(by_t, t_t[1], _mma.wgmma_operand(thr, mine(dt_big), "B")),
+                             (by_t, t_t[0], _mma.wgmma_operand(thr, mine(dt_small), "B")),
+                             (by_t, t_t[0], _mma.wgmma_operand(thr, mine(dt_big), "B"))], accumulate=False)
+        m1_big, m1_small = square_halves(s_dt, bf16)
+        coords = thr.partition_C(cute.make_identity_tensor((C, half)))
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            i, c = coords[e]
+            big = acc[e].to(bf16)
+            m1_big[0][i, half * column_half + c] = big
+            m1_small[0][i, half * column_half + c] = (acc[e] - big.to(Float32)).to(bf16)
+        cute.arch.fence_view_async_shared()
+        cute.arch.sync_threads()
+
+        # dA = -M1 T^T: A = M1, B[n, k] = T[n, k]
+        by_m1 = _mma.make_wgmma(bf16, 1, half, a_from_smem=True)
+        thr = by_m1.get_slice(local)
+        m1 = [_mma.wgmma_operand(thr, x[1], "A") for x in (m1_big, m1_small)]
+        _mma.wgmma_sum(acc, [(by_m1, m1[1], _mma.wgmma_operand(thr, mine(t_big), "B")),
+                             (by_m1, m1[0], _mma.wgmma_operand(thr, mine(t_small), "B")),
+                             (by_m1, m1[0], _mma.wgmma_operand(thr, mine(t_big), "B"))], accumulate=False)
+        thr.partition_C(cute.local_tile(s_da, (C, half), (0, column_half))).store(-acc.load())
 
     def transposed_operand(self, tiled_mma, tidx, s_tile):
         """The [K, 64] transpose of a [64, K] input-dtype tile as the B operand (ldmatrix.trans), partitioned
@@ -369,19 +520,42 @@ class ChunkPrepBackwardKernel:
 def load_rows(acc: cute.Tensor, coords: cute.Tensor, scan: cute.Tensor, row0, rows, head):
     """acc <- scan[row0 + r, head, c] (the products then accumulate on top), from clamped rows with no branch
     around a load: a load under a branch is waited for alone (64 round trips per thread instead of one).
-    A thread's C fragment holds columns (c, c + 1) side by side: one 8-byte load each (4-byte loads used
-    half of every 32-byte sector, ncu)."""
-    for m in cutlass.range_constexpr(cute.size(acc, mode=[1])):
-        for n in cutlass.range_constexpr(cute.size(acc, mode=[2])):
-            for row_half in cutlass.range_constexpr(2):
-                r, c = coords[(0, row_half), m, n]
-                row = scan[row0 + cutlass.min(r, rows - 1), head, None]
-                # c is even and rows start 16-byte aligned (the launch's spec): say so, the compiler cannot see it
-                at = cute.make_ptr(Float32, cute.local_tile(row, (2,), (c // 2,)).iterator.toint(),
-                                   cute.AddressSpace.gmem, assumed_align=8)
-                pair = cute.make_tensor(at, cute.make_layout(2)).load()
-                acc[(0, row_half), m, n] = pair[0]
-                acc[(1, row_half), m, n] = pair[1]
+    In the C fragments of both ``mma.sync`` and warpgroup MMAs a thread's values 2 e and 2 e + 1 are
+    columns (c, c + 1) of one row: one 8-byte load each (4-byte loads used half of every 32-byte sector, ncu)."""
+    for e in cutlass.range_constexpr(0, cute.size(acc), 2):
+        r, c = coords[e]
+        row = scan[row0 + cutlass.min(r, rows - 1), head, None]
+        # c is even and rows start 16-byte aligned (the launch's spec): say so, the compiler cannot see it
+        at = cute.make_ptr(Float32, cute.local_tile(row, (2,), (c // 2,)).iterator.toint(),
+                           cute.AddressSpace.gmem, assumed_align=8)
+        pair = cute.make_tensor(at, cute.make_layout(2)).load()
+        acc[e] = pair[0]
+        acc[e + 1] = pair[1]
+
+
+def square_halves(square: cute.Tensor, dtype):
+    """Two [64, 64] 16-bit tiles in the float32 square's memory (1024-byte aligned; 2 x 8 KB of its 17 KB),
+    each as (thread view in ``smem_tile_layout``, the same memory as a warpgroup-MMA tile)."""
+    halves = []
+    for byte_offset in (0, C * C * dtype.width // 8):
+        pointer = cute.recast_ptr(square.iterator + byte_offset // 4, dtype=dtype)
+        thread_view = cute.make_tensor(pointer, _mma.smem_tile_layout(C, C))
+        halves.append((thread_view, _mma.wgmma_tile_on(pointer, dtype, C, C)))
+    return halves
+
+
+@cute.jit
+def split_square(tidx, square: cute.Tensor, big: cute.Tensor, small: cute.Tensor):
+    """big, small <- the bf16 halves of the float32 [64, 64] square (``_mma._split_bf16``; a transposed view
+    too), eight columns per thread and pass, lanes along the rows: the float32 reads (row pitch 68 words,
+    or one column of a transposed view) and the 16-byte stores (the swizzle keeps groups of eight whole)
+    are free of bank conflicts."""
+    for n in cutlass.range_constexpr(C * C // (8 * THREADS)):
+        flat = tidx + n * THREADS
+        row = flat % C
+        group = flat // C
+        _mma._split_bf16(cute.local_tile(square, (1, 8), (row, group)).load(),
+                         cute.local_tile(big, (1, 8), (row, group)), cute.local_tile(small, (1, 8), (row, group)))
 
 
 def row_column(part, jj, row_threads: int):

@@ -94,7 +94,7 @@ ONE_DEVICE_CASES = [
 
 
 @pytest.mark.parametrize("lengths, rows, heads, key_dim, value_dim, n_h, dtype", ONE_DEVICE_CASES)
-@pytest.mark.parametrize("backward", ["kernels", "default"])
+@pytest.mark.parametrize("backward", ["kernels", "kernels-recomputed-states", "default"])
 def test_one_device_op_matches_torch_bit_for_bit(kernels_here, lengths, rows, heads, key_dim, value_dim, n_h, dtype,
                                                  backward):
     import jax_api
@@ -113,12 +113,16 @@ def test_one_device_op_matches_torch_bit_for_bit(kernels_here, lengths, rows, he
     options = dict(num_householder=n_h, use_qk_l2norm_in_kernel=True)
 
     leaves = [x.cuda().requires_grad_() for x in (q, k, v, g, beta, initial)]
-    torch_backend = tcd.CuTeDSLGatedDeltaProductCPBackend(backward="kernels" if backward == "kernels" else "torch")
+    # "kernels": the forward keeps the chunk states (the default); "kernels-recomputed-states": the backward
+    # recomputes them (save_chunk_states=False); "default": the framework's own backward
+    kernels = backward.startswith("kernels")
+    saved = dict(save_chunk_states=backward == "kernels") if kernels else {}
+    torch_backend = tcd.CuTeDSLGatedDeltaProductCPBackend(backward="kernels" if kernels else "torch", **saved)
     o_t, final_t = torch_api.gated_delta_product(*leaves[:5], cu_seqlens=None if cu is None else cu.cuda(),
                                                  initial_state=leaves[5], backend=torch_backend, **options)
     torch.autograd.backward([o_t, final_t], [do.cuda(), dfinal.cuda()])
 
-    jax_backend = jcd.CuTeDSLGatedDeltaProductCPBackend(backward="kernels" if backward == "kernels" else "jax")
+    jax_backend = jcd.CuTeDSLGatedDeltaProductCPBackend(backward="kernels" if kernels else "jax", **saved)
 
     @jax.jit
     def run(q, k, v, g, beta, initial, cu, do, dfinal):
@@ -134,7 +138,7 @@ def test_one_device_op_matches_torch_bit_for_bit(kernels_here, lengths, rows, he
     _assert_same_bits("o", o_j, o_t)
     _assert_same_bits("final_state", final_j, final_t)
     for name, ours, leaf in zip(GRAD_NAMES + ("dinitial",), grads_j, leaves):
-        if backward == "kernels":
+        if kernels:
             _assert_same_bits(name, ours, leaf.grad)
         else:  # two float32 recomputations: the gradients' own rounding (bf16/fp16 for q, k, v)
             limit = 1e-2 if leaf.dtype != torch.float32 else 1e-3
