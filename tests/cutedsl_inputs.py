@@ -1,4 +1,7 @@
-"""Inputs of the CuTeDSL-backend tests on the kernels' emulation (shared by the torch and JAX tests)."""
+"""Inputs of the CuTeDSL-backend tests on the kernels' emulation (shared by the torch and JAX tests), and a
+recorder of the scan modes a call launches."""
+
+import contextlib
 
 import torch
 
@@ -88,3 +91,24 @@ def check_trailing_final_rows(device):
     assert torch.isnan(trailing[1][:3]).all()
     identity = torch.cat([torch.zeros(dim, dim), torch.eye(dim)]).to(summaries.device)
     assert torch.equal(trailing[1][4], identity.expand(heads, -1, -1))
+
+
+@contextlib.contextmanager
+def recorded_scan_modes():
+    """Yields the list of every ``ChunkScanLaunch``'s mode, in launch order, while the block runs (the
+    launches still run, through whatever ``_Launch.run`` was in place)."""
+    from cp_linear.kernels import launch as kl
+
+    modes = []
+    real_run = kl._Launch.run
+
+    def run(launch):
+        if isinstance(launch, kl.ChunkScanLaunch):
+            modes.append(launch.config.mode)
+        real_run(launch)
+
+    kl._Launch.run = run
+    try:
+        yield modes
+    finally:
+        kl._Launch.run = real_run

@@ -19,7 +19,7 @@ import torch_api._dist as tdist
 import torch_api.gdp.cutedsl as cutedsl
 from cp_linear.kernels import launch as kl
 from cp_linear.kernels.emulation import run_emulated
-from tests.cutedsl_inputs import emulation_inputs
+from tests.cutedsl_inputs import emulation_inputs, recorded_scan_modes
 from tests.tolerance import assert_within, decoder_length, rel_err, tolerance
 from torch_api.attention.blockdiag import prepare_blockdiag
 from torch_api.attention.library import routing_name
@@ -132,22 +132,11 @@ def test_cutedsl_forward_without_gradients_keeps_nothing_for_the_backward(emulat
     q, k, v, g, beta = emulation_inputs(lengths, heads=2, key_dim=dim, value_dim=dim, n_h=n_h, seed=5)
     cu = torch.tensor(np.cumsum([0] + lengths), dtype=torch.int32)
     options = dict(scale=dim ** -0.5, num_householder=n_h, use_qk_l2norm_in_kernel=True)
-    real_run = kl._Launch.run
     runs = {}
     for name, grad in (("inference", False), ("training", True)):
-        modes = runs[name] = []
-
-        def run(launch, modes=modes):
-            if isinstance(launch, kl.ChunkScanLaunch):
-                modes.append(launch.config.mode)
-            real_run(launch)
-
-        kl._Launch.run = run
-        try:
+        with recorded_scan_modes() as runs[name]:
             leaves = [x.clone().requires_grad_(grad) for x in (q, k, v, g, beta)]
             outputs = run_gated_delta_product(*leaves, backend=backend, cu_seqlens=cu, **options)
-        finally:
-            kl._Launch.run = real_run
         runs[name + " outputs"] = [x.detach() for x in outputs]
     assert runs["inference"] == ["summary", "output"] and runs["training"] == ["summary", "output_states"]
     for got, want in zip(runs["inference outputs"], runs["training outputs"]):

@@ -18,6 +18,7 @@ from cp_linear.kernels.emulation import run_emulated
 from cp_linear.reference import naive_gated_delta_product
 from tests.cp_linear.gdp_cases import rel_err
 from tests.cutedsl_inputs import emulation_inputs as _inputs
+from tests.cutedsl_inputs import recorded_scan_modes
 from torch_api.gdp.types import GDPInputs
 
 
@@ -235,21 +236,12 @@ def test_saved_and_recomputed_prep_and_chunk_states_give_identical_gradients(emu
     do = torch.randn(1, sum(lengths), heads, dim, generator=torch.Generator().manual_seed(6)).bfloat16()
     grads, words, modes = {}, {}, {}
     variants = [(True, True), (False, True), (True, False)]  # (save_prep, save_chunk_states)
-    real_run = kl._Launch.run
     for variant in variants:
         save_prep, save_chunk_states = variant
         backend = cutedsl.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=2, backward="kernels", save_prep=save_prep,
                                                             save_chunk_states=save_chunk_states)
         leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
-        scan_modes = modes[variant] = []
-
-        def run(launch):
-            if isinstance(launch, kl.ChunkScanLaunch):
-                scan_modes.append(launch.config.mode)
-            real_run(launch)
-
-        kl._Launch.run = run
-        try:
+        with recorded_scan_modes() as modes[variant]:
             o, _ = gated_delta_product(*leaves, num_householder=n_h, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
                                        backend=backend)
             real_layout = kl.forward_layout
@@ -258,8 +250,6 @@ def test_saved_and_recomputed_prep_and_chunk_states_give_identical_gradients(emu
                 o.backward(do)
             finally:
                 kl.forward_layout = real_layout
-        finally:
-            kl._Launch.run = real_run
         grads[variant] = [leaf.grad for leaf in leaves]
         inputs = GDPInputs(q, k, v, g, beta, dim ** -0.5, n_h, True, cu)
         words[variant] = backend.saved_buffer_shape(inputs)[0]

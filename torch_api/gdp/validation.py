@@ -13,7 +13,7 @@ import torch
 
 from cp_linear.gdp import MAX_KEY_DIM, check_gdp_shapes  # noqa: F401 (MAX_KEY_DIM re-exported)
 from cp_linear.validation import describe_failed, gdp_dims_error
-from cp_linear.validation import gdp_value_flag_array
+from cp_linear.validation import GDP_VALUE_CHECKS, gdp_value_flag_array
 from torch_api._dist import nonfinite_flags, read_value_flags, value_flags_tensor  # noqa: F401 (re-export)
 
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -109,7 +109,7 @@ def _kernel_value_flags(q, k, v, g, beta) -> torch.Tensor:
     from cp_linear.kernels import launch as kl
     from torch_api.gdp import cutedsl
 
-    flags = torch.zeros(7, dtype=torch.int32, device=q.device)
+    flags = torch.zeros(len(GDP_VALUE_CHECKS), dtype=torch.int32, device=q.device)
     config = kcfg.ValueChecksConfig(str(q.dtype).removeprefix("torch."))
     # float32 g / beta as they are (.float() returns the tensor itself), others as a float32 copy; detached,
     # as DLPack exports no tensor that requires grad
