@@ -299,19 +299,12 @@ def accumulator_as_wgmma_a(acc: cute.Tensor, tiled_mma, dtype) -> cute.Tensor:
     return operand
 
 
-@cute.jit
-def wgmma(tiled_mma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor, accumulate: cutlass.Constexpr):
-    """acc (+)= A B^T over every k-slice on the warpgroup tensor cores, then wait for completion.
+def wgmma(tiled_mma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor, accumulate: bool) -> None:
+    """acc (+)= A B^T over every k-slice on the warpgroup tensor cores, then wait for completion
+    (``wgmma_sum`` of one product).
 
     ``accumulate`` False starts from zero (the accumulator's registers are not read)."""
-    from cutlass.cute.nvgpu import warpgroup
-
-    warpgroup.fence()
-    for k in cutlass.range_constexpr(cute.size(a, mode=[2])):
-        tiled_mma.set(warpgroup.Field.ACCUMULATE, accumulate or k != 0)
-        cute.gemm(tiled_mma, acc, a[None, None, k], b[None, None, k], acc)
-    warpgroup.commit_group()
-    warpgroup.wait_group(0)
+    wgmma_sum(acc, [(tiled_mma, a, b)], accumulate)
 
 
 def wgmma_sum(acc: cute.Tensor, products, accumulate: bool = True) -> None:

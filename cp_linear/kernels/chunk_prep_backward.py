@@ -469,9 +469,8 @@ class ChunkPrepBackwardKernel:
         thr = by_t.get_slice(local)
         acc = thr.make_fragment_C(thr.partition_shape_C((C, half)))
         t_t = [_mma.wgmma_operand(thr, _mma.wgmma_transposed(x[1], bf16, C, C), "A") for x in (t_big, t_small)]
-        _mma.wgmma_sum(acc, [(by_t, t_t[1], _mma.wgmma_operand(thr, mine(dt_big), "B")),
-                             (by_t, t_t[0], _mma.wgmma_operand(thr, mine(dt_small), "B")),
-                             (by_t, t_t[0], _mma.wgmma_operand(thr, mine(dt_big), "B"))], accumulate=False)
+        dt = [_mma.wgmma_operand(thr, mine(x), "B") for x in (dt_big, dt_small)]
+        _mma.wgmma_sum(acc, split_product_terms(by_t, t_t, dt), accumulate=False)
         m1_big, m1_small = square_halves(s_dt, bf16)
         coords = thr.partition_C(cute.make_identity_tensor((C, half)))
         for e in cutlass.range_constexpr(cute.size(acc)):
@@ -486,9 +485,8 @@ class ChunkPrepBackwardKernel:
         by_m1 = _mma.make_wgmma(bf16, 1, half, a_from_smem=True)
         thr = by_m1.get_slice(local)
         m1 = [_mma.wgmma_operand(thr, x[1], "A") for x in (m1_big, m1_small)]
-        _mma.wgmma_sum(acc, [(by_m1, m1[1], _mma.wgmma_operand(thr, mine(t_big), "B")),
-                             (by_m1, m1[0], _mma.wgmma_operand(thr, mine(t_small), "B")),
-                             (by_m1, m1[0], _mma.wgmma_operand(thr, mine(t_big), "B"))], accumulate=False)
+        t_rows = [_mma.wgmma_operand(thr, mine(x), "B") for x in (t_big, t_small)]
+        _mma.wgmma_sum(acc, split_product_terms(by_m1, m1, t_rows), accumulate=False)
         thr.partition_C(cute.local_tile(s_da, (C, half), (0, column_half))).store(-acc.load())
 
     def transposed_operand(self, tiled_mma, tidx, s_tile):
@@ -542,6 +540,13 @@ def square_halves(square: cute.Tensor, dtype):
         thread_view = cute.make_tensor(pointer, _mma.smem_tile_layout(C, C))
         halves.append((thread_view, _mma.wgmma_tile_on(pointer, dtype, C, C)))
     return halves
+
+
+def split_product_terms(tiled_mma, a_halves, b_halves) -> list:
+    """The ``_mma.wgmma_sum`` terms of a float32 product of operands given as (big, small) bf16 halves:
+    small big + big small + big big, in ``_mma.gemm_f32_split``'s order (small small is below 2^-16)."""
+    (a_big, a_small), (b_big, b_small) = a_halves, b_halves
+    return [(tiled_mma, a_small, b_big), (tiled_mma, a_big, b_small), (tiled_mma, a_big, b_big)]
 
 
 @cute.jit
