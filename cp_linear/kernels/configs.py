@@ -234,8 +234,82 @@ class ValueChecksConfig:
         _check_tensor_core_dtype(self.dtype)
 
 
+SHORT_CONV_WIDTHS = (2, 3, 4)  # conv_size values the short-conv kernels take (FLA's default is 4)
+SHORT_CONV_VECTOR = 8  # channels per thread: one 16-byte vector of 16-bit values (so C % 8 == 0)
+SHORT_CONV_THREADS = 128  # threads per short-conv CTA, along the channels
+SHORT_CONV_TOKENS = 64  # tokens per forward thread (a run that reuses its window in registers)
+SHORT_CONV_BACKWARD_TOKENS = 128  # tokens per backward thread: one row of weight-gradient partial sums
+COLUMN_SUM_THREADS = 256
+COLUMN_SUM_VECTOR = 4  # float32 columns per thread (16 bytes)
+
+
+def _check_short_conv_width(width: int) -> None:
+    if width not in SHORT_CONV_WIDTHS:
+        raise ValueError(f"width must be one of {SHORT_CONV_WIDTHS}; received {width}")
+
+
+@dataclass(frozen=True)
+class ShortConvConfig:
+    """Short causal depthwise convolution + SiLU over packed documents (``short_conv``, forward):
+    y[t] = silu(bias + sum over taps s with s <= position[t] of w[W - 1 - s] x[t - s])."""
+
+    dtype: str
+    width: int
+
+    @property
+    def vector(self) -> int:
+        return SHORT_CONV_VECTOR
+
+    def validate(self) -> None:
+        _check_tensor_core_dtype(self.dtype)
+        _check_short_conv_width(self.width)
+
+
+@dataclass(frozen=True)
+class ShortConvBackwardConfig(ShortConvConfig):
+    """The short conv's backward (``short_conv``): dx, the halo's gradient and per-block partial sums of
+    the weight and bias gradients (summed by ``ColumnSumConfig``'s kernel, in a fixed order)."""
+
+
+@dataclass(frozen=True)
+class ColumnSumConfig:
+    """Column sums of a float32 [R, N] array, each column summed over its rows in order (``short_conv``:
+    the weight gradient's partial sums, deterministically)."""
+
+    def validate(self) -> None:
+        pass
+
+
+GATED_NORM_DIMS = (64, 128)  # row lengths (head_v_dim) of the gated-norm kernels
+GATED_NORM_THREADS = 128
+GATED_NORM_ROWS = 256  # rows per CTA (a multiple of the row groups times the load batch)
+
+
+@dataclass(frozen=True)
+class GatedRMSNormConfig:
+    """The GDP output's gated RMSNorm (``gated_rms_norm``, forward): rows of ``dim`` values."""
+
+    dtype: str
+    dim: int
+
+    @property
+    def vector(self) -> int:
+        return SHORT_CONV_VECTOR
+
+    def validate(self) -> None:
+        _check_tensor_core_dtype(self.dtype)
+        if self.dim not in GATED_NORM_DIMS:
+            raise ValueError(f"dim must be one of {GATED_NORM_DIMS}; received {self.dim}")
+
+
+@dataclass(frozen=True)
+class GatedRMSNormBackwardConfig(GatedRMSNormConfig):
+    """The gated RMSNorm's backward: dx, dgate and one row of weight-gradient sums per CTA."""
+
+
 KERNEL_CONFIGS = (ChunkPrepConfig, ChunkScanConfig, SegmentFoldConfig, ChunkGammaConfig, ChunkReverseScanConfig,
-                  ChunkReverseConfig, ChunkPrepBackwardConfig, ValueChecksConfig)
+                  ChunkReverseConfig, ChunkPrepBackwardConfig, ValueChecksConfig, ShortConvConfig,
+                  ShortConvBackwardConfig, ColumnSumConfig, GatedRMSNormConfig, GatedRMSNormBackwardConfig)
 
 
 def tensor_core_configs() -> list:
@@ -289,7 +363,18 @@ def backward_configs() -> list:
 def all_configs() -> list:
     """Every kernel config (forward and backward, and the value checks), for ahead-of-time compilation
     (the CLI and CI)."""
-    return tensor_core_configs() + backward_configs() + [ValueChecksConfig(dtype) for dtype in TENSOR_CORE_DTYPES]
+    return (tensor_core_configs() + backward_configs() + [ValueChecksConfig(dtype) for dtype in TENSOR_CORE_DTYPES]
+            + short_conv_configs())
+
+
+def short_conv_configs() -> list:
+    """The GDP layer's elementwise kernels: the short convolution per dtype and width and the gated norm per
+    dtype and row length (forward and backward each), and the column sum of their weight gradients."""
+    configs: list = [kind(dtype, width) for dtype in TENSOR_CORE_DTYPES for width in SHORT_CONV_WIDTHS
+                     for kind in (ShortConvConfig, ShortConvBackwardConfig)]
+    configs += [kind(dtype, dim) for dtype in TENSOR_CORE_DTYPES for dim in GATED_NORM_DIMS
+                for kind in (GatedRMSNormConfig, GatedRMSNormBackwardConfig)]
+    return configs + [ColumnSumConfig()]
 
 
 def ci_configs() -> list:

@@ -176,7 +176,10 @@ def run_emulated(launch) -> None:
                   kl.ChunkReverseScanLaunch: eb.emulate_chunk_reverse_scan,
                   kl.ChunkReverseLaunch: eb.emulate_chunk_reverse,
                   kl.ChunkPrepBackwardLaunch: eb.emulate_chunk_prep_backward,
-                  kl.ValueChecksLaunch: emulate_value_checks}
+                  kl.ValueChecksLaunch: emulate_value_checks, kl.ShortConvLaunch: emulate_short_conv,
+                  kl.ShortConvBackwardLaunch: emulate_short_conv_backward, kl.ColumnSumLaunch: emulate_column_sum,
+                  kl.GatedRMSNormLaunch: emulate_gated_rms_norm,
+                  kl.GatedRMSNormBackwardLaunch: emulate_gated_rms_norm_backward}
     if type(launch) not in emulations:
         raise TypeError(f"no emulation for {type(launch).__name__}")
     emulations[type(launch)](launch)
@@ -194,3 +197,104 @@ def emulate_value_checks(launch) -> None:
     g, beta = tensors[3], tensors[4]
     failed = torch.stack(nonfinite + [(g > 0).any(), ((beta < 0) | (beta > BETA_MAX)).any()])
     launch.flags |= failed.to(launch.flags.dtype)
+
+
+def _short_conv_pre(launch):
+    """The short conv's pre-activation as the kernels sum it (bias, then taps oldest first), float32
+    -> (pre [B, P, Lp, C], windows [B, P, W - 1 + Lp, C], reach [W, P, Lp] (tap s usable), weight [W, C])."""
+    import torch
+
+    width, pieces = launch.config.width, int(launch.pieces)
+    channels = launch.x.shape[1] * launch.x.shape[2]
+    length = launch.positions.shape[0]
+    batch, piece = launch.x.shape[0] // length, length // pieces
+    x = launch.x.float().reshape(batch, pieces, piece, channels)
+    halo = launch.halo.float().reshape(batch, pieces, width - 1, channels)
+    windows = torch.cat([halo, x], dim=2)
+    positions = launch.positions.reshape(pieces, piece)
+    reach = torch.stack([positions >= s for s in range(width)])
+    weight = launch.weight.float().reshape(width, channels)
+    pre = launch.bias.float().reshape(channels).expand(batch, pieces, piece, channels)
+    for tap in range(width):
+        shift = width - 1 - tap  # tap `tap` reads token t - shift
+        shifted = windows[:, :, tap:tap + piece]
+        pre = pre + torch.where(reach[shift][None, :, :, None], shifted, 0.0) * weight[tap]
+    return pre, windows, reach, weight
+
+
+def emulate_short_conv(launch) -> None:
+    """``short_conv`` forward: y = silu(pre) in the input dtype."""
+    import torch
+
+    pre, _, _, _ = _short_conv_pre(launch)
+    launch.y.copy_((pre * torch.sigmoid(pre)).reshape(launch.y.shape))
+
+
+def emulate_short_conv_backward(launch) -> None:
+    """``short_conv`` backward: dx, dhalo and the per-run partial sums of the weight and bias gradients."""
+    import torch
+
+    from cp_linear.kernels.configs import SHORT_CONV_BACKWARD_TOKENS
+
+    pre, windows, reach, weight = _short_conv_pre(launch)
+    width = launch.config.width
+    batch, pieces, piece, channels = pre.shape
+    sig = torch.sigmoid(pre)
+    dpre = launch.dy.float().reshape(pre.shape) * sig * (1.0 + pre * (1.0 - sig))
+    dwindows = torch.zeros_like(windows)
+    runs = -(-piece // SHORT_CONV_BACKWARD_TOKENS)
+    pad = runs * SHORT_CONV_BACKWARD_TOKENS - piece
+    partials = torch.zeros(batch, pieces, runs, width + 1, channels)
+    for tap in range(width):
+        masked = torch.where(reach[width - 1 - tap][None, :, :, None], dpre, 0.0)
+        dwindows[:, :, tap:tap + piece] += masked * weight[tap]
+        products = torch.nn.functional.pad(masked * windows[:, :, tap:tap + piece], (0, 0, 0, pad))
+        partials[:, :, :, tap] = products.reshape(batch, pieces, runs, -1, channels).sum(3)
+    bias_terms = torch.nn.functional.pad(dpre, (0, 0, 0, pad)).reshape(batch, pieces, runs, -1, channels)
+    partials[:, :, :, width] = bias_terms.sum(3)
+    launch.dx.copy_(dwindows[:, :, width - 1:].reshape(launch.dx.shape))
+    launch.dhalo.copy_(dwindows[:, :, :width - 1].reshape(launch.dhalo.shape))
+    launch.partials.copy_(partials.reshape(launch.partials.shape))
+
+
+def emulate_column_sum(launch) -> None:
+    launch.sums.copy_(launch.rows.sum(0))
+
+
+def _gated_norm_parts(launch):
+    """(x, gate, weight, rstd) as the kernels use them, float32, rows [R, D]."""
+    import torch
+
+    rows = launch.x.shape[0]
+    x, gate = launch.x.float().reshape(rows, -1), launch.gate.float().reshape(rows, -1)
+    rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + float(launch.eps))
+    return x, gate, launch.weight.float().reshape(-1), rstd
+
+
+def emulate_gated_rms_norm(launch) -> None:
+    """``gated_rms_norm`` forward: x · rstd · weight · silu(gate) in the input dtype."""
+    import torch
+
+    x, gate, weight, rstd = _gated_norm_parts(launch)
+    launch.out.copy_((x * rstd * weight * torch.nn.functional.silu(gate)).reshape(launch.out.shape))
+
+
+def emulate_gated_rms_norm_backward(launch) -> None:
+    """``gated_rms_norm`` backward: dx, dgate and per-CTA rows of the weight gradient's sums."""
+    import torch
+
+    from cp_linear.kernels.configs import GATED_NORM_ROWS
+
+    x, gate, weight, rstd = _gated_norm_parts(launch)
+    dout = launch.dout.float().reshape(x.shape)
+    sig = torch.sigmoid(gate)
+    normed = x * rstd
+    dgate = dout * normed * weight * sig * (1.0 + gate * (1.0 - sig))
+    da = dout * gate * sig
+    dweighted = da * weight
+    dx = rstd * (dweighted - normed * (dweighted * normed).mean(-1, keepdim=True))
+    blocks = launch.partials.shape[0]
+    terms = torch.nn.functional.pad(da * normed, (0, 0, 0, blocks * GATED_NORM_ROWS - x.shape[0]))
+    launch.dx.copy_(dx.reshape(launch.dx.shape))
+    launch.dgate.copy_(dgate.reshape(launch.dgate.shape))
+    launch.partials.copy_(terms.reshape(blocks, GATED_NORM_ROWS, -1).sum(1).reshape(launch.partials.shape))

@@ -308,6 +308,10 @@ def _extent(config, entry):
         return None
     if entry == "gamma_rows":
         return config.value_dim + config.key_dim
+    if entry == "dim_vectors":
+        return config.dim // config.vector
+    if entry == "width_and_bias":
+        return config.width + 1
     if entry == "chunk_state_size":
         return config.value_dim * config.key_dim
     if entry == "state_rows":
@@ -629,3 +633,124 @@ class ValueChecksLaunch(_Launch):
 
 
 LAUNCHES[cfg.ValueChecksConfig] = ValueChecksLaunch
+
+
+# ---------------------------------------------------------------------------------------------- short conv
+
+SHORT_CONV_VECTOR = cfg.SHORT_CONV_VECTOR
+
+
+@dataclass
+class ShortConvLaunch(_Launch):
+    """The short causal conv + SiLU of ``pieces`` equal pieces of each batch row (``short_conv``).
+
+    Channels are viewed as [C / 8, 8] (16-byte vectors; C % 8 == 0). x, y [B·L, C/8, 8]: batch row b's
+    token t at row b·L + t; piece p of a row covers tokens [p·L/P, (p + 1)·L/P) and reads the W − 1
+    tokens before it from ``halo`` [B·P·(W − 1), C/8, 8] (rows (b·P + p)·(W − 1) + j, oldest first):
+    zeros on one device, the previous rank's or chunk's last tokens under CP. ``positions`` int32 [L]:
+    each token's index in its sequence; tap s (token t − s) is used only when s <= positions[t], so a
+    sequence never reads its predecessor. weight float32 [W, C/8, 8] (tap W − 1 multiplies the current
+    token), bias float32 [C/8, 8] (zeros for a conv without one)."""
+
+    KERNEL: ClassVar[str] = "cp_linear.kernels.short_conv:ShortConvKernel"
+    OUTPUTS: ClassVar[tuple[str, ...]] = ("y",)
+    config: cfg.ShortConvConfig
+    x: Any = _spec(None, None, "vector", align=16)
+    halo: Any = _spec(None, None, "vector", align=16)
+    weight: Any = _spec("width", None, "vector", dtype="float32", align=16)
+    bias: Any = _spec(None, "vector", dtype="float32", align=16)
+    positions: Any = _spec(None, dtype="int32")
+    y: Any = _spec(None, None, "vector", align=16)
+    pieces: Any = _scalar("int32")
+
+
+def short_conv_partial_rows(batch: int, length: int, pieces: int) -> int:
+    """Rows of the backward's weight-gradient partial sums: one per run of ``SHORT_CONV_BACKWARD_TOKENS``
+    tokens of a piece (runs never cross a piece)."""
+    piece = length // pieces
+    return batch * pieces * -(-piece // cfg.SHORT_CONV_BACKWARD_TOKENS)
+
+
+@dataclass
+class ShortConvBackwardLaunch(_Launch):
+    """The short conv's backward, from ``dy`` (the gradient of y) and the forward's inputs (the
+    pre-activation is recomputed): dx like x, ``dhalo`` like halo (every row written), and
+    ``partials`` float32 [R, W + 1, C/8, 8] (R = ``short_conv_partial_rows``): row r holds run r's
+    sums of the weight gradient (taps 0 .. W − 1) and of the bias gradient (row W); their column sums
+    (``ColumnSumLaunch``, in row order) are the gradients."""
+
+    KERNEL: ClassVar[str] = "cp_linear.kernels.short_conv:ShortConvBackwardKernel"
+    OUTPUTS: ClassVar[tuple[str, ...]] = ("dx", "dhalo", "partials")
+    config: cfg.ShortConvBackwardConfig
+    x: Any = _spec(None, None, "vector", align=16)
+    halo: Any = _spec(None, None, "vector", align=16)
+    weight: Any = _spec("width", None, "vector", dtype="float32", align=16)
+    bias: Any = _spec(None, "vector", dtype="float32", align=16)
+    positions: Any = _spec(None, dtype="int32")
+    dy: Any = _spec(None, None, "vector", align=16)
+    dx: Any = _spec(None, None, "vector", align=16)
+    dhalo: Any = _spec(None, None, "vector", align=16)
+    partials: Any = _spec(None, "width_and_bias", None, "vector", dtype="float32", align=16)
+    pieces: Any = _scalar("int32")
+
+
+@dataclass
+class ColumnSumLaunch(_Launch):
+    """``sums[n] = sum over r (in order) of rows[r, n]``, float32, with the N columns viewed as [N/4, 4]."""
+
+    KERNEL: ClassVar[str] = "cp_linear.kernels.short_conv:ColumnSumKernel"
+    OUTPUTS: ClassVar[tuple[str, ...]] = ("sums",)
+    config: cfg.ColumnSumConfig
+    rows: Any = _spec(None, None, cfg.COLUMN_SUM_VECTOR, dtype="float32", align=16)
+    sums: Any = _spec(None, cfg.COLUMN_SUM_VECTOR, dtype="float32", align=16)
+
+
+LAUNCHES[cfg.ShortConvConfig] = ShortConvLaunch
+LAUNCHES[cfg.ShortConvBackwardConfig] = ShortConvBackwardLaunch
+LAUNCHES[cfg.ColumnSumConfig] = ColumnSumLaunch
+
+
+# ---------------------------------------------------------------------------------------------- gated norm
+
+
+def gated_rms_norm_partial_rows(rows: int) -> int:
+    """Rows of the gated norm backward's weight-gradient partial sums: one per CTA of ``GATED_NORM_ROWS`` rows."""
+    return -(-rows // cfg.GATED_NORM_ROWS)
+
+
+@dataclass
+class GatedRMSNormLaunch(_Launch):
+    """``out = x · rsqrt(mean(x²) + eps) · weight · silu(gate)`` per row (``gated_rms_norm``): x, gate, out
+    [R, D/8, 8] (R rows of D values), weight float32 [D/8, 8]."""
+
+    KERNEL: ClassVar[str] = "cp_linear.kernels.gated_rms_norm:GatedRMSNormKernel"
+    OUTPUTS: ClassVar[tuple[str, ...]] = ("out",)
+    config: cfg.GatedRMSNormConfig
+    x: Any = _spec(None, "dim_vectors", "vector", align=16)
+    gate: Any = _spec(None, "dim_vectors", "vector", align=16)
+    weight: Any = _spec("dim_vectors", "vector", dtype="float32", align=16)
+    out: Any = _spec(None, "dim_vectors", "vector", align=16)
+    eps: Any = _scalar("float32")
+
+
+@dataclass
+class GatedRMSNormBackwardLaunch(_Launch):
+    """The gated norm's backward from ``dout``: dx and dgate like x, and ``partials`` float32
+    [``gated_rms_norm_partial_rows(R)``, D/8, 8] whose column sums (``ColumnSumLaunch``, in row order) are
+    the weight gradient."""
+
+    KERNEL: ClassVar[str] = "cp_linear.kernels.gated_rms_norm:GatedRMSNormBackwardKernel"
+    OUTPUTS: ClassVar[tuple[str, ...]] = ("dx", "dgate", "partials")
+    config: cfg.GatedRMSNormBackwardConfig
+    x: Any = _spec(None, "dim_vectors", "vector", align=16)
+    gate: Any = _spec(None, "dim_vectors", "vector", align=16)
+    weight: Any = _spec("dim_vectors", "vector", dtype="float32", align=16)
+    dout: Any = _spec(None, "dim_vectors", "vector", align=16)
+    dx: Any = _spec(None, "dim_vectors", "vector", align=16)
+    dgate: Any = _spec(None, "dim_vectors", "vector", align=16)
+    partials: Any = _spec(None, "dim_vectors", "vector", dtype="float32", align=16)
+    eps: Any = _scalar("float32")
+
+
+LAUNCHES[cfg.GatedRMSNormConfig] = GatedRMSNormLaunch
+LAUNCHES[cfg.GatedRMSNormBackwardConfig] = GatedRMSNormBackwardLaunch

@@ -119,6 +119,14 @@ def _make_varying(x, axes: frozenset):
     return jax.lax.pvary(x, missing)
 
 
+def match_varying(*arrays) -> tuple:
+    """``arrays`` typed alike inside ``shard_map``: each varying over every axis any of them varies
+    over (None passes through). A no-op at run time and outside shard_map; the transpose of the cast
+    sums an unvarying input's gradient over those axes (a replicated weight's gradient, for one)."""
+    axes = frozenset().union(*(_varying_axes(x) for x in arrays if x is not None))
+    return tuple(None if x is None else _make_varying(x, axes) for x in arrays)
+
+
 # --------------------------------------------------------------------------- one launch
 
 
@@ -168,4 +176,5 @@ def launch(launch_cls, config, *, inputs: Mapping[str, Any], results: Mapping[st
 
 
 
-__all__ = ["argument_spec", "ensure_registered", "launch", "register_kernel", "registered_targets", "target_name"]
+__all__ = ["argument_spec", "ensure_registered", "launch", "match_varying", "register_kernel", "registered_targets",
+           "target_name"]

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_api.layers.blocks import GatedRMSNorm, Linear, RMSNorm, ShortConvolution
-from jax_api.layers.conv import conv_window, zigzag_conv_windows
+from jax_api.layers.conv import conv_halos, conv_window, short_conv_kernel_reason, zigzag_conv_windows
 from jax_api.layers.layout import resolve_layout
 from cp_linear.model_config import GDPConfig, REQUIRED, document_layer_signature, resolve_config
 from cp_linear.summary_exchange import SUMMARY_EXCHANGES
@@ -52,7 +52,9 @@ class GatedDeltaProduct(StateTableMixin, nnx.Module):
     ``backend``: a GDP backend of the four-function protocol, or None: the CuTeDSL kernels where they
     run the activations (a Hopper GPU, bf16/fp16, head sizes 64 or 128), else ``JaxGDPBackend``.
     ``cp_summary_exchange``: how the CP op exchanges its summaries, "all_gather" | "scan" | "auto"
-    (docs/cp_options.md)."""
+    (docs/cp_options.md). The short conv runs on the fused kernels where ``conv.short_conv_kernel_reason``
+    allows (a Hopper GPU, bf16 / fp16 activations, conv_size 2-4, channels in multiples of 8), else on
+    jnp ops over a padded window."""
 
     def __init__(self, config: GDPConfig | None = None, *, rngs: nnx.Rngs, backend=None,
                  cp_summary_exchange: str = "all_gather", **kwargs):
@@ -88,13 +90,20 @@ class GatedDeltaProduct(StateTableMixin, nnx.Module):
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if not c.use_short_conv:
             return jax.nn.silu(q), jax.nn.silu(k), jax.nn.silu(v)
-        qkv, positions = jnp.concatenate([q, k, v], axis=-1), layout.local(layout.position, axis_name)
-        if axis_name is not None and layout.zigzag:  # one window per chunk, each with its chunk's positions
+        positions = layout.local(layout.position, axis_name)
+        zigzag = axis_name is not None and layout.zigzag
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        if short_conv_kernel_reason(q, c.conv_size, c.conv_channels) is None:
+            # the fused kernels: one call per projection, reading only a small halo (no padded window of
+            # the concatenated projections); P = 2 pieces for the zig-zag chunks
+            halos = conv_halos((q, k, v), c.conv_size - 1, axis_name, zigzag=zigzag)
+            return tuple(conv.fused(part, halo, positions) for conv, part, halo in zip(convs, (q, k, v), halos))
+        qkv = jnp.concatenate([q, k, v], axis=-1)
+        if zigzag:  # one window per chunk, each with its chunk's positions
             pieces = zip(zigzag_conv_windows(qkv, c.conv_size - 1, axis_name), jnp.split(positions, 2))
         else:
             pieces = [(conv_window(qkv, c.conv_size - 1, axis_name), positions)]
         q_ch, k_ch, _ = c.conv_channels
-        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
         outputs = [[conv(part, piece_positions) for conv, part in zip(convs, jnp.split(window, [q_ch, q_ch + k_ch],
                                                                                       axis=-1))]
                    for window, piece_positions in pieces]

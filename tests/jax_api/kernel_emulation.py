@@ -5,7 +5,9 @@ kernel's custom-call target (``jax_api.gdp.kernel_calls.register_kernel``, the b
 injection point): a TVM-FFI function that receives the call's operands, results and attributes
 in the kernel's argument order, as XLA buffers (DLPack, no copy), and runs
 ``cp_linear.kernels.emulation.run_emulated`` on them. The traced program is the product's, custom
-calls included; only the implementation behind each target differs from the GPU's.
+calls included; only the implementation behind each target differs from the GPU's. Every config of
+``cp_linear.kernels.configs.all_configs()`` is covered (the GDP kernels and the short conv's), through
+the launch class ``LAUNCHES`` maps it to: a new kernel family needs only its config listed there.
 
 Every result buffer is filled with NaN (floats) or a large negative int before the emulation
 writes it, so a read of anything a kernel does not write shows up in the outputs (XLA's result

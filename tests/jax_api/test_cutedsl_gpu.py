@@ -179,6 +179,98 @@ def test_new_packings_reuse_the_program_and_the_kernels(kernels_here):
     assert "callback" not in text and "cp_linear_ChunkReverseConfig" in text
 
 
+SHORT_CONV_CASES = [
+    # a piece boundary inside a document (P = 2 reads the second halo), length-1 documents, runs of the
+    # backward's 128 tokens cut short at piece ends
+    pytest.param(torch.bfloat16, 4, 1, True, (5, 1000, 1, 1042), id="bf16-W4-P1-bias"),
+    pytest.param(torch.bfloat16, 4, 2, False, (5, 1000, 1, 1042), id="bf16-W4-P2"),
+    pytest.param(torch.float16, 3, 2, True, (1, 1023, 1, 1023), id="fp16-W3-P2-bias-boundary-at-start"),
+    pytest.param(torch.bfloat16, 2, 1, False, (2000,), id="bf16-W2-P1"),
+]
+
+
+@pytest.mark.parametrize("dtype, width, pieces, with_bias, lengths", SHORT_CONV_CASES)
+def test_short_conv_matches_torch_bit_for_bit(kernels_here, dtype, width, pieces, with_bias, lengths):
+    """``kernel_short_conv`` of both frontends runs the same kernels on the same inputs: y and every
+    gradient (x, halo, weight, bias) are the same bits."""
+    from jax_api.layers.conv import kernel_short_conv
+    from torch_api.layers.conv import kernel_short_conv as torch_kernel_short_conv
+
+    gen = torch.Generator().manual_seed(10 * width + pieces)
+    batch, length, channels = 2, sum(lengths), 96
+    x = torch.randn(batch, length, channels, generator=gen).to(dtype)
+    halo = torch.randn(batch, pieces, width - 1, channels, generator=gen).to(dtype)
+    weight = torch.randn(channels, 1, width, generator=gen) / width ** 0.5
+    bias = torch.randn(channels, generator=gen) if with_bias else None
+    dy = torch.randn(batch, length, channels, generator=gen).to(dtype)
+    positions = torch.cat([torch.arange(n) for n in lengths]).to(torch.int32)
+
+    leaves = [t.cuda().requires_grad_() for t in (x, halo, weight, bias) if t is not None]
+    y_t = torch_kernel_short_conv(*leaves[:3], leaves[3] if with_bias else None, positions.cuda())
+    y_t.backward(dy.cuda())
+
+    @jax.jit
+    def run(x, halo, weight, bias, positions, dy):
+        y, vjp = jax.vjp(lambda x, halo, weight, bias: kernel_short_conv(x, halo, weight, bias, positions),
+                         x, halo, weight, bias)
+        return y, vjp(dy)
+
+    y_j, grads_j = run(_jax(x), _jax(halo), _jax(weight), None if bias is None else _jax(bias),
+                       jnp.asarray(positions.numpy()), _jax(dy))
+    _assert_same_bits("y", y_j, y_t)
+    for name, ours, leaf in zip(("dx", "dhalo", "dweight", "dbias"), grads_j, leaves):
+        _assert_same_bits(name, ours, leaf.grad)
+    if not with_bias:
+        assert grads_j[3] is None
+
+
+
+GATED_NORM_CASES = [
+    # x, gate [2, tokens, 2, D]: 4 · tokens rows, the last CTA of GATED_NORM_ROWS (256) rows partial
+    pytest.param(torch.bfloat16, 7, 64, id="bf16-D64-rows28"),
+    pytest.param(torch.bfloat16, 1000, 128, id="bf16-D128-rows4000"),
+    pytest.param(torch.float16, 333, 64, id="fp16-D64-rows1332"),
+    pytest.param(torch.bfloat16, 10001, 128, id="bf16-D128-rows40004"),
+]
+
+
+@pytest.mark.parametrize("dtype, tokens, dim", GATED_NORM_CASES)
+def test_gated_norm_matches_torch_bit_for_bit(kernels_here, dtype, tokens, dim):
+    """``GatedRMSNorm`` of both frontends takes its kernel path on the same inputs: out and every gradient
+    (x, gate, weight) are the same bits."""
+    from flax import nnx
+
+    import jax_api.layers.blocks as jax_blocks
+    import torch_api.layers.blocks as torch_blocks
+
+    gen = torch.Generator().manual_seed(tokens + dim)
+    x, gate, dout = (torch.randn(2, tokens, 2, dim, generator=gen).to(dtype) for _ in range(3))
+    weight = 1 + torch.randn(dim, generator=gen) / 4
+
+    torch_norm = torch_blocks.GatedRMSNorm(dim, eps=1e-5).cuda()
+    torch_norm.weight.data.copy_(weight)
+    x_t, gate_t = x.cuda().requires_grad_(), gate.cuda().requires_grad_()
+    assert torch_blocks.gated_norm_kernel_reason(x_t, gate_t) is None
+    out_t = torch_norm(x_t, gate_t)
+    out_t.backward(dout.cuda())
+
+    jax_norm = jax_blocks.GatedRMSNorm(dim, eps=1e-5)
+    jax_norm.weight[...] = _jax(weight)
+    graphdef, state = nnx.split(jax_norm)
+    x_j, gate_j = _jax(x), _jax(gate)
+    assert jax_blocks.gated_norm_kernel_reason(x_j, gate_j) is None
+
+    @jax.jit
+    def run(state, x, gate, dout):
+        out, vjp = jax.vjp(lambda state, x, gate: nnx.merge(graphdef, state)(x, gate), state, x, gate)
+        return out, vjp(dout)
+
+    out_j, (dstate, dx_j, dgate_j) = run(state, x_j, gate_j, _jax(dout))
+    _assert_same_bits("out", out_j, out_t)
+    _assert_same_bits("dx", dx_j, x_t.grad)
+    _assert_same_bits("dgate", dgate_j, gate_t.grad)
+    _assert_same_bits("dweight", dstate["weight"][...], torch_norm.weight.grad)
+
 def test_cp_over_two_gpus_matches_torch_bit_for_bit(kernels_here):
     if len(_jax_gpus()) < 2 or torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import torch_api.layers.library  # noqa: F401  (registers the layers' custom ops before any trace)
 from torch_api.layers.conv import masked_causal_conv
 
 
@@ -29,10 +30,39 @@ class RMSNorm(nn.Module):
         return (normed * self.weight.float()).to(x.dtype)
 
 
+# Tests: take the gated norm's kernel path wherever its inputs fit, skipping the platform check (on the CPU
+# the ops run the kernels' emulation). Set it as ``torch_api.layers.blocks.FORCE_GATED_NORM_KERNEL = True``.
+FORCE_GATED_NORM_KERNEL = False
+
+
+def gated_norm_kernel_reason(x: torch.Tensor, gate: torch.Tensor) -> str | None:
+    """Why the fused gated-norm kernels (``cp_linear::gated_rms_norm``) cannot take x and gate (None when
+    they can): a Hopper GPU with the DSL (unless ``FORCE_GATED_NORM_KERNEL``), x and gate of one shape and
+    dtype, bfloat16 or float16, with rows of D in ``GATED_NORM_DIMS``."""
+    from cp_linear.kernels.configs import GATED_NORM_DIMS
+
+    if not FORCE_GATED_NORM_KERNEL:
+        from torch_api.gdp.cutedsl import kernel_platform_reason
+
+        platform = kernel_platform_reason(x.device)
+        if platform is not None:
+            return platform
+    if x.dtype not in (torch.bfloat16, torch.float16) or gate.dtype != x.dtype or gate.shape != x.shape:
+        return f"the gated-norm kernels take x and gate of one shape in bf16 / fp16; received {x.dtype}, {gate.dtype}"
+    if x.shape[-1] not in GATED_NORM_DIMS:
+        return f"the gated-norm kernels take rows of {GATED_NORM_DIMS}; received {x.shape[-1]}"
+    return None
+
+
 class GatedRMSNorm(RMSNorm):
-    """``RMSNorm(x) * silu(gate)`` (FLA's ``FusedRMSNormGated``, norm before gate). x, gate [..., D]."""
+    """``RMSNorm(x) * silu(gate)`` (FLA's ``FusedRMSNormGated``, norm before gate). x, gate [..., D].
+
+    On a Hopper GPU with x and gate in bf16 / fp16 (``gated_norm_kernel_reason``) one fused kernel each way
+    (``cp_linear::gated_rms_norm``); elsewhere torch ops. Both compute in float32 and round once."""
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if gated_norm_kernel_reason(x, gate) is None:
+            return torch.ops.cp_linear.gated_rms_norm(x, gate, self.weight, self.eps)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
         return (normed * F.silu(gate.float())).to(x.dtype)

@@ -10,13 +10,25 @@ returns the halo's gradient to the sender); rank 0 gets zeros::
     rank r-1  ... a5 a6 a7 | rank r  a8 a9 b0 b1      (document a continues, b starts at r*L + 2)
     window (W = 4):          a5 a6 a7 a8 a9 b0 b1
     a8 reads a5..a8 (positions >= 3); b0 reads only b0; b1 reads b0, b1
+
+Two implementations of the conv + SiLU: ``masked_causal_conv`` (torch ops, one tap at a time, any dtype
+and width) over the window of ``conv_window``, and ``kernel_short_conv``, the fused CuTeDSL
+kernels (``cp_linear::short_conv``, ``torch_api.layers.library``) that read the shard in place and take
+the W - 1 tokens before each piece as a separate halo. ``short_conv_kernel_reason`` chooses.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
+import torch_api.layers.library  # noqa: F401  (registers cp_linear::short_conv before any trace)
+
+# Tests: take the kernel path wherever its inputs fit, skipping the platform check (on the CPU the ops
+# run the kernels' emulation). Set it as ``torch_api.layers.conv.FORCE_SHORT_CONV_KERNEL = True``.
+FORCE_SHORT_CONV_KERNEL = False
 
 
 def conv_window(x: torch.Tensor, halo_len: int, group=None, *, gathered: bool = False) -> torch.Tensor:
@@ -88,6 +100,66 @@ def masked_causal_conv(window: torch.Tensor, weight: torch.Tensor, bias: torch.T
     return out if bias is None else out + bias
 
 
+def short_conv_kernel_reason(x: torch.Tensor, width: int, channels: Sequence[int]) -> str | None:
+    """Why ``kernel_short_conv`` cannot run a conv of ``width`` taps over x [B, L, C] and its siblings of
+    ``channels`` (None when it can): a Hopper GPU with the DSL installed (``FORCE_SHORT_CONV_KERNEL``
+    skips this check), x in bfloat16 or float16, width in ``SHORT_CONV_WIDTHS`` and every count in
+    ``channels`` a multiple of 8 (whole 16-byte vectors)."""
+    if not FORCE_SHORT_CONV_KERNEL:
+        from torch_api.gdp.cutedsl import kernel_platform_reason
+
+        platform = kernel_platform_reason(x.device)
+        if platform is not None:
+            return platform
+    return _short_conv_config_reason(x.dtype, width, channels)
+
+
+def _short_conv_config_reason(dtype: torch.dtype, width: int, channels: Sequence[int]) -> str | None:
+    from cp_linear.kernels.configs import SHORT_CONV_VECTOR, SHORT_CONV_WIDTHS
+
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"the short-conv kernels take bfloat16 or float16; received {dtype}"
+    if width not in SHORT_CONV_WIDTHS:
+        return f"the short-conv kernels take widths {SHORT_CONV_WIDTHS}; received {width}"
+    if any(count % SHORT_CONV_VECTOR for count in channels):
+        return f"the short-conv kernels need channels divisible by {SHORT_CONV_VECTOR}; received {tuple(channels)}"
+    return None
+
+
+def kernel_short_conv(x: torch.Tensor, halo: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      positions: torch.Tensor) -> torch.Tensor:
+    """silu(masked causal conv) on the fused kernels (``cp_linear::short_conv``), differentiable in x,
+    halo, weight and bias. x [B, L, C] bf16 / fp16, cut into P = halo.shape[1] equal pieces (one device:
+    P = 1; zig-zag CP: P = 2, one per chunk); halo [B, P, W - 1, C] in x's dtype: the W - 1 tokens before
+    each piece (zeros where nothing precedes it); weight [C, 1, W]; bias [C] or None; positions int [L] as
+    in ``masked_causal_conv``. Returns [B, L, C] in x's dtype. Checks shapes only (no host read)."""
+    error = _kernel_short_conv_error(x, halo, weight, bias, positions)
+    if error is not None:
+        raise ValueError(f"kernel_short_conv: {error}")
+    return torch.ops.cp_linear.short_conv(x, halo, weight, bias, positions)
+
+
+def _kernel_short_conv_error(x, halo, weight, bias, positions) -> str | None:
+    if x.dim() != 3 or weight.dim() != 3 or weight.shape[1] != 1 or weight.shape[0] != x.shape[2]:
+        return f"expected x [B, L, C] and weight [C, 1, W]; received {tuple(x.shape)} and {tuple(weight.shape)}"
+    batch, length, channels = x.shape
+    width = weight.shape[2]
+    reason = _short_conv_config_reason(x.dtype, width, [channels])
+    if reason is not None:
+        return reason
+    if halo.dim() != 4 or halo.shape[0] != batch or halo.shape[2:] != (width - 1, channels) or halo.shape[1] < 1:
+        return f"expected halo [B, P, W - 1, C] = [{batch}, P, {width - 1}, {channels}]; received {tuple(halo.shape)}"
+    if length % halo.shape[1]:
+        return f"L = {length} must divide into P = {halo.shape[1]} equal pieces"
+    if halo.dtype != x.dtype:
+        return f"halo must have x's dtype {x.dtype}; received {halo.dtype}"
+    if bias is not None and tuple(bias.shape) != (channels,):
+        return f"expected bias [C] = [{channels}]; received {tuple(bias.shape)}"
+    if tuple(positions.shape) != (length,):
+        return f"expected positions [L] = [{length}]; received {tuple(positions.shape)}"
+    return None
+
+
 def naive_document_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         cu_seqlens) -> torch.Tensor:
     """Reference: ``F.conv1d`` with causal zero padding, run on each sequence separately.
@@ -104,4 +176,5 @@ def naive_document_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return torch.cat(pieces, dim=1)
 
 
-__all__ = ["conv_window", "zigzag_conv_windows", "masked_causal_conv", "naive_document_conv"]
+__all__ = ["conv_window", "kernel_short_conv", "masked_causal_conv", "naive_document_conv", "short_conv_kernel_reason",
+           "zigzag_conv_windows"]

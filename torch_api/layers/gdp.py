@@ -3,7 +3,8 @@
 Mirrors flash-linear-attention's ``fla/layers/gated_deltaproduct.py`` (same parameter names and
 shapes, so its state dicts load as is), in chunk mode, with three differences:
   * the short conv never crosses a sequence start and, under CP, reads the previous rank's last
-    ``conv_size - 1`` tokens (``torch_api.layers.conv``);
+    ``conv_size - 1`` tokens (``torch_api.layers.conv``; on a Hopper GPU in bf16 / fp16 the fused
+    kernels, ``kernel_short_conv``, else torch ops);
   * no inference cache (``past_key_values``) and no ``attention_mask`` unpadding: pass packed
     sequences (``cu_seqlens`` / ``seq_idx``) instead; the GDP recurrent state can be carried from one
     training window to the next (``initial_state=`` / ``output_final_state=True``), the conv's
@@ -32,7 +33,7 @@ from torch_api.layers.blocks import GatedRMSNorm, RMSNorm, ShortConvolution
 from cp_linear.model_config import GDPConfig, config_fingerprint, document_layer_signature, resolve_config
 from cp_linear.validation import digest
 from torch_api.layers.convert import StateTableMixin
-from torch_api.layers.conv import conv_window, zigzag_conv_windows
+from torch_api.layers.conv import conv_window, kernel_short_conv, short_conv_kernel_reason, zigzag_conv_windows
 from torch_api.layers.layout import compiling, resolve_layout
 
 
@@ -41,6 +42,29 @@ def _init_decay(heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     a_log = torch.log(torch.empty(heads).uniform_(0, 16))
     dt = torch.exp(torch.rand(heads) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
     return a_log, dt + torch.log(-torch.expm1(-dt))
+
+
+def _kernel_conv_halos(projections, halo_len: int, layout) -> list[torch.Tensor]:
+    """Each projection's halo [B, P, W - 1, C] for ``kernel_short_conv``: the W - 1 tokens before each of
+    its P pieces (P = 2 under zig-zag CP, one per chunk, else 1). One device: zeros (nothing precedes the
+    shard). Under CP one exchange moves the three projections' tails, the last W - 1 tokens of each piece
+    (``conv_window`` / ``zigzag_conv_windows`` on a [B, P (W - 1), C_total] tensor): the windows' first
+    W - 1 tokens are the halos, and their backward returns the halos' gradients to the senders' tails."""
+    batch, length, _ = projections[0].shape
+    channels = [projection.shape[-1] for projection in projections]
+    if not layout.is_cp:
+        return [projection.new_zeros((batch, 1, halo_len, projection.shape[-1])) for projection in projections]
+    if layout.zigzag:
+        chunk = length // 2
+        tails = torch.cat([torch.cat((projection[:, chunk - halo_len:chunk], projection[:, length - halo_len:]), dim=1)
+                           for projection in projections], dim=-1)  # [B, 2 (W - 1), C_total]
+        windows = zigzag_conv_windows(tails, halo_len, layout.group, layout.cp_rank, layout.cp_size)
+        halo = torch.stack([window[:, :halo_len] for window in windows], dim=1)  # [B, 2, W - 1, C_total]
+    else:
+        tails = torch.cat([projection[:, length - halo_len:] for projection in projections], dim=-1)
+        window = conv_window(tails, halo_len, layout.group_name, gathered=layout.static_shapes)
+        halo = window[:, :halo_len].unsqueeze(1)  # [B, 1, W - 1, C_total]
+    return list(halo.split(channels, dim=-1))
 
 
 class GatedDeltaProduct(StateTableMixin, nn.Module):
@@ -123,8 +147,12 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if not c.use_short_conv:
             return F.silu(q), F.silu(k), F.silu(v)
+        positions = layout.positions(x.device)
+        # conv_size 1 has no halo: the torch path is one multiply
+        if c.conv_size > 1 and short_conv_kernel_reason(q, c.conv_size, c.conv_channels) is None:
+            return self._kernel_short_conv((q, k, v), positions, layout)
         # one halo exchange for all three projections
-        qkv, positions = torch.cat((q, k, v), dim=-1), layout.positions(x.device)
+        qkv = torch.cat((q, k, v), dim=-1)
         if layout.zigzag and layout.is_cp:  # one window per chunk, each with its chunk's positions
             windows = zigzag_conv_windows(qkv, c.conv_size - 1, layout.group, layout.cp_rank, layout.cp_size)
             pieces = zip(windows, positions.chunk(2))
@@ -134,6 +162,15 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
         outputs = [[conv(part, piece_positions) for conv, part in zip(convs, window.split(c.conv_channels, dim=-1))]
                    for window, piece_positions in pieces]
         return tuple(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0] for parts in zip(*outputs))
+
+    def _kernel_short_conv(self, projections, positions, layout):
+        """The fused conv kernels, one launch per projection on the projection in place: no [B, L, C_total]
+        concatenation and no padded window; only each piece's last W - 1 tokens travel for the halos."""
+        halos = _kernel_conv_halos(projections, self.config.conv_size - 1, layout)
+        positions = positions.to(torch.int32)  # once for the three launches
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        return tuple(kernel_short_conv(projection.contiguous(), halo, conv.weight, conv.bias, positions)
+                     for projection, halo, conv in zip(projections, halos, convs))
 
     def cp_signature(self) -> tuple[int, ...]:
         """Configuration, flags, backend and grad requirement: what the ranks must share."""
