@@ -14,7 +14,8 @@ GB/s counts the fewest bytes: forward x + y, backward x + dy + dx. Each norm cas
 of head-dim values, bf16) checks the kernels against the emulation and a rerun the same way and times
 forward (``GatedRMSNorm``) and backward (``GatedRMSNormBackward`` + ``ColumnSum``) against the torch
 module's forward and autograd backward (bytes: forward x + gate + out, backward x + gate + dout + dx +
-dgate). Prints a table per kernel, writes a CSV per kernel.
+dgate). A third table times the decoder's RMSNorm (float32 residual rows of ``--hidden``): the module's
+torch ops against ``torch.nn.functional.rms_norm``. Prints a table per kernel, writes a CSV per kernel.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ import torch
 from bench_gdp_fwd import time_ms
 from cp_linear.kernels import configs as cfg
 from cp_linear.kernels import launch as kl
-from cp_linear.kernels.emulation import run_emulated
-from torch_api.layers.blocks import GatedRMSNorm
+from cp_linear.kernels.emulation import run_three_ways
+from torch_api.layers.blocks import GatedRMSNorm, RMSNorm
 from torch_api.layers.conv import masked_causal_conv
 
 WIDTH = 4
@@ -61,23 +62,18 @@ def conv_launches(x, halo, weight, bias, positions, dy, pieces: int):
 
 
 def check_and_time(make_launches, names: tuple[str, ...], repeat: int) -> dict:
-    """Run the (forward, backward, column sum) launches twice on the GPU and once emulated; the named
-    outputs' errors against the emulation (relative to its largest value; absolute where it is all
-    zero), bitwise equality of the two GPU runs, and the medians of forward and backward + column sum."""
-    kernel, again, emulated = make_launches(), make_launches(), make_launches()
-    for launch in kernel + again:
-        launch.run()
-    for launch in emulated:
-        run_emulated(launch)
-    torch.cuda.synchronize()
+    """Errors of the named outputs against the emulation (relative to its largest value; absolute where it
+    is all zero), bitwise equality of two GPU runs (``run_three_ways``), and the medians of the forward and
+    of the backward + column sum."""
     errors, bitwise = {}, True
-    for name in names:
-        index, field = name.split(".")
-        got, rerun, want = (getattr(launches[int(index)], field) for launches in (kernel, again, emulated))
+    for name, (got, rerun, want) in run_three_ways(make_launches, names).items():
         largest = want.float().abs().max()
         difference = (got.float() - want.float()).abs().max()
-        errors[f"err_{field}"] = float(difference / largest if largest > 0 else difference)
+        errors[f"err_{name.split('.')[1]}"] = float(difference / largest if largest > 0 else difference)
         bitwise = bitwise and torch.equal(got, rerun)
+    kernel = make_launches()
+    for launch in kernel:
+        launch.run()
     return dict(bitwise=bitwise, **errors, forward_ms=time_ms(kernel[0].run, repeat),
                 backward_ms=time_ms(lambda: (kernel[1].run(), kernel[2].run()), repeat))
 
@@ -152,6 +148,27 @@ def run_norm_case(tokens: int, heads: int, dim: int, repeat: int) -> dict:
                 torch_forward_ms=torch_forward_ms, torch_backward_ms=torch_backward_ms)
 
 
+def run_rms_norm_case(tokens: int, hidden: int, repeat: int) -> dict:
+    """The decoder's RMSNorm on the float32 residual stream: the module's torch ops against torch's
+    ``F.rms_norm`` (one fused kernel each way where torch has one), forward and backward."""
+    generator = torch.Generator().manual_seed(tokens + hidden)
+    device = torch.device("cuda")
+    x, dout = (torch.randn(tokens, hidden, generator=generator).to(device) for _ in range(2))
+    module = RMSNorm(hidden).to(device)
+    x_grad = x.clone().requires_grad_()
+    fused = lambda: torch.nn.functional.rms_norm(x_grad, (hidden,), module.weight, module.eps)  # noqa: E731
+    timings = {}
+    for name, forward in (("module", lambda: module(x_grad)), ("f_rms_norm", fused)):
+        timings[f"{name}_forward_ms"] = time_ms(lambda: forward().detach(), repeat)
+        out = forward()
+        timings[f"{name}_backward_ms"] = time_ms(
+            lambda: torch.autograd.grad(out, (x_grad, module.weight), dout, retain_graph=True), repeat)
+    difference = float((module(x_grad) - fused()).abs().max())
+    with torch.autocast("cuda", dtype=torch.bfloat16):  # what the decoder's bf16 autocast makes of it
+        autocast_dtype = str(fused().dtype)
+    return dict(tokens=tokens, hidden=hidden, max_difference=difference, autocast_dtype=autocast_dtype, **timings)
+
+
 def write_table(rows: list[dict], path: str) -> None:
     header = list(rows[0])
     print(" | ".join(header))
@@ -172,12 +189,14 @@ def main() -> None:
     parser.add_argument("--pieces", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=2048, help="the decoder's RMSNorm width (float32 rows)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     write_table([run_conv_case(t, c, p, args.repeat) for t in args.tokens for c in args.channels for p in args.pieces],
                 os.path.join(args.out, "short_conv.csv"))
     write_table([run_norm_case(t, args.heads, args.head_dim, args.repeat) for t in args.tokens],
                 os.path.join(args.out, "gated_rms_norm.csv"))
+    write_table([run_rms_norm_case(t, args.hidden, args.repeat) for t in args.tokens], os.path.join(args.out, "rms_norm.csv"))
 
 
 if __name__ == "__main__":

@@ -241,6 +241,7 @@ SHORT_CONV_TOKENS = 64  # tokens per forward thread (a run that reuses its windo
 SHORT_CONV_BACKWARD_TOKENS = 128  # tokens per backward thread: one row of weight-gradient partial sums
 COLUMN_SUM_THREADS = 256
 COLUMN_SUM_VECTOR = 4  # float32 columns per thread (16 bytes)
+COLUMN_SUM_ROW_GROUPS = 8  # threads of a column-sum CTA that split one column's rows (fixed order)
 
 
 def _check_short_conv_width(width: int) -> None:
@@ -282,7 +283,7 @@ class ColumnSumConfig:
 
 GATED_NORM_DIMS = (64, 128)  # row lengths (head_v_dim) of the gated-norm kernels
 GATED_NORM_THREADS = 128
-GATED_NORM_ROWS = 256  # rows per CTA (a multiple of the row groups times the load batch)
+GATED_NORM_ROWS = 1024  # rows per CTA (a multiple of the row groups times the load batch): 512 CTAs at 32k x 16 heads
 
 
 @dataclass(frozen=True)

@@ -298,3 +298,23 @@ def emulate_gated_rms_norm_backward(launch) -> None:
     launch.dx.copy_(dx.reshape(launch.dx.shape))
     launch.dgate.copy_(dgate.reshape(launch.dgate.shape))
     launch.partials.copy_(terms.reshape(blocks, GATED_NORM_ROWS, -1).sum(1).reshape(launch.partials.shape))
+
+
+def run_three_ways(make_launches, outputs: tuple[str, ...]) -> dict:
+    """GPU check of a kernel sequence: fresh launches from ``make_launches()`` run twice on the GPU and once
+    emulated -> {name: (first run, second run, emulated)} for each output named "index.field" (field of
+    the index-th launch). The callers compare (tests/cp_linear/test_layer_kernels.py,
+    benchmarks/bench_layer_kernels.py)."""
+    import torch
+
+    kernel, again, emulated = make_launches(), make_launches(), make_launches()
+    for launch in (*kernel, *again):
+        launch.run()
+    for launch in emulated:
+        run_emulated(launch)
+    torch.cuda.synchronize()
+    results = {}
+    for name in outputs:
+        index, field = name.split(".")
+        results[name] = tuple(getattr(launches[int(index)], field) for launches in (kernel, again, emulated))
+    return results

@@ -698,7 +698,7 @@ class ShortConvBackwardLaunch(_Launch):
 class ColumnSumLaunch(_Launch):
     """``sums[n] = sum over r (in order) of rows[r, n]``, float32, with the N columns viewed as [N/4, 4]."""
 
-    KERNEL: ClassVar[str] = "cp_linear.kernels.short_conv:ColumnSumKernel"
+    KERNEL: ClassVar[str] = "cp_linear.kernels.column_sum:ColumnSumKernel"
     OUTPUTS: ClassVar[tuple[str, ...]] = ("sums",)
     config: cfg.ColumnSumConfig
     rows: Any = _spec(None, None, cfg.COLUMN_SUM_VECTOR, dtype="float32", align=16)

@@ -19,7 +19,7 @@ recomputes pre and dpre = dy · silu'(pre) for its run and the W − 1 tokens af
 keeps the last W dpre values in registers and emits dx[u] = sum_s w[W − 1 − s] · dpre[u + s] (tap s
 usable at u + s) once dpre[u + W − 1] is known; the run at a piece's start also emits the halo's
 gradient. The weight and bias gradients of the run's tokens are summed in registers and written as
-one row of ``partials``; ``ColumnSumKernel`` adds the rows in order, so the result does not depend on
+one row of ``partials``; ``column_sum.ColumnSumKernel`` adds the rows in a fixed order, so the result does not depend on
 the schedule (bitwise reproducible, and equal across frontends).
 """
 
@@ -30,10 +30,10 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from cp_linear.kernels._common import cutlass_dtype
-from cp_linear.kernels.configs import COLUMN_SUM_THREADS, COLUMN_SUM_VECTOR, SHORT_CONV_BACKWARD_TOKENS
+from cp_linear.kernels.configs import SHORT_CONV_BACKWARD_TOKENS
 from cp_linear.kernels.configs import SHORT_CONV_THREADS as THREADS
 from cp_linear.kernels.configs import SHORT_CONV_TOKENS, SHORT_CONV_VECTOR as VEC
-from cp_linear.kernels.configs import ColumnSumConfig, ShortConvBackwardConfig, ShortConvConfig
+from cp_linear.kernels.configs import ShortConvConfig
 
 LOAD_BATCH = 4  # tokens whose loads a thread issues together (several 16-byte loads in flight per thread)
 
@@ -116,12 +116,14 @@ def _run_registers(x: cute.Tensor, halo: cute.Tensor, weight: cute.Tensor, bias:
     return w_regs, b_regs, window
 
 
-class ShortConvKernel:
+class _ShortConvBase:
     def __init__(self, config: ShortConvConfig):
         config.validate()
         self.width = config.width
         self.dtype = cutlass_dtype(config.dtype)
 
+
+class ShortConvKernel(_ShortConvBase):
     @cute.jit
     def __call__(self,
                  x: cute.Tensor,  # [B·L, C/8, 8] input dtype
@@ -163,12 +165,7 @@ class ShortConvKernel:
                         window[j, None].store(window[j + 1, None].load())
 
 
-class ShortConvBackwardKernel:
-    def __init__(self, config: ShortConvBackwardConfig):
-        config.validate()
-        self.width = config.width
-        self.dtype = cutlass_dtype(config.dtype)
-
+class ShortConvBackwardKernel(_ShortConvBase):  # config: ShortConvBackwardConfig
     @cute.jit
     def __call__(self,
                  x: cute.Tensor,  # [B·L, C/8, 8] input dtype
@@ -255,29 +252,3 @@ class ShortConvBackwardKernel:
                         window[j, None].store(window[j + 1, None].load())
             for j in cutlass.range_constexpr(W + 1):
                 partials[run_id, j, vector, None].store(grads[j, None].load())
-
-
-class ColumnSumKernel:
-    def __init__(self, config: ColumnSumConfig):
-        config.validate()
-
-    @cute.jit
-    def __call__(self,
-                 rows: cute.Tensor,  # [R, N/4, 4] float32
-                 sums: cute.Tensor,  # [N/4, 4] float32
-                 stream):
-        columns = rows.shape[1]
-        self.kernel(rows, sums).launch(grid=((columns + COLUMN_SUM_THREADS - 1) // COLUMN_SUM_THREADS, 1, 1),
-                                       block=(COLUMN_SUM_THREADS, 1, 1), stream=stream)
-
-    @cute.kernel
-    def kernel(self, rows: cute.Tensor, sums: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        block, _, _ = cute.arch.block_idx()
-        column = block * COLUMN_SUM_THREADS + tidx
-        if column < rows.shape[1]:
-            total = cute.make_rmem_tensor(cute.make_layout((COLUMN_SUM_VECTOR,)), Float32)
-            total.fill(0.0)
-            for r in cutlass.range(rows.shape[0], unroll=4):
-                total.store(total.load() + rows[r, column, None].load())
-            sums[column, None].store(total.load())

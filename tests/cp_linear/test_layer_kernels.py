@@ -15,7 +15,7 @@ import torch
 
 from cp_linear.kernels import configs as kcfg
 from cp_linear.kernels import launch as kl
-from cp_linear.kernels.emulation import run_emulated
+from cp_linear.kernels.emulation import run_emulated, run_three_ways
 
 
 def document_positions(lengths: list[int]) -> torch.Tensor:
@@ -173,15 +173,7 @@ def test_gated_norm_configs_refuse_unsupported_rows_and_dtypes():
 
 
 def _kernels_match_emulation(make_launches, outputs: tuple[str, ...]) -> None:
-    kernel, again, emulated = make_launches(), make_launches(), make_launches()
-    for launch in kernel + again:
-        launch.run()
-    for launch in emulated:
-        run_emulated(launch)
-    torch.cuda.synchronize()
-    for name in outputs:
-        index, field = name.split(".")
-        got, rerun, want = (getattr(launches[int(index)], field) for launches in (kernel, again, emulated))
+    for name, (got, rerun, want) in run_three_ways(make_launches, outputs).items():
         assert torch.equal(got, rerun), f"{name} differs between two runs"
         scale = float(want.float().abs().max()) or 1.0
         # bf16 outputs: one rounding apart at most (fast exp, fused multiply-adds); float32 sums: 1e-5

@@ -226,7 +226,7 @@ def test_short_conv_matches_torch_bit_for_bit(kernels_here, dtype, width, pieces
 
 
 GATED_NORM_CASES = [
-    # x, gate [2, tokens, 2, D]: 4 · tokens rows, the last CTA of GATED_NORM_ROWS (256) rows partial
+    # x, gate [2, tokens, 2, D]: 4 · tokens rows, the last CTA of GATED_NORM_ROWS rows partial
     pytest.param(torch.bfloat16, 7, 64, id="bf16-D64-rows28"),
     pytest.param(torch.bfloat16, 1000, 128, id="bf16-D128-rows4000"),
     pytest.param(torch.float16, 333, 64, id="fp16-D64-rows1332"),

@@ -100,7 +100,7 @@ def float64_reference(module, x, gate, dout) -> dict:
 
 KERNEL_CASES = [
     pytest.param(7, 64, "bfloat16", id="bf16-D64-rows28"),  # one partial CTA
-    pytest.param(kcfg.GATED_NORM_ROWS // 4 + 3, 128, "bfloat16", id="bf16-D128-rows268"),  # a full CTA and 12 rows
+    pytest.param(kcfg.GATED_NORM_ROWS // 4 + 3, 128, "bfloat16", id="bf16-D128-full-cta-and-12-rows"),
     pytest.param(9, 128, "float16", id="fp16-D128-rows36"),
     pytest.param(33, 64, "float16", id="fp16-D64-rows132"),
 ]
@@ -140,7 +140,7 @@ def test_gated_norm_kernel_path_matches_float64_and_the_jnp_path(kernel_path, mo
 def test_gated_norm_kernel_path_inside_shard_map_sums_the_weight_gradient(kernel_path):
     """Tokens split over 2 devices, weight replicated: out, dx, dgate as on one device, dweight the sum of
     the ranks' gradients (a missing sum halves it)."""
-    module, x, gate, dout = make_case(kcfg.GATED_NORM_ROWS // 4 + 4, 64, "bfloat16", seed=1)  # 136 rows a rank
+    module, x, gate, dout = make_case(kcfg.GATED_NORM_ROWS // 4 + 4, 64, "bfloat16", seed=1)  # a CTA and 8 rows a rank
     one_device = run(module, x, gate, dout)
 
     graphdef, state = nnx.split(module)
