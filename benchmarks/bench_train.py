@@ -1,16 +1,29 @@
 """One training step of the hybrid decoder: tokens/s, MFU and peak memory, torch (1 GPU, CP on 2 GPUs)
-and, when flash-linear-attention is importable, the same model built from FLA's GatedDeltaProduct layer.
+and, when flash-linear-attention is importable, the same model built from FLA's GatedDeltaProduct layer;
+the same model in JAX on 1 GPU.
 
     python benchmarks/bench_train.py [--out DIR] [--tokens 32768] [--gpus 1 2] [--repeat 5] [--no-fla]
-    python benchmarks/bench_train.py --dry-run      # tiny model on the CPU (what CI runs)
+                                     [--frameworks torch jax]
+    python benchmarks/bench_train.py --dry-run [--frameworks torch jax]   # tiny model on the CPU (what CI runs)
 
 Model: hidden 2048, 8 layers alternating GDP (16 heads x 128, n_h = 2) and attention (GQA 16 / 4,
 head 128), bf16 autocast over float32 weights, T tokens per GPU in packed documents. CP runs are
 spawned here (no torchrun) with NCCL, NCCL_NVLS_ENABLE=0 and a collective timeout, so one call stays
 well inside 9 minutes. MFU = model FLOPs per step (6 x parameters x tokens + the GDP and attention
 matmul FLOPs, forward x 3) / (time x peak bf16 FLOP/s, 989e12 for an H100/H200). Writes a table, a
-CSV and a PNG (when matplotlib is importable). The JAX column is left to bench_jax_kernels.py until
-its layers run the kernels on a GPU.
+CSV and a PNG (when matplotlib is importable). Every row runs on the same documents and tokens, and
+the torch step updates nothing (forward, then backward into ``.grad``).
+
+JAX, "jax-1gpu" (``--frameworks``; by default when jax is importable and not --dry-run, then only when
+JAX sees a GPU; ``jax_train_step.py``): the same decoder from ``jax_api.layers`` with the torch rows'
+initial weights (so the loss printed under the table matches), one ``jax.jit(jax.value_and_grad)``
+step, no update, timed alike after an untimed ahead-of-time compile. bf16 through the model's
+``compute_dtype`` (JAX has no autocast): its residual stream is bf16 and its attention the float32
+document-masked softmax over every key, where torch keeps a float32 residual and runs flex_attention in
+bf16; the printout lists these differences and which CuTeDSL kernels (GDP, short conv, gated norm) the
+compiled step calls. Peak memory: JAX's ``peak_bytes_in_use`` since the process started (XLA has no
+reset). A ``jax / torch`` line compares jax-1gpu with cp_linear-1gpu tokens/s (issue 15: within 3%).
+--dry-run runs it on the CPU in float32, as the torch dry run.
 
 FLA baseline, "fla-1gpu" (one GPU, no CP; run when ``fla`` is importable, unless --no-fla or --dry-run;
 ``fla_baseline.py``): the same HybridDecoder, same weights and documents, with its GDP mixers
@@ -77,6 +90,14 @@ def _doc_ids(total: int, seed: int):
     return np.repeat(np.arange(1, len(lengths) + 1), lengths)
 
 
+def _token_ids(vocab_size: int, total: int, seed: int):
+    """int64 [total]: the whole row's tokens, drawn on the host so that every framework and rank reads
+    the same ones (rank r takes its slice)."""
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(0, vocab_size, total)
+
+
 def _step_fn(model, tokens, layout, device):
     import torch
 
@@ -141,7 +162,8 @@ def measure(rank: int, world: int, group, args, fla: bool = False) -> dict | Non
     layout = build_shard_layout(total_len=total, doc_ids=ids, cp_group=group).materialize(device)
     if fla:  # the same documents: FLA's cu_seqlens, RoPE positions and the flex BlockMask, built once
         layout = FlexLayout(layout, device)
-    tokens = torch.randint(0, config.vocab_size, (1, args.tokens), device=device)
+    local = slice(rank * args.tokens, (rank + 1) * args.tokens)
+    tokens = torch.from_numpy(_token_ids(config.vocab_size, total, 1)[local]).reshape(1, -1).to(device)
     step = _step_fn(model, tokens, layout, device)
     for _ in range(args.warmup):
         step()
@@ -152,7 +174,7 @@ def measure(rank: int, world: int, group, args, fla: bool = False) -> dict | Non
     for _ in range(args.repeat):
         model.zero_grad(set_to_none=True)
         start = time.perf_counter()
-        step()
+        loss = step()
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
@@ -165,7 +187,7 @@ def measure(rank: int, world: int, group, args, fla: bool = False) -> dict | Non
     row = dict(framework="torch", variant=f"{'fla' if fla else 'cp_linear'}-{world}gpu", gpus=world,
                tokens_per_gpu=args.tokens, step_ms=1e3 * seconds, tokens_per_s=total / seconds,
                mfu=model_flops(config, args.tokens) / (seconds * PEAK_BF16) if cuda else float("nan"),
-               peak_gib=peak)
+               peak_gib=peak, loss=float(loss.detach()))  # every step's loss (nothing is updated), printed
     if note:
         row["note"] = note  # printed under the table, not a CSV column
     return row
@@ -234,12 +256,78 @@ def run_fla(args) -> list[dict]:
         return []
 
 
+def wants_jax(args) -> bool:
+    """The JAX row: as --frameworks says; by default when jax is importable and this is no --dry-run
+    (``run_jax`` then skips it unless JAX sees a GPU)."""
+    if args.frameworks is not None:
+        return "jax" in args.frameworks
+    return not args.dry_run and importlib.util.find_spec("jax") is not None
+
+
+def run_jax(args) -> list[dict]:
+    """The JAX row, measured in this process on JAX's first device after the torch rows. A failure is
+    printed, not raised, so that the other rows are still written."""
+    import traceback
+
+    try:
+        import jax_train_step  # benchmarks/, beside this file
+
+        if not args.dry_run and jax_train_step.backend() != "gpu":
+            print(f"jax-1gpu skipped: JAX's default backend is {jax_train_step.backend()}, not a GPU")
+            return []
+        return [jax_row(args)]
+    except Exception:
+        traceback.print_exc()
+        print("jax-1gpu failed (traceback above): no JAX row")
+        return []
+
+
+def jax_row(args) -> dict:
+    """jax-1gpu's row: the torch rows' model (config, seed-0 initial weights), documents and tokens,
+    in bf16 on a GPU and float32 for --dry-run (where torch's autocast is off too)."""
+    import jax_train_step
+    import torch
+
+    from cp_linear.model_config import DecoderConfig
+    from torch_api.layers import HybridDecoder
+
+    config = DecoderConfig(**(TINY if args.dry_run else FULL))
+    torch.manual_seed(0)
+    weights = HybridDecoder(config).state_table()  # built on the CPU, as ``measure`` builds it before .to()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the torch rows' cached blocks, back to the device for JAX
+    gpu = not args.dry_run
+    result = jax_train_step.measure_jax(
+        config, weights, _doc_ids(args.tokens, 0), _token_ids(config.vocab_size, args.tokens, 1).reshape(1, -1),
+        bf16=gpu, on_cpu=not gpu, warmup=args.warmup, repeat=args.repeat)
+    seconds, peak = result["seconds"], result["peak_bytes"]
+    precision = (f"bf16 compute_dtype over float32 weights; unlike torch's autocast: "
+                 f"{jax_train_step.PRECISION_DIFFERENCES}" if gpu else "float32 throughout, as torch's dry run")
+    memory = ("JAX's peak_bytes_in_use since the process started" if peak is not None
+              else f"not reported (memory_stats() is None on {result['device']}): NaN")
+    note = "\n  ".join([f"precision: {precision}",
+                        f"CuTeDSL kernels in the step: {jax_train_step.kernel_summary(result['kernels'])}",
+                        f"step: jit(value_and_grad), no update; compiled ahead in {result['compile_s']:.1f} s "
+                        "(untimed)",
+                        f"peak memory: {memory}"])
+    return dict(framework="jax", variant="jax-1gpu", gpus=1, tokens_per_gpu=args.tokens, step_ms=1e3 * seconds,
+                tokens_per_s=args.tokens / seconds,
+                mfu=model_flops(config, args.tokens) / (seconds * PEAK_BF16) if gpu else float("nan"),
+                peak_gib=peak / 2**30 if peak is not None else float("nan"), loss=result["loss"],
+                kernels=result["kernels"], note=note)
+
+
+def tokens_ratio(rows: list[dict], numerator: str, denominator: str) -> float | None:
+    """``numerator``'s tokens/s over ``denominator``'s (variants), None unless both were measured."""
+    by_variant = {row["variant"]: row for row in rows}
+    if numerator not in by_variant or denominator not in by_variant:
+        return None
+    return by_variant[numerator]["tokens_per_s"] / by_variant[denominator]["tokens_per_s"]
+
+
 def speedup(rows: list[dict]) -> float | None:
     """cp_linear-1gpu tokens/s over fla-1gpu tokens/s, None unless both were measured."""
-    by_variant = {row["variant"]: row for row in rows}
-    if "cp_linear-1gpu" not in by_variant or "fla-1gpu" not in by_variant:
-        return None
-    return by_variant["cp_linear-1gpu"]["tokens_per_s"] / by_variant["fla-1gpu"]["tokens_per_s"]
+    return tokens_ratio(rows, "cp_linear-1gpu", "fla-1gpu")
 
 
 def write(rows: list[dict], out: str) -> None:
@@ -258,6 +346,13 @@ def write(rows: list[dict], out: str) -> None:
     ratio = speedup(rows)
     if ratio is not None:
         print(f"speedup: cp_linear-1gpu / fla-1gpu tokens/s = {ratio:.2f}x (issue 15's target: >= 1.5x)")
+    jax_ratio = tokens_ratio(rows, "jax-1gpu", "cp_linear-1gpu")
+    if jax_ratio is not None:
+        print(f"jax / torch tokens/s: jax-1gpu / cp_linear-1gpu = {jax_ratio:.3f} "
+              f"(issue 15's target: >= 0.97, JAX within 3% of torch)")
+        losses = {row["variant"]: row["loss"] for row in rows}
+        print(f"loss (every step's): cp_linear-1gpu {losses['cp_linear-1gpu']:.6f}, jax-1gpu {losses['jax-1gpu']:.6f} "
+              f"(jax / torch - 1 = {losses['jax-1gpu'] / losses['cp_linear-1gpu'] - 1:.2e})")
     if importlib.util.find_spec("matplotlib") is not None:
         import matplotlib
 
@@ -267,8 +362,10 @@ def write(rows: list[dict], out: str) -> None:
         fig, ax = plt.subplots(figsize=(6, 3))
         ax.bar([r["variant"] for r in rows], [r["tokens_per_s"] for r in rows])
         ax.set_ylabel("tokens / s")
-        if ratio is not None:
-            ax.set_title(f"cp_linear-1gpu / fla-1gpu: {ratio:.2f}x", fontsize=9)
+        titles = ([f"cp_linear-1gpu / fla-1gpu: {ratio:.2f}x"] if ratio is not None else []) + (
+            [f"jax / torch: {jax_ratio:.3f}"] if jax_ratio is not None else [])
+        if titles:
+            ax.set_title(", ".join(titles), fontsize=9)
         fig.tight_layout()
         fig.savefig(os.path.join(out, "bench_train.png"))
 
@@ -290,14 +387,20 @@ def main(argv=None, run=run_world) -> list[dict]:
                         help="the layers' value checks on (NaN/Inf, g, beta; one more header per op)")
     parser.add_argument("--no-fla", action="store_true",
                         help="skip the flash-linear-attention baseline (fla-1gpu), run by default when importable")
+    parser.add_argument("--frameworks", nargs="+", choices=["torch", "jax"], default=None,
+                        help="torch: the cp_linear rows (and fla-1gpu); jax: the jax-1gpu row. Default: both, "
+                             "jax only where it is importable and sees a GPU; torch only for --dry-run")
     args = parser.parse_args(argv)
     if args.dry_run:
         args.tokens, args.repeat, args.warmup = min(args.tokens, 32), 1, 0
+    torch_rows = args.frameworks is None or "torch" in args.frameworks
     rows = []
-    for world in args.gpus:
+    for world in args.gpus if torch_rows else []:
         rows += run(world, args)
-    if fla_available() and not args.dry_run and not args.no_fla:
+    if torch_rows and fla_available() and not args.dry_run and not args.no_fla:
         rows += run_fla(args)
+    if wants_jax(args):  # last: JAX's memory then stays out of the torch rows' way
+        rows += run_jax(args)
     write(rows, args.out)
     return rows
 

@@ -1,11 +1,13 @@
 """benchmarks/bench_train.py imports without a GPU and its --dry-run (tiny model on the CPU, gloo for
-CP) runs end to end and writes its table and CSV, so the script cannot rot between GPU sessions.
+CP; with --frameworks torch jax also the JAX row) runs end to end and writes its table and CSV, so the
+script cannot rot between GPU sessions.
 
 The CP rank runs in the session's 2-rank gloo pool instead of freshly spawned processes (spawning
 two ranks that import torch cost most of the old test's 150 s on CI); ``run_world``'s spawning is
 the only part left to the GPU sessions.
 """
 
+import argparse
 import csv
 import importlib
 import importlib.util
@@ -62,6 +64,70 @@ def test_dry_run_prints_and_writes_a_row_per_world_size(tmp_path, gloo_pools, ca
     assert [line.split(" | ")[1] for line in table[header + 1:header + 3]] == ["cp_linear-1gpu", "cp_linear-2gpu"]
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "bench_train.png").stat().st_size > 0
+
+
+def _load_jax_step():
+    pytest.importorskip("flax")
+    _load()  # puts benchmarks/ on the path
+    return importlib.import_module("jax_train_step")
+
+
+def test_dry_run_jax_row_runs_the_torch_rows_model_and_prints_the_ratio(tmp_path, capsys):
+    """--frameworks torch jax: the jax-1gpu row (float32 on the CPU, the layers' jnp paths) after the torch
+    row, with the torch model's weights, documents and tokens, so both steps give the same loss."""
+    step = _load_jax_step()
+    bench = _load()
+
+    def run(world, args):
+        return [bench.measure(0, 1, None, args)]
+
+    rows = bench.main(["--dry-run", "--gpus", "1", "--frameworks", "torch", "jax", "--out", str(tmp_path)], run=run)
+    assert [(row["framework"], row["variant"]) for row in rows] == [("torch", "cp_linear-1gpu"), ("jax", "jax-1gpu")]
+    torch_row, jax_row = rows
+    assert 0 < jax_row["step_ms"] < 60e3, jax_row
+    assert jax_row["tokens_per_s"] == pytest.approx(TOKENS / (jax_row["step_ms"] / 1e3), rel=1e-9)
+    assert math.isnan(jax_row["mfu"]) and math.isnan(jax_row["peak_gib"]), jax_row  # no GPU: not measured
+    assert jax_row["kernels"] == {"GDP": 0, "short conv": 0, "gated norm": 0}  # CPU, float32: the jnp paths
+    # both float32 here: the converted weights, same tokens and documents give the torch loss to rounding
+    assert jax_row["loss"] == pytest.approx(torch_row["loss"], rel=1e-5)
+
+    with open(tmp_path / "bench_train.csv") as handle:
+        reader = csv.DictReader(handle)
+        assert reader.fieldnames == COLUMNS
+        assert [(r["framework"], r["variant"]) for r in reader] == [("torch", "cp_linear-1gpu"), ("jax", "jax-1gpu")]
+    out = capsys.readouterr().out
+    ratio = jax_row["tokens_per_s"] / torch_row["tokens_per_s"]
+    assert f"jax / torch tokens/s: jax-1gpu / cp_linear-1gpu = {ratio:.3f}" in out
+    kernels = step.kernel_summary(jax_row["kernels"])
+    assert f"CuTeDSL kernels in the step: {kernels}" in out
+    assert "none (the kernels need a CUDA GPU" in kernels or step.backend() != "cpu"  # a GPU machine: "no (jnp ops)"
+    assert "peak memory: not reported (memory_stats() is None on cpu)" in out
+    assert "failed" not in out
+
+
+@pytest.mark.parametrize("argv, expected", [
+    pytest.param(["--dry-run"], False, id="dry-run-default-torch-only"),
+    pytest.param([], True, id="default-jax-when-importable"),
+    pytest.param(["--frameworks", "torch"], False, id="torch"),
+    pytest.param(["--dry-run", "--frameworks", "jax"], True, id="dry-run-jax"),
+])
+def test_frameworks_choose_the_jax_row(argv, expected):
+    pytest.importorskip("jax")  # the default looks for an importable jax
+    bench = _load()
+    args = argparse.Namespace(dry_run="--dry-run" in argv,
+                              frameworks=argv[argv.index("--frameworks") + 1:] if "--frameworks" in argv else None)
+    assert bench.wants_jax(args) is expected
+
+
+def test_kernel_use_counts_custom_calls_by_family():
+    """The CuTeDSL record reads the lowered step: each family's cp_linear custom calls (the column sum
+    serves the conv's and the norm's weight gradients alike and counts for neither)."""
+    step = _load_jax_step()
+    text = "\n".join(f"%{i} = stablehlo.custom_call @cp_linear_{name}_bfloat16_K_128(%arg0)" for i, name in enumerate([
+        "ChunkPrepConfig", "ChunkScanConfig", "SegmentFoldConfig", "ChunkReverseScanConfig", "ChunkPrepBackwardConfig",
+        "ShortConvConfig", "ShortConvBackwardConfig", "GatedRMSNormBackwardConfig", "ColumnSumConfig"]))
+    assert step.kernel_use(text) == {"GDP": 5, "short conv": 2, "gated norm": 1}
+    assert step.kernel_use("stablehlo.custom_call @Sharding(%arg0)") == {"GDP": 0, "short conv": 0, "gated norm": 0}
 
 
 def _fla_baseline():

@@ -2,7 +2,8 @@
 
 Layouts are ``cp_linear.kernels.launch.GatedRMSNormLaunch``'s: rows of D values viewed as [D / 8, 8],
 so D / 8 consecutive lanes own one row (one 16-byte vector each) and add their partial sums of squares
-with butterfly shuffles. A CTA takes ``GATED_NORM_ROWS`` consecutive rows; its row groups walk them
+with butterfly shuffles. A CTA takes ``GATED_NORM_FORWARD_ROWS`` (backward: ``GATED_NORM_ROWS``)
+consecutive rows; its row groups walk them
 interleaved (a warp reads whole neighbouring rows) with ``LOAD_BATCH`` rows' loads in flight at once.
 All arithmetic is float32; outputs are rounded to the input dtype once.
 
@@ -19,7 +20,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from cp_linear.kernels._common import cutlass_dtype
-from cp_linear.kernels.configs import GATED_NORM_ROWS, GATED_NORM_THREADS as THREADS
+from cp_linear.kernels.configs import GATED_NORM_FORWARD_ROWS, GATED_NORM_ROWS, GATED_NORM_THREADS as THREADS
 from cp_linear.kernels.configs import GatedRMSNormBackwardConfig, GatedRMSNormConfig
 
 VEC = 8
@@ -44,7 +45,7 @@ def _silu_parts(gate: Float32):
 class _Rows:
     """This thread's place: lane ``vector`` of row group ``group``; the CTA's rows start at ``first``."""
 
-    def __init__(self, dim: int):
+    def __init__(self, dim: int, rows_per_cta: int):
         tidx, _, _ = cute.arch.thread_idx()
         block, _, _ = cute.arch.block_idx()
         self.lanes = dim // VEC
@@ -52,7 +53,7 @@ class _Rows:
         self.dim = dim
         self.vector = tidx % self.lanes
         self.group = tidx // self.lanes
-        self.first = block * GATED_NORM_ROWS
+        self.first = block * rows_per_cta
 
 
 def _row(at: _Rows, step):
@@ -91,19 +92,19 @@ class GatedRMSNormKernel:
                  out: cute.Tensor,  # [R, D/8, 8] input dtype
                  eps: Float32,
                  stream):
-        blocks = (x.shape[0] + GATED_NORM_ROWS - 1) // GATED_NORM_ROWS
+        blocks = (x.shape[0] + GATED_NORM_FORWARD_ROWS - 1) // GATED_NORM_FORWARD_ROWS
         self.kernel(x, gate, weight, out, eps).launch(grid=(blocks, 1, 1), block=(THREADS, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, x: cute.Tensor, gate: cute.Tensor, weight: cute.Tensor, out: cute.Tensor, eps: Float32):
-        at = _Rows(self.dim)
+        at = _Rows(self.dim, GATED_NORM_FORWARD_ROWS)
         w_regs = cute.make_rmem_tensor(cute.make_layout((VEC,)), Float32)
         w_regs.store(weight[at.vector, None].load())
         x_batch = cute.make_rmem_tensor(cute.make_layout((LOAD_BATCH, VEC), stride=(VEC, 1)), self.dtype)
         g_batch = cute.make_rmem_tensor(cute.make_layout((LOAD_BATCH, VEC), stride=(VEC, 1)), self.dtype)
         result = cute.make_rmem_tensor(cute.make_layout((VEC,)), Float32)
         last_row = x.shape[0] - 1
-        for step in cutlass.range(0, GATED_NORM_ROWS // at.groups, LOAD_BATCH):
+        for step in cutlass.range(0, GATED_NORM_FORWARD_ROWS // at.groups, LOAD_BATCH):
             _load_batch(at, ((x, x_batch), (gate, g_batch)), step, last_row)
             for i in cutlass.range_constexpr(LOAD_BATCH):
                 row = _row(at, step + i)
@@ -141,7 +142,7 @@ class GatedRMSNormBackwardKernel:
     @cute.kernel
     def kernel(self, x: cute.Tensor, gate: cute.Tensor, weight: cute.Tensor, dout: cute.Tensor, dx: cute.Tensor,
                dgate: cute.Tensor, partials: cute.Tensor, eps: Float32):
-        at = _Rows(self.dim)
+        at = _Rows(self.dim, GATED_NORM_ROWS)
         tidx, _, _ = cute.arch.thread_idx()
         block, _, _ = cute.arch.block_idx()
         allocator = cutlass.utils.SmemAllocator()

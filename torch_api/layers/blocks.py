@@ -25,6 +25,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # torch's rms_norm: one fused kernel each way on a GPU, the same float32 math (autocast keeps it
+            # float32); on the H200 3.7x faster than the ops below at 32k x 2048 (bench_layer_kernels.py)
+            return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * self.weight.float()).to(x.dtype)
