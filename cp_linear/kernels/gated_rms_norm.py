@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32
 
 from cp_linear.kernels._common import cutlass_dtype
 from cp_linear.kernels.configs import GATED_NORM_FORWARD_ROWS, GATED_NORM_ROWS, GATED_NORM_THREADS as THREADS
-from cp_linear.kernels.configs import GatedRMSNormBackwardConfig, GatedRMSNormConfig
+from cp_linear.kernels.configs import GatedRMSNormConfig
 
 VEC = 8
 LOAD_BATCH = 4  # rows per thread whose loads are issued together
@@ -78,12 +78,14 @@ def _rstd(at: _Rows, values, eps):
     return cute.math.rsqrt(_row_sum(squares, at.lanes) / Float32(at.dim) + eps)
 
 
-class GatedRMSNormKernel:
+class _GatedRMSNormBase:
     def __init__(self, config: GatedRMSNormConfig):
         config.validate()
         self.dim = config.dim
         self.dtype = cutlass_dtype(config.dtype)
 
+
+class GatedRMSNormKernel(_GatedRMSNormBase):
     @cute.jit
     def __call__(self,
                  x: cute.Tensor,  # [R, D/8, 8] input dtype
@@ -118,12 +120,7 @@ class GatedRMSNormKernel:
                     out[row, at.vector, None].store(result.load().to(self.dtype))
 
 
-class GatedRMSNormBackwardKernel:
-    def __init__(self, config: GatedRMSNormBackwardConfig):
-        config.validate()
-        self.dim = config.dim
-        self.dtype = cutlass_dtype(config.dtype)
-
+class GatedRMSNormBackwardKernel(_GatedRMSNormBase):  # config: GatedRMSNormBackwardConfig
     @cute.jit
     def __call__(self,
                  x: cute.Tensor,  # [R, D/8, 8] input dtype
