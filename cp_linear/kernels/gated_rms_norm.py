@@ -21,9 +21,9 @@ from cutlass import Float32
 
 from cp_linear.kernels._common import cutlass_dtype
 from cp_linear.kernels.configs import GATED_NORM_FORWARD_ROWS, GATED_NORM_ROWS, GATED_NORM_THREADS as THREADS
+from cp_linear.kernels.configs import SHORT_CONV_VECTOR as VEC  # 16-byte vectors, as GatedRMSNormConfig.vector
 from cp_linear.kernels.configs import GatedRMSNormConfig
 
-VEC = 8
 LOAD_BATCH = 4  # rows per thread whose loads are issued together
 
 

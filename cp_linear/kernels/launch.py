@@ -637,8 +637,6 @@ LAUNCHES[cfg.ValueChecksConfig] = ValueChecksLaunch
 
 # ---------------------------------------------------------------------------------------------- short conv
 
-SHORT_CONV_VECTOR = cfg.SHORT_CONV_VECTOR
-
 
 @dataclass
 class ShortConvLaunch(_Launch):

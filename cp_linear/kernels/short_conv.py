@@ -29,7 +29,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from cp_linear.kernels._common import cutlass_dtype
+from cp_linear.kernels._common import cutlass_dtype, zero_unless
 from cp_linear.kernels.configs import SHORT_CONV_BACKWARD_TOKENS
 from cp_linear.kernels.configs import SHORT_CONV_THREADS as THREADS
 from cp_linear.kernels.configs import SHORT_CONV_TOKENS, SHORT_CONV_VECTOR as VEC
@@ -93,7 +93,7 @@ def _pre_activation(window: cute.Tensor, weight: cute.Tensor, bias: cute.Tensor,
     pre = bias[e]
     for j in range(width):
         usable = position >= width - 1 - j
-        pre = pre + weight[j, e] * cutlass.select_(usable, window[j, e], Float32(0.0))
+        pre = pre + weight[j, e] * zero_unless(usable, window[j, e])
     return pre
 
 
@@ -226,12 +226,12 @@ class ShortConvBackwardKernel(_ShortConvBase):  # config: ShortConvBackwardConfi
                         pre = _pre_activation(window, w_regs, b_regs, position, e, W)
                         sig = _sigmoid(pre)
                         dpre = dy_regs[0, e] * sig * (Float32(1.0) + pre * (Float32(1.0) - sig))
-                        dpre_window[W - 1, e] = cutlass.select_(inside, dpre, Float32(0.0))
+                        dpre_window[W - 1, e] = zero_unless(inside, dpre)
                     if t < run.last:  # the run's own tokens feed its weight and bias gradients
                         for e in cutlass.range_constexpr(VEC):
                             dpre = dpre_window[W - 1, e]
                             for j in cutlass.range_constexpr(W):
-                                tap_input = cutlass.select_(position >= W - 1 - j, window[j, e], Float32(0.0))
+                                tap_input = zero_unless(position >= W - 1 - j, window[j, e])
                                 grads[j, e] = grads[j, e] + dpre * tap_input
                             grads[W, e] = grads[W, e] + dpre
                     u = t - (W - 1)
@@ -240,8 +240,7 @@ class ShortConvBackwardKernel(_ShortConvBase):  # config: ShortConvBackwardConfi
                             total = Float32(0.0)
                             for s in cutlass.range_constexpr(W):
                                 reaches = position_window[s] >= s  # tap s of token u + s reads token u
-                                total = total + w_regs[W - 1 - s, e] * cutlass.select_(reaches, dpre_window[s, e],
-                                                                                       Float32(0.0))
+                                total = total + w_regs[W - 1 - s, e] * zero_unless(reaches, dpre_window[s, e])
                             dx_regs[e] = total
                         if u >= run.piece_start:
                             dx[run.base + u, vector, None].store(dx_regs.load().to(self.dtype))

@@ -59,7 +59,7 @@ from cp_linear.summary import (
 from jax_api.gdp import kernel_calls
 from jax_api.gdp.chunk import JaxGDPBackend, check_gdp_inputs
 
-_DTYPE_NAMES = {jnp.dtype(jnp.bfloat16): "bfloat16", jnp.dtype(jnp.float16): "float16"}
+KERNEL_DTYPE_NAMES = {jnp.dtype(jnp.bfloat16): "bfloat16", jnp.dtype(jnp.float16): "float16"}
 _KERNEL_BACKWARD = "kernel_backward"  # saved-context flag: the kernels' backward reads the segment states
 _F32 = jnp.float32
 DEFAULT_SM_COUNT = 132  # an H100 / H200, where a device does not report its SM count
@@ -89,7 +89,7 @@ def unsupported_reason(q, k, v, num_householder: int) -> str | None:
     reason = kernel_platform_reason()
     if reason is not None:
         return reason
-    if jnp.dtype(q.dtype) not in _DTYPE_NAMES:
+    if jnp.dtype(q.dtype) not in KERNEL_DTYPE_NAMES:
         return f"the kernels take bfloat16 or float16 q/k/v; received {jnp.dtype(q.dtype).name}"
     key_dim, value_dim = q.shape[-1], v.shape[-1]
     if key_dim not in kcfg.HEAD_DIMS or value_dim not in kcfg.HEAD_DIMS:
@@ -136,7 +136,7 @@ class _Shard(kl.KernelShard):
 
     @property
     def dtype(self) -> str:
-        return _DTYPE_NAMES[jnp.dtype(self.q.dtype)]
+        return KERNEL_DTYPE_NAMES[jnp.dtype(self.q.dtype)]
 
     def tables(self, *names: str) -> dict[str, jax.Array]:
         return {name: getattr(self.layout, name) for name in names}
@@ -226,7 +226,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         n_h = inputs.num_householder
         row_block = self.row_block or kl.scan_row_block(key_dim, value_dim, n_h)
         row_block = row_block if row_block <= min(key_dim, value_dim) else 0
-        dtype = _DTYPE_NAMES[jnp.dtype(q.dtype)]
+        dtype = KERNEL_DTYPE_NAMES[jnp.dtype(q.dtype)]
         scan_rows = kcfg.ChunkScanConfig(dtype, key_dim, value_dim, "output", 32, row_block).rows_per_cta
         # the trailing sequence: the last nonempty one (a JAX layout pads N with empty sequences)
         trailing = _last_nonempty(cu) if not rows else None

@@ -21,6 +21,7 @@ from flax import nnx
 from cp_linear.kernels import configs as kcfg
 from cp_linear.kernels import launch as kl
 from jax_api.gdp import kernel_calls
+from jax_api.gdp.cutedsl import KERNEL_DTYPE_NAMES
 from jax_api.layers.conv import kernel_short_conv, masked_causal_conv
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -73,8 +74,6 @@ class RMSNorm(nnx.Module):
 
 # --------------------------------------------------------------------------- the gated norm's kernel path
 
-_GATED_NORM_DTYPES = {jnp.dtype(jnp.bfloat16): "bfloat16", jnp.dtype(jnp.float16): "float16"}
-
 # Tests: take the gated norm's kernel path wherever its inputs fit, on any platform (on the CPU the custom
 # calls run the emulations the tests register); only the platform check is skipped. As torch's flag of this name.
 FORCE_GATED_NORM_KERNEL = False
@@ -91,7 +90,7 @@ def gated_norm_kernel_reason(x: jax.Array, gate: jax.Array) -> str | None:
         platform = kernel_platform_reason()
         if platform is not None:
             return platform
-    if jnp.dtype(x.dtype) not in _GATED_NORM_DTYPES or gate.dtype != x.dtype or gate.shape != x.shape:
+    if jnp.dtype(x.dtype) not in KERNEL_DTYPE_NAMES or gate.dtype != x.dtype or gate.shape != x.shape:
         return (f"the gated-norm kernels take x and gate of one shape in bf16 / fp16; received "
                 f"{jnp.dtype(x.dtype).name} {list(x.shape)}, {jnp.dtype(gate.dtype).name} {list(gate.shape)}")
     if x.shape[-1] not in kcfg.GATED_NORM_DIMS:
@@ -108,7 +107,7 @@ def kernel_gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps:
     sums per CTA, which a second kernel adds in a fixed order, so dweight (weight's dtype) is deterministic.
     Works under jit, grad and inside ``shard_map`` (a replicated weight's gradient is summed over the axis).
     """
-    if jnp.dtype(x.dtype) not in _GATED_NORM_DTYPES or gate.dtype != x.dtype or gate.shape != x.shape:
+    if jnp.dtype(x.dtype) not in KERNEL_DTYPE_NAMES or gate.dtype != x.dtype or gate.shape != x.shape:
         raise ValueError(f"x and gate must be bfloat16 or float16 [..., D] of one shape and dtype; received "
                          f"{jnp.dtype(x.dtype).name} {list(x.shape)}, {jnp.dtype(gate.dtype).name} {list(gate.shape)}")
     if x.shape[-1] not in kcfg.GATED_NORM_DIMS or tuple(weight.shape) != x.shape[-1:]:
@@ -129,7 +128,7 @@ def _norm_rows(t: jax.Array) -> jax.Array:
 
 
 def _gated_rms_norm_forward(x, gate, weight, eps) -> jax.Array:
-    config = kcfg.GatedRMSNormConfig(_GATED_NORM_DTYPES[jnp.dtype(x.dtype)], x.shape[-1])
+    config = kcfg.GatedRMSNormConfig(KERNEL_DTYPE_NAMES[jnp.dtype(x.dtype)], x.shape[-1])
     x_rows = _norm_rows(x)
     inputs = dict(x=x_rows, gate=_norm_rows(gate), weight=_vectors(weight.astype(jnp.float32)))
     out = kernel_calls.launch(kl.GatedRMSNormLaunch, config, inputs=inputs, results=dict(out=x_rows.shape),
@@ -150,7 +149,7 @@ def _kernel_gated_rms_norm_fwd(x, gate, weight, eps):
 def _kernel_gated_rms_norm_bwd(eps, residuals, dout):
     x, gate, weight = residuals
     dim = x.shape[-1]
-    config = kcfg.GatedRMSNormBackwardConfig(_GATED_NORM_DTYPES[jnp.dtype(x.dtype)], dim)
+    config = kcfg.GatedRMSNormBackwardConfig(KERNEL_DTYPE_NAMES[jnp.dtype(x.dtype)], dim)
     x_rows = _norm_rows(x)
     # one row of weight-gradient sums per CTA, added in a fixed order by the column-sum kernel: deterministic
     partial_rows = kl.gated_rms_norm_partial_rows(x_rows.shape[0])

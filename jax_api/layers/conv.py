@@ -29,8 +29,8 @@ import numpy as np
 from cp_linear.kernels import configs as kcfg
 from cp_linear.kernels import launch as kl
 from jax_api.gdp import kernel_calls
+from jax_api.gdp.cutedsl import KERNEL_DTYPE_NAMES
 
-_KERNEL_DTYPES = {jnp.dtype(jnp.bfloat16): "bfloat16", jnp.dtype(jnp.float16): "float16"}
 
 # Tests: take the kernel path wherever its inputs fit, on any platform (on the CPU the custom calls run
 # the emulations the tests register); only the platform check is skipped. As torch's flag of this name.
@@ -124,7 +124,7 @@ def short_conv_kernel_reason(x: jax.Array, width: int, channels: Sequence[int]) 
         platform = kernel_platform_reason()
         if platform is not None:
             return platform
-    if jnp.dtype(x.dtype) not in _KERNEL_DTYPES:
+    if jnp.dtype(x.dtype) not in KERNEL_DTYPE_NAMES:
         return f"the short-conv kernels take bfloat16 or float16; received {jnp.dtype(x.dtype).name}"
     if width not in kcfg.SHORT_CONV_WIDTHS:
         return f"the short-conv kernels take widths {kcfg.SHORT_CONV_WIDTHS}; received {width}"
@@ -155,7 +155,7 @@ def kernel_short_conv(x: jax.Array, halo: jax.Array, weight: jax.Array, bias: ja
 
 
 def _check_kernel_arguments(x, halo, weight, bias, positions) -> None:
-    if x.ndim != 3 or jnp.dtype(x.dtype) not in _KERNEL_DTYPES:
+    if x.ndim != 3 or jnp.dtype(x.dtype) not in KERNEL_DTYPE_NAMES:
         raise ValueError(f"x must be bfloat16 or float16 [B, L, C]; received {jnp.dtype(x.dtype).name} "
                          f"{list(x.shape)}")
     batch, length, channels = x.shape
@@ -190,7 +190,7 @@ def _kernel_inputs(x, halo, weight, bias, positions) -> dict:
 
 
 def _short_conv_forward(x, halo, weight, bias, positions) -> jax.Array:
-    config = kcfg.ShortConvConfig(_KERNEL_DTYPES[jnp.dtype(x.dtype)], weight.shape[-1])
+    config = kcfg.ShortConvConfig(KERNEL_DTYPE_NAMES[jnp.dtype(x.dtype)], weight.shape[-1])
     inputs = _kernel_inputs(x, halo, weight, bias, positions)
     out = kernel_calls.launch(kl.ShortConvLaunch, config, inputs=inputs, results=dict(y=inputs["x"].shape),
                               scalars=dict(pieces=halo.shape[1]))
@@ -211,7 +211,7 @@ def _kernel_short_conv_bwd(residuals, dy):
     x, halo, weight, bias, positions = residuals
     batch, length, channels = x.shape
     width, pieces = weight.shape[-1], halo.shape[1]
-    config = kcfg.ShortConvBackwardConfig(_KERNEL_DTYPES[jnp.dtype(x.dtype)], width)
+    config = kcfg.ShortConvBackwardConfig(KERNEL_DTYPE_NAMES[jnp.dtype(x.dtype)], width)
     inputs = _kernel_inputs(x, halo, weight, bias, positions)
     partial_rows = kl.short_conv_partial_rows(batch, length, pieces)
     grads = kernel_calls.launch(

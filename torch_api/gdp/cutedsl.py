@@ -64,7 +64,7 @@ from torch_api.gdp.chunk import TorchGDPBackend, make_cp_saved_context, read_cp_
 from torch_api.gdp.types import GDPInputGradients, GDPInputs
 from torch_api.gdp.validation import check_gdp_inputs
 
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+KERNEL_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _SM_COUNT: dict[int, int] = {}
 _KERNEL_BACKWARD = "kernel_backward"  # saved-context flag: the kernel backward's buffer follows the 9 tensors
 # the work layout's device tables, saved by the forward for the backward (ForwardLayout's fields)
@@ -77,7 +77,7 @@ def unsupported_reason(inputs: GDPInputs) -> str | None:
     """Why the tensor-core kernels cannot run ``inputs`` (None when they can)."""
     if inputs.q.device.type != "cuda":
         return f"the kernels need CUDA tensors; received {inputs.q.device}"
-    if inputs.q.dtype not in _DTYPE_NAMES:
+    if inputs.q.dtype not in KERNEL_DTYPE_NAMES:
         return f"the kernels take bfloat16 or float16 q/k/v; received {inputs.q.dtype}"
     key_dim, value_dim = inputs.q.shape[-1], inputs.v.shape[-1]
     if key_dim not in kcfg.HEAD_DIMS or value_dim not in kcfg.HEAD_DIMS:
@@ -194,7 +194,7 @@ class _Shard(kl.KernelShard):
 
     @property
     def dtype(self) -> str:
-        return _DTYPE_NAMES[self.q.dtype]
+        return KERNEL_DTYPE_NAMES[self.q.dtype]
 
 
 @dataclass(frozen=True)

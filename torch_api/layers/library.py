@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+from torch_api.gdp.cutedsl import KERNEL_DTYPE_NAMES  # the kernels' dtype names, as the GDP backend's
 
 
 def _vectors(t: torch.Tensor) -> torch.Tensor:
@@ -81,7 +81,7 @@ def short_conv(x: torch.Tensor, halo: torch.Tensor, weight: torch.Tensor, bias: 
     batch, length, channels = x.shape
     x_rows, halo_rows, taps, bias_vector, positions32, pieces = _launch_inputs(x, halo, weight, bias, positions)
     y = torch.empty_like(x_rows)
-    config = kcfg.ShortConvConfig(_DTYPE_NAMES[x.dtype], weight.shape[-1])
+    config = kcfg.ShortConvConfig(KERNEL_DTYPE_NAMES[x.dtype], weight.shape[-1])
     _run(kl.ShortConvLaunch(config, x_rows, halo_rows, taps, bias_vector, positions32, y, pieces), x.device)
     return y.view(batch, length, channels)
 
@@ -106,7 +106,7 @@ def short_conv_backward(dy: torch.Tensor, x: torch.Tensor, halo: torch.Tensor, w
     # weight gradient is deterministic (no atomics)
     partial_rows = kl.short_conv_partial_rows(batch, length, pieces)
     partials = x.new_empty((partial_rows, width + 1, *taps.shape[1:]), dtype=torch.float32)
-    backward = kcfg.ShortConvBackwardConfig(_DTYPE_NAMES[x.dtype], width)
+    backward = kcfg.ShortConvBackwardConfig(KERNEL_DTYPE_NAMES[x.dtype], width)
     _run(kl.ShortConvBackwardLaunch(backward, x_rows, halo_rows, taps, bias_vector, positions32, _rows(dy.to(x.dtype)),
                                     dx, dhalo, partials, pieces), x.device)
     column = kcfg.COLUMN_SUM_VECTOR
@@ -147,7 +147,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
     x_rows = _rows(x)
     out = torch.empty_like(x_rows)
-    config = kcfg.GatedRMSNormConfig(_DTYPE_NAMES[x.dtype], x.shape[-1])
+    config = kcfg.GatedRMSNormConfig(KERNEL_DTYPE_NAMES[x.dtype], x.shape[-1])
     _run(kl.GatedRMSNormLaunch(config, x_rows, _rows(gate), _vectors(weight.float()), out, eps), x.device)
     return out.view(x.shape)
 
@@ -169,7 +169,7 @@ def gated_rms_norm_backward(dout: torch.Tensor, x: torch.Tensor, gate: torch.Ten
     # one row of weight-gradient sums per CTA, added in a fixed order by the column-sum kernel: deterministic
     blocks = kl.gated_rms_norm_partial_rows(x_rows.shape[0])
     partials = x.new_empty((blocks, *x_rows.shape[1:]), dtype=torch.float32)
-    config = kcfg.GatedRMSNormBackwardConfig(_DTYPE_NAMES[x.dtype], dim)
+    config = kcfg.GatedRMSNormBackwardConfig(KERNEL_DTYPE_NAMES[x.dtype], dim)
     _run(kl.GatedRMSNormBackwardLaunch(config, x_rows, _rows(gate), _vectors(weight.float()), _rows(dout.to(x.dtype)),
                                        dx, dgate, partials, eps), x.device)
     column = kcfg.COLUMN_SUM_VECTOR
