@@ -159,12 +159,18 @@ def measure(rank: int, world: int, group, args, fla: bool = False) -> dict | Non
                               attention_options={"check_inputs": checks}).to(device)
     total = args.tokens * world
     ids = _doc_ids(total, 0)
-    layout = build_shard_layout(total_len=total, doc_ids=ids, cp_group=group).materialize(device)
+    compiled = bool(getattr(args, "compile", False))
+    # compiled: the graph-ready layout (ids as a device tensor, static shapes; the one torch.compile
+    # traces on one device), bounded to 16 sequences per shard
+    layout = build_shard_layout(total_len=total, doc_ids=ids, cp_group=group,
+                                max_sequences=16 if compiled else None).materialize(device)
     if fla:  # the same documents: FLA's cu_seqlens, RoPE positions and the flex BlockMask, built once
         layout = FlexLayout(layout, device)
     local = slice(rank * args.tokens, (rank + 1) * args.tokens)
     tokens = torch.from_numpy(_token_ids(config.vocab_size, total, 1)[local]).reshape(1, -1).to(device)
-    step = _step_fn(model, tokens, layout, device)
+    # torch.compile (Inductor) fuses the decoder's elementwise work, as XLA does for the JAX row;
+    # the warmup steps compile (untimed)
+    step = _step_fn(torch.compile(model) if compiled else model, tokens, layout, device)
     for _ in range(args.warmup):
         step()
     if cuda:
@@ -188,6 +194,8 @@ def measure(rank: int, world: int, group, args, fla: bool = False) -> dict | Non
                tokens_per_gpu=args.tokens, step_ms=1e3 * seconds, tokens_per_s=total / seconds,
                mfu=model_flops(config, args.tokens) / (seconds * PEAK_BF16) if cuda else float("nan"),
                peak_gib=peak, loss=float(loss.detach()))  # every step's loss (nothing is updated), printed
+    if compiled:
+        note = "; ".join(filter(None, [note, "torch.compile(model): compiled in the warmup steps"]))
     if note:
         row["note"] = note  # printed under the table, not a CSV column
     return row
@@ -306,7 +314,7 @@ def jax_row(args) -> dict:
     memory = ("JAX's peak_bytes_in_use since the process started" if peak is not None
               else f"not reported (memory_stats() is None on {result['device']}): NaN")
     note = "\n  ".join([f"precision: {precision}",
-                        f"CuTeDSL kernels in the step: {jax_train_step.kernel_summary(result['kernels'])}",
+                        f"kernels in the step: {jax_train_step.kernel_summary(result['kernels'])}",
                         f"step: jit(value_and_grad), no update; compiled ahead in {result['compile_s']:.1f} s "
                         "(untimed)",
                         f"peak memory: {memory}"])
@@ -383,6 +391,10 @@ def main(argv=None, run=run_world) -> list[dict]:
     parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
                         help="after timing, profile one step and print the ROWS kernels with the most device time")
     parser.add_argument("--dry-run", action="store_true", help="a tiny model on the CPU (gloo for CP)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch rows: torch.compile(model) (Inductor) over the graph-ready layout; the warmup "
+                             "steps compile, untimed. torch 2.11's Inductor failed on this model on an H200 (NOTES, "
+                             "2026-12-03 fourth); torch 2.13's compiles it on the CPU (--dry-run)")
     parser.add_argument("--check-inputs", action="store_true",
                         help="the layers' value checks on (NaN/Inf, g, beta; one more header per op)")
     parser.add_argument("--no-fla", action="store_true",

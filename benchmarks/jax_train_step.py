@@ -33,8 +33,9 @@ from flax import nnx  # noqa: E402
 
 PRECISION_DIFFERENCES = (
     "residual stream bf16 (torch: float32, autocast leaves the embedding and the residual adds alone); "
-    "attention float32 over every key with a document mask, 512 queries at a time (torch: flex_attention "
-    "in bf16, masked blocks skipped); as torch: float32 weights cast to bf16 at each matmul, float32 "
+    "attention on cuDNN's fused flash attention in bf16 within each document where the step calls it (see the "
+    "kernels line; elsewhere float32 over every key with a document mask), torch: flex_attention in bf16, "
+    "masked blocks skipped; as torch: float32 weights cast to bf16 at each matmul, float32 "
     "accumulation, norms, gates, softmax and loss, float32 gradients")
 
 # cp_linear custom-call targets by kernel family: "cp_linear_" + the kernel config's class name + ...
@@ -50,11 +51,16 @@ def backend() -> str:
     return jax.default_backend()
 
 
+CUDNN_ATTENTION = "cuDNN attention"  # the attention layers' fused calls (jax_api.attention.cudnn), not CuTeDSL
+
+
 def kernel_use(lowered_text: str) -> dict[str, int]:
     """Custom calls of each kernel family in a lowered program's text (0: that family ran on jnp ops)."""
     targets = re.findall(r"custom_call\s*@cp_linear_([A-Za-z]+)Config", lowered_text)
-    return {family: sum(target.startswith(prefixes) for target in targets)
-            for family, prefixes in KERNEL_FAMILIES.items()}
+    counts = {family: sum(target.startswith(prefixes) for target in targets)
+              for family, prefixes in KERNEL_FAMILIES.items()}
+    counts[CUDNN_ATTENTION] = len(re.findall(r'custom_call\s*@"?__cudnn\$fmha', lowered_text))
+    return counts
 
 
 def kernel_summary(counts: dict[str, int]) -> str:

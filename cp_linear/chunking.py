@@ -122,10 +122,19 @@ class ChunkLayout:
         return chunk * self.chunk_size + within % self.chunk_size
 
 
+def bounds_after_first(bounds: Array, values: Array) -> Array:
+    """``searchsorted(bounds[1:], values, side="right")`` for sorted ``bounds``, without slicing them:
+    Inductor (torch 2.11) cannot lower a searchsorted over a slice view. Equal by construction: the
+    first bound is counted when it is <= the value (then subtracted), and when it is not, no later
+    bound is <= the value either (clipped at 0)."""
+    xp = array_api_compat.array_namespace(bounds)
+    return xp.clip(xp.searchsorted(bounds, values, side="right") - 1, 0, None)
+
+
 def _sequence_of(xp, bounds: Array, positions: Array) -> Array:
     """Index n of the (nonempty) sequence ``bounds[n] <= position < bounds[n + 1]`` of every position."""
     count = bounds.shape[0] - 1
-    found = xp.astype(xp.searchsorted(bounds[1:], positions, side="right"), xp.int32)
+    found = xp.astype(bounds_after_first(bounds, positions), xp.int32)
     return xp.minimum(found, xp.full(found.shape, count - 1, dtype=xp.int32, device=array_api_compat.device(found)))
 
 
@@ -186,4 +195,5 @@ def max_shard_sequences(seq_idx, cp_size: int, *, floor: int = 1) -> int:
     return min(local_len, 1 << (most - 1).bit_length())
 
 
-__all__ = ["CHUNK_SIZE", "ChunkLayout", "chunk_layout", "cu_seqlens_from_seq_idx", "max_chunks", "max_shard_sequences"]
+__all__ = ["CHUNK_SIZE", "ChunkLayout", "bounds_after_first", "chunk_layout", "cu_seqlens_from_seq_idx", "max_chunks",
+           "max_shard_sequences"]

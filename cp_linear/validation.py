@@ -26,6 +26,7 @@ from typing import Any, Sequence
 
 import array_api_compat
 
+from cp_linear.chunking import bounds_after_first
 from cp_linear.gdp import MAX_KEY_DIM, MAX_VALUE_DIM  # the largest key / value head dims both frontends accept
 
 Array = Any  # numpy.ndarray | torch.Tensor | jax.Array
@@ -238,7 +239,7 @@ def sequence_start_index(cu_seqlens: Array, tokens: int) -> Array:
     """int [T]: index of the first token of each token's sequence, from boundaries int [N + 1]."""
     xp = array_api_compat.array_namespace(cu_seqlens)
     position = xp.arange(tokens, dtype=cu_seqlens.dtype, **_placed_like(cu_seqlens))
-    return xp.take(cu_seqlens, xp.searchsorted(cu_seqlens[1:], position, side="right"))
+    return xp.take(cu_seqlens, bounds_after_first(cu_seqlens, position))
 
 
 def gdp_token_poison(state_bad: Array, read_bad: Array, start: Array, incoming_bad: Array | None = None) -> Array:

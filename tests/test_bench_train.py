@@ -87,7 +87,7 @@ def test_dry_run_jax_row_runs_the_torch_rows_model_and_prints_the_ratio(tmp_path
     assert 0 < jax_row["step_ms"] < 60e3, jax_row
     assert jax_row["tokens_per_s"] == pytest.approx(TOKENS / (jax_row["step_ms"] / 1e3), rel=1e-9)
     assert math.isnan(jax_row["mfu"]) and math.isnan(jax_row["peak_gib"]), jax_row  # no GPU: not measured
-    assert jax_row["kernels"] == {"GDP": 0, "short conv": 0, "gated norm": 0}  # CPU, float32: the jnp paths
+    assert jax_row["kernels"] == {"GDP": 0, "short conv": 0, "gated norm": 0, "cuDNN attention": 0}  # CPU: jnp paths
     # both float32 here: the converted weights, same tokens and documents give the torch loss to rounding
     assert jax_row["loss"] == pytest.approx(torch_row["loss"], rel=1e-5)
 
@@ -99,7 +99,7 @@ def test_dry_run_jax_row_runs_the_torch_rows_model_and_prints_the_ratio(tmp_path
     ratio = jax_row["tokens_per_s"] / torch_row["tokens_per_s"]
     assert f"jax / torch tokens/s: jax-1gpu / cp_linear-1gpu = {ratio:.3f}" in out
     kernels = step.kernel_summary(jax_row["kernels"])
-    assert f"CuTeDSL kernels in the step: {kernels}" in out
+    assert f"kernels in the step: {kernels}" in out
     assert "none (the kernels need a CUDA GPU" in kernels or step.backend() != "cpu"  # a GPU machine: "no (jnp ops)"
     assert "peak memory: not reported (memory_stats() is None on cpu)" in out
     assert "failed" not in out
@@ -120,14 +120,17 @@ def test_frameworks_choose_the_jax_row(argv, expected):
 
 
 def test_kernel_use_counts_custom_calls_by_family():
-    """The CuTeDSL record reads the lowered step: each family's cp_linear custom calls (the column sum
-    serves the conv's and the norm's weight gradients alike and counts for neither)."""
+    """The kernel record reads the lowered step: each family's cp_linear custom calls (the column sum
+    serves the conv's and the norm's weight gradients alike and counts for neither) and cuDNN's attention."""
     step = _load_jax_step()
     text = "\n".join(f"%{i} = stablehlo.custom_call @cp_linear_{name}_bfloat16_K_128(%arg0)" for i, name in enumerate([
         "ChunkPrepConfig", "ChunkScanConfig", "SegmentFoldConfig", "ChunkReverseScanConfig", "ChunkPrepBackwardConfig",
         "ShortConvConfig", "ShortConvBackwardConfig", "GatedRMSNormBackwardConfig", "ColumnSumConfig"]))
-    assert step.kernel_use(text) == {"GDP": 5, "short conv": 2, "gated norm": 1}
-    assert step.kernel_use("stablehlo.custom_call @Sharding(%arg0)") == {"GDP": 0, "short conv": 0, "gated norm": 0}
+    text += ('\n%9 = stablehlo.custom_call @"__cudnn$fmhaSoftmax"(%arg0)'
+             '\n%10 = stablehlo.custom_call @"__cudnn$fmhaSoftmaxBackward"(%9)')
+    assert step.kernel_use(text) == {"GDP": 5, "short conv": 2, "gated norm": 1, "cuDNN attention": 2}
+    assert step.kernel_use("stablehlo.custom_call @Sharding(%arg0)") == {"GDP": 0, "short conv": 0, "gated norm": 0,
+                                                                        "cuDNN attention": 0}
 
 
 def _fla_baseline():

@@ -29,6 +29,7 @@ import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
+from cp_linear.chunking import bounds_after_first
 from cp_linear.kernels import configs as cfg
 
 SUMMARY_FLAG = cfg.SUMMARY_FLAG  # forward_layout writes flag words as int32 bools: this must stay bit 0
@@ -552,7 +553,7 @@ def forward_layout(cu_seqlens, *, total_tokens: int, num_householder: int, heads
     # chunk c belongs to sequence chunk_seq[c] (int64 is fine for an index); chunks past the real
     # ones land on the last sequence, past its end
     chunk_ids = xp.arange(max_chunks, dtype=i32, device=device)
-    chunk_seq = xp.clip(xp.searchsorted(chunk_offsets[1:], chunk_ids, side="right"), 0, num_sequences - 1)
+    chunk_seq = xp.clip(bounds_after_first(chunk_offsets, chunk_ids), 0, num_sequences - 1)
     index_in_seq = chunk_ids - chunk_offsets[chunk_seq]
     first_token_in_seq = index_in_seq * per_chunk
     real = chunk_ids < num_chunks
@@ -565,7 +566,7 @@ def forward_layout(cu_seqlens, *, total_tokens: int, num_householder: int, heads
                                    xp.cumulative_sum(seq_segments, dtype=i32)])
     num_segments = seq_first_segment[-1:]
     seg_ids = xp.arange(max_segments, dtype=i32, device=device)
-    seg_seq = xp.clip(xp.searchsorted(seq_first_segment[1:], seg_ids, side="right"), 0, num_sequences - 1)
+    seg_seq = xp.clip(bounds_after_first(seq_first_segment, seg_ids), 0, num_sequences - 1)
     seg_index = seg_ids - seq_first_segment[seg_seq]
     first_chunk_in_seq = seg_index * segment_chunks
     seg_real = seg_ids < num_segments

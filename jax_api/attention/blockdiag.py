@@ -128,13 +128,23 @@ def masked_attention(q, keys, values, key_positions, doc_ids, *, query_start, sc
     selection, exactly when its own q or a key/value it may read (its document, up to itself) is
     non-finite; other documents, earlier tokens and padding stay exact.
     """
+    def attend(clean_q, clean_keys, clean_values):
+        return _masked_attention(clean_q, clean_keys, clean_values, key_positions, doc_ids, query_start=query_start,
+                                 scale=scale, query_block=query_block)
+
+    return contain_nonfinite(attend, q, keys, values, key_positions, doc_ids, query_start=query_start)
+
+
+def contain_nonfinite(attend, q, keys, values, key_positions, doc_ids, *, query_start):
+    """``attend(q, keys, values)`` on sanitised inputs, then NaN by selection where a real query may read
+    a non-finite value (its own q, or a key/value of its document up to itself); shapes as
+    ``masked_attention``. Whatever ``attend`` does with masked keys, no NaN crosses a document."""
     query_bad = nonfinite_rows(q, 1)  # [B, L, Hq]
     key_bad = jnp.moveaxis(nonfinite_rows(keys, 1) | nonfinite_rows(values, 1), 0, 1)  # [B, N, Hkv]
     reads_bad = _reads_nonfinite(key_bad, key_positions, doc_ids, query_start, q.shape[1])  # [B, L, Hkv]
     group = q.shape[2] // keys.shape[2]
     bad = query_bad | jnp.repeat(reads_bad, group, axis=2)
-    out = _masked_attention(sanitize(q), sanitize(keys), sanitize(values), key_positions, doc_ids,
-                            query_start=query_start, scale=scale, query_block=query_block)
+    out = attend(sanitize(q), sanitize(keys), sanitize(values))
     positions = query_start + jnp.arange(q.shape[1], dtype=jnp.int32)
     real = doc_ids[positions] > 0
     return poison(out, (bad & real[None, :, None])[..., None])
@@ -187,7 +197,7 @@ def _check_plan_layout(plan: BlockDiagExchangePlan, layout: str) -> None:
 
 
 def blockdiag_attention_shard(q, k, v, *, plan: BlockDiagExchangePlan, axis_name: str = "cp", mode: str = "auto",
-                              scale: float | None = None, layout: str = "contiguous"):
+                              scale: float | None = None, layout: str = "contiguous", max_runs: int | None = None):
     """Per-shard block-diagonal attention; call it *inside* your own ``jax.shard_map``.
 
     q [B, L, Hq, D], k/v [B, L, Hkv, D]: this rank's shard (tokens ``[r*L, (r+1)*L)``);
@@ -198,6 +208,8 @@ def blockdiag_attention_shard(q, k, v, *, plan: BlockDiagExchangePlan, axis_name
     ``layout``: the plan's ("contiguous", or "zigzag": the shard holds chunks r and 2·cp−1−r of 2·cp,
     ``cp_linear.zigzag``; each chunk's queries attend at their global positions).
     All checks run at trace time, identically on every rank, before any collective.
+    ``max_runs``: a static bound on the runs of doc ids in one local piece (``TokenLayout.max_attention_runs``);
+    with it the pieces may run on cuDNN (``jax_api.attention.cudnn.cudnn_cp_reason``), else in jnp.
     """
     if not isinstance(plan, BlockDiagExchangePlan):
         raise ValueError(f"plan must be a BlockDiagExchangePlan; received {type(plan).__name__}")
@@ -222,9 +234,14 @@ def blockdiag_attention_shard(q, k, v, *, plan: BlockDiagExchangePlan, axis_name
     doc_ids = jnp.asarray(plan.doc_ids, jnp.int32)
     chunks = local_chunks(axis_name, plan.layout)  # one query piece per chunk, at its global positions
     chunk_len = plan.local_len // chunks.shape[0]
+    from jax_api.attention.cudnn import cudnn_cp_reason, cudnn_window_attention
+
+    attend = masked_attention
+    if cudnn_cp_reason(q, k, max_runs) is None:
+        attend = functools.partial(cudnn_window_attention, max_runs=max_runs)
     out = jnp.concatenate([
-        masked_attention(q[:, slot * chunk_len:(slot + 1) * chunk_len], rows[:, 0], rows[:, 1], key_positions,
-                         doc_ids, query_start=chunk * chunk_len, scale=scale)
+        attend(q[:, slot * chunk_len:(slot + 1) * chunk_len], rows[:, 0], rows[:, 1], key_positions,
+               doc_ids, query_start=chunk * chunk_len, scale=scale)
         for slot, chunk in enumerate(chunks)], axis=1)
     return out.astype(q.dtype)
 

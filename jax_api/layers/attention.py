@@ -3,7 +3,8 @@ in-document positions, causal within each packed document; same parameters and m
 ``torch_api.layers.BlockDiagAttention``.
 
 ``__call__(hidden_states [B, L, D], *, layout=None, axis_name=None, doc_ids=None, cu_seqlens=None,
-seq_idx=None) -> [B, L, D]``: one device (axis_name None, the doc-masked softmax over all T
+seq_idx=None) -> [B, L, D]``: one device (axis_name None: cuDNN's packed flash attention on a Hopper
+GPU with bf16/fp16 activations, ``cudnn_layer_reason``; else the float32 doc-masked softmax over all T
 tokens) or inside ``jax.shard_map`` (``jax_api.blockdiag_attention_shard`` with the layout's plan).
 """
 
@@ -52,7 +53,11 @@ class BlockDiagAttention(StateTableMixin, nnx.Module):
             from jax_api.attention.blockdiag import blockdiag_attention_shard
 
             o = blockdiag_attention_shard(q, k, v, plan=layout.attention_plan, axis_name=axis_name, mode=self.mode,
-                                          layout=layout.shard_layout)
+                                          layout=layout.shard_layout, max_runs=layout.max_attention_runs)
+        elif cudnn_layer_reason(q, k, layout) is None:
+            from jax_api.attention.cudnn import cudnn_document_attention
+
+            o = cudnn_document_attention(q, k, v, layout.doc_ids, max_runs=layout.max_attention_runs, scale=d**-0.5)
         else:
             from jax_api.attention.blockdiag import masked_attention
 
@@ -63,7 +68,18 @@ class BlockDiagAttention(StateTableMixin, nnx.Module):
         return self.o_proj(o.reshape(batch, length, c.num_heads * d))
 
 
+def cudnn_layer_reason(q, k, layout) -> str | None:
+    """Why the one-device layer runs the float32 masked softmax rather than cuDNN's packed attention
+    (None: cuDNN, ``jax_api.attention.cudnn``): its platform and input rules, and a layout that
+    bounds the packing's runs (any layout built for one device)."""
+    from jax_api.attention.cudnn import cudnn_attention_reason
+
+    if layout.max_attention_runs is None or layout.max_attention_runs < 2:
+        return "the layout bounds no document runs for cuDNN (a layout built for one device of T >= 2 does)"
+    return cudnn_attention_reason(q, k)
+
+
 # help() and inspect.signature list every keyword argument (a metaclass hides __init__ from them)
 document_layer_signature(BlockDiagAttention, AttentionConfig, rngs=REQUIRED, mode="auto")
 
-__all__ = ["BlockDiagAttention"]
+__all__ = ["BlockDiagAttention", "cudnn_layer_reason"]

@@ -142,6 +142,7 @@ def test_query_chunks_split_at_documents_that_continue_from_earlier():
         pytest.param("flex", "cpu", 64, False, ("flex", None), id="flex-cpu-forward-only"),
         pytest.param("flex", "cpu", 64, True, (None, "no CPU backward"), id="flex-cpu-backward-rejected"),
         pytest.param("fast", "cpu", 64, True, (None, "kernel must be one of"), id="unknown-kernel"),
+        pytest.param("varlen", "cpu", 64, True, (None, "needs a CUDA GPU"), id="varlen-cpu-rejected"),
     ],
 )
 def test_resolve_kernel(requested, device, head_dim, needs_grad, expected):
@@ -156,3 +157,111 @@ def test_resolve_kernel_auto_follows_the_environment_override(monkeypatch):
     monkeypatch.setenv("CP_LINEAR_BLOCKDIAG_KERNEL", "fastest")
     kernel, error = resolve_kernel("auto", torch.device("cpu"), 64, False)
     assert kernel is None and "CP_LINEAR_BLOCKDIAG_KERNEL" in error
+
+
+# --------------------------------------------------------------------------- varlen (FlashAttention)
+
+
+def emulated_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    """FlashAttention's varlen causal contract, in float64 torch ops (differentiable): segment i is
+    query rows [cu_q[i], cu_q[i+1]) over key rows [cu_k[i], cu_k[i+1]) of the flattened batch, causal
+    aligned bottom-right (the last query reads every key); a row that reads no key outputs 0."""
+    batch, queries, q_heads, head_dim = q.shape
+    group = q_heads // k.shape[2]
+    q_rows, k_rows, v_rows = (x.reshape(-1, x.shape[2], head_dim).double() for x in (q, k, v))
+    cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
+    assert cu_q[0] == 0 and cu_q[-1] == q_rows.shape[0] and cu_k[-1] <= k_rows.shape[0]
+    pieces = []
+    for q_lo, q_hi, k_lo, k_hi in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:]):
+        lq, lk = q_hi - q_lo, k_hi - k_lo
+        assert 0 <= lq <= max_q and 0 <= lk <= max_k
+        keys = k_rows[k_lo:k_hi].repeat_interleave(group, dim=1)
+        values = v_rows[k_lo:k_hi].repeat_interleave(group, dim=1)
+        logits = torch.einsum("qhd,khd->hqk", q_rows[q_lo:q_hi], keys) * scale
+        allowed = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + (lk - lq)
+        weights = torch.softmax(logits.masked_fill(~allowed, -torch.inf), dim=-1).nan_to_num(0.0)
+        pieces.append(torch.einsum("hqk,khd->qhd", weights, values))
+    return torch.cat(pieces).view(batch, queries, q_heads, head_dim).to(q.dtype)
+
+
+def _window_layout(doc_ids, cp_size, rank, widen):
+    """rank's layout with the plan's key window, or one widened to start at token 0 (all-gather)."""
+    plan, layout = rank_problem(doc_ids, cp_size, rank)
+    if widen:
+        layout = DocCausalLayout.from_doc_ids(doc_ids, rank * plan.local_len, plan.local_len, 0,
+                                              max(plan.real_end[rank], (rank + 1) * plan.local_len))
+    return plan, layout
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("widen", [False, True], ids=["plan-window", "window-from-0"])
+@pytest.mark.parametrize("rank", [0, 1, 2], ids=lambda r: f"rank{r}")
+def test_varlen_segments_give_the_doc_causal_attention_and_gradients(rank, widen, batch, monkeypatch):
+    """The segments handed to FlashAttention (emulated) reproduce the full-sequence attention on the
+    local queries, gradients included: the tail of a document that began on an earlier rank reads
+    from its start (more keys than queries), padding rows are 0, and batch rows stay apart."""
+    import torch_api.attention.kernel as kernel_module
+
+    monkeypatch.setattr(kernel_module, "varlen_attention", emulated_varlen)
+    plan, layout = _window_layout(DOC_IDS_63, 3, rank, widen)
+    q, k, v = random_qkv(batch, 63, 4, 2, 16, torch.float64, seed=rank)
+    query = slice(rank * plan.local_len, (rank + 1) * plan.local_len)
+    keys = slice(layout.key_start, layout.key_start + layout.key_len)
+    grad_out = torch.randn(batch, plan.local_len, 4, 16, generator=torch.Generator().manual_seed(3),
+                           dtype=torch.float64)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = naive_blockdiag_attention(*full, torch.from_numpy(DOC_IDS_63))[:, query]
+    ref.backward(grad_out)
+    local = [q[:, query].clone().requires_grad_(), k[:, keys].clone().requires_grad_(),
+             v[:, keys].clone().requires_grad_()]
+    out = doc_causal_attention(*local, layout, kernel="varlen")
+    out.backward(grad_out)
+    bound = tolerance(attention_length(63, 16), dtype="float64", compared_with="rounded")
+    assert_close("output", host(ref), host(out), bound)
+    assert torch.all(out[:, DOC_IDS_63[query] == 0] == 0)
+    for name, got, want in (("dq", local[0].grad, full[0].grad[:, query]), ("dk", local[1].grad, full[1].grad[:, keys]),
+                            ("dv", local[2].grad, full[2].grad[:, keys])):
+        assert_close(name, host(want), host(got), bound)
+
+
+def test_varlen_segments_of_a_window_describe_runs_and_their_key_ranges():
+    # rank 1 of DOC_IDS_63 (queries 21..41, keys from 9): doc 2's tail reads from its start (key 0)
+    _, layout = rank_problem(DOC_IDS_63, 3, 1)
+    cu_q, cu_k, max_q, max_k = layout.varlen_segments()
+    assert cu_q.tolist() == [0, 5, 8, 19, 21]  # doc 2 tail, padding, doc 3, doc 4
+    assert cu_k.tolist() == [0, 17, 20, 31, 33]  # doc 2 from its start; padding reads itself
+    assert (max_q, max_k) == (11, 17)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("rank", [0, 1, 2], ids=lambda r: f"rank{r}")
+def test_varlen_kernel_on_the_gpu_matches_the_reference(rank, dtype):
+    """FlashAttention itself (CUDA): outputs and gradients against the float64 path within the
+    rounding of bf16/fp16 attention, on windows where the first document has more keys than queries."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from torch_api.attention.kernel import varlen_reason
+
+    reason = varlen_reason(torch.device("cuda"), 64, dtype)
+    if reason:
+        pytest.skip(reason)
+    doc_ids = np.repeat([1, 2, 3, 0, 4, 5, 6, 7], [300, 41, 900, 100, 7, 500, 1300, 23])  # T = 3171 = 3 x 1057
+    plan, layout = _window_layout(doc_ids, 3, rank, widen=False)
+    q, k, v = random_qkv(2, doc_ids.shape[0], 8, 2, 64, torch.float64, seed=rank)
+    query = slice(rank * plan.local_len, (rank + 1) * plan.local_len)
+    keys = slice(layout.key_start, layout.key_start + layout.key_len)
+    grad_out = torch.randn(2, plan.local_len, 8, 64, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = naive_blockdiag_attention(*full, torch.from_numpy(doc_ids))[:, query]
+    ref.backward(grad_out)
+    local = [x.to("cuda", dtype).requires_grad_() for x in (q[:, query], k[:, keys], v[:, keys])]
+    out = doc_causal_attention(*local, layout, kernel="varlen")
+    out.backward(grad_out.to("cuda", dtype))
+    assert torch.all(out[:, torch.from_numpy(doc_ids[query] == 0).cuda()] == 0)
+    # bf16 / fp16 rounding of q, k, v, P and the output: 1e-2 (bf16) relative is a few unit roundoffs
+    bound = 2e-2 if dtype == torch.bfloat16 else 4e-3
+    assert_close("output", host(ref), host(out.detach().float().cpu()), bound)
+    for name, got, want in (("dq", local[0].grad, full[0].grad[:, query]), ("dk", local[1].grad, full[1].grad[:, keys]),
+                            ("dv", local[2].grad, full[2].grad[:, keys])):
+        assert_close(name, host(want), host(got.float().cpu()), 2 * bound)

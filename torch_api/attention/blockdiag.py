@@ -320,7 +320,7 @@ def blockdiag_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_i
     q [B, L, Hq, D], k/v [B, L, Hkv, D]: the local shards (Hq a multiple of Hkv); ``doc_ids`` int [T]
     replicated on every rank (0 = padding, anywhere), or a ``BlockDiagRouting`` from
     ``prepare_blockdiag``. ``mode`` in {"auto", "allgather", "halo", "a2a"}; ``kernel`` in
-    {"auto", "sdpa", "flex"} (torch_api/attention/kernel.py). Returns [B, L, Hq, D]; padding rows
+    {"auto", "sdpa", "flex", "varlen"} (torch_api/attention/kernel.py). Returns [B, L, Hq, D]; padding rows
     are exactly 0. Bad input on any rank raises the same ValueError on every rank before any
     data collective: one fixed-size agreement per call (one collective, one host sync).
 
@@ -348,7 +348,7 @@ def attend(q, k, v, doc_ids, *, cp_group, mode: str = "auto", scale: float | Non
     if error is None:
         # a rank without autograd would skip the backward collectives: agree on it too
         needs_grad = int(torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
-        kernel_name, error = resolve_kernel(kernel, q.device, q.shape[3], bool(needs_grad))
+        kernel_name, error = resolve_kernel(kernel, q.device, q.shape[3], bool(needs_grad), q.dtype)
     if not agreed or check_inputs or error is not None:
         kernel_id = KERNELS.index(kernel_name) if kernel_name in KERNELS else -1
         routing_signature = routing.signature() if isinstance(routing, BlockDiagRouting) else [-1]
@@ -363,7 +363,7 @@ def attend(q, k, v, doc_ids, *, cp_group, mode: str = "auto", scale: float | Non
 def run_blockdiag_op(q, k, v, routing: BlockDiagRouting, *, scale: float | None, kernel: str,
                      contain: bool) -> torch.Tensor:
     """The op after validation and agreement: ``cp_linear::blockdiag_attention`` (exchange inside,
-    autograd registered; ``torch_api.attention.library``). ``kernel`` resolved ("sdpa" or "flex");
+    autograd registered; ``torch_api.attention.library``). ``kernel`` resolved ("sdpa", "flex" or "varlen");
     ``contain``: unchecked values, non-finite ones contained (``doc_causal_attention(contain=True)``)."""
     from torch_api.attention.library import routing_name
 

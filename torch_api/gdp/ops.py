@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from cp_linear.chunking import bounds_after_first
 from cp_linear.gdp import GDPInputs, cu_seqlens_error
 from cp_linear.protocol import CPSavedContext
 from cp_linear.summary import as_packed_array
@@ -143,8 +144,7 @@ def run_gated_delta_product(q, k, v, g, beta, *, backend, scale: float, num_hous
         if cu_seqlens is None:
             mask = mask | initial_bad[:, None, :]
         else:
-            sequence = torch.searchsorted(cu_seqlens[1:].to(torch.int64), torch.arange(q.shape[1], device=q.device),
-                                          right=True)
+            sequence = bounds_after_first(cu_seqlens.to(torch.int64), torch.arange(q.shape[1], device=q.device))
             mask = mask | initial_bad[sequence][None]
         (initial_state,) = sanitized(initial_state)
     output, final_state = _run(backend, *sanitized(q, k, v, g, beta), initial_state, scale=scale,

@@ -32,7 +32,7 @@ class BlockDiagAttention(StateTableMixin, nn.Module):
     output 0), ``seq_idx`` [1, T] or ``cu_seqlens`` [N + 1] (no padding) describe the global packed
     sequence (replicated under CP); none of them: each batch row is one causal document.
     ``mode`` picks the CP exchange ("auto", "allgather", "halo", "a2a"); ``kernel`` the local
-    attention kernel ("auto", "sdpa", "flex"), both as in ``torch_api.blockdiag_attention``;
+    attention kernel ("auto", "sdpa", "flex", "varlen"), both as in ``torch_api.blockdiag_attention``;
     ``check_inputs`` NaN/Inf in q/k/v is a ValueError (False: contained, docs/failure_modes.md).
     Under CP the layer's own agreement rides in the attention op's header (one per call); a call a
     ``HybridDecoder`` agreement covered, with ``check_inputs=False``, sends none and runs the
@@ -92,7 +92,7 @@ class BlockDiagAttention(StateTableMixin, nn.Module):
                 # no header: the routing and the kernel come from replicated ids and the same
                 # hardware, so their errors are the same on every rank
                 routing = layout.attention_routing(self.mode)
-                kernel, error = resolve_kernel(self.kernel, q.device, d, True)
+                kernel, error = resolve_kernel(self.kernel, q.device, d, True, q.dtype)
                 if routing.error or error:
                     raise ValueError(f"{self.AGREEMENT}: {routing.error or error}")
                 o = run_blockdiag_op(q, k, v, routing, scale=None, kernel=kernel, contain=True)
@@ -106,7 +106,7 @@ class BlockDiagAttention(StateTableMixin, nn.Module):
             from torch_api.gdp.validation import PendingValueChecks, nonfinite_flags
 
             needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-            kernel, error = resolve_kernel(self.kernel, q.device, d, needs_grad)
+            kernel, error = resolve_kernel(self.kernel, q.device, d, needs_grad, q.dtype)
             if error:
                 raise ValueError(f"BlockDiagAttention: {error}")
             # one device: the checks are read once the attention is queued (no collective can hang)
@@ -129,7 +129,10 @@ class BlockDiagAttention(StateTableMixin, nn.Module):
         from torch_api.gdp.validation import PendingValueChecks, nonfinite_flags
 
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        # no dtype: "auto" keeps to sdpa / flex here (the varlen kernel's offsets are built on the host)
         kernel, error = resolve_kernel(self.kernel, q.device, q.shape[-1], needs_grad)
+        if error is None and kernel not in STATIC_KERNELS:
+            error = f"a graph-ready layout (max_sequences) runs kernel 'sdpa' or 'flex'; received {self.kernel!r}"
         if error is None and self.mode not in STATIC_MODES:
             error = (f"a graph-ready layout (max_sequences) exchanges K/V with an all-gather; mode={self.mode!r} "
                      f"is not one of {STATIC_MODES}")
@@ -150,6 +153,7 @@ class BlockDiagAttention(StateTableMixin, nn.Module):
 
 
 STATIC_MODES = ("auto", "allgather")  # what a graph-ready layout runs (torch_api.attention.static)
+STATIC_KERNELS = ("sdpa", "flex")
 
 
 # help() and inspect.signature list every keyword argument (a metaclass hides __init__ from them)
