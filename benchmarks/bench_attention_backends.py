@@ -26,24 +26,11 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench_gdp_fwd import time_ms  # noqa: E402
 from bench_train import _doc_ids  # noqa: E402
 from torch_api.attention.kernel import DocCausalLayout, doc_causal_attention  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 16, 4, 128
-
-
-def cuda_ms(fn, reps: int = 10) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
-    return sorted(times)[len(times) // 2]
 
 
 def reference(q, k, v, do, bounds):
@@ -78,7 +65,7 @@ def torch_rows(tokens: int, ids: np.ndarray) -> None:
         def both():
             torch.autograd.grad(forward(), (q, k, v), do)
 
-        line = f"  torch {kernel:8s} fwd {cuda_ms(forward):7.3f} ms  fwd+bwd {cuda_ms(both):7.3f} ms"
+        line = f"  torch {kernel:8s} fwd {time_ms(forward, 10):7.3f} ms  fwd+bwd {time_ms(both, 10):7.3f} ms"
         if ref is not None:
             out = forward()
             grads = torch.autograd.grad(out, (q, k, v), do)

@@ -148,6 +148,19 @@ def test_layer_takes_the_cudnn_path_when_allowed(monkeypatch):
 WINDOW_DOCS = doc_ids_from_runs([(1, 9), (2, 23), (0, 4), (3, 11), (4, 9), (0, 4), (5, 12)])  # T = 72
 
 
+def _window_problem(doc_ids, query_start, length, *, extra_before, empty, shape, dtype):
+    """Inputs of one window case: q [B, length, Hq, D], keys/values over ``_window``'s rows, a cotangent
+    for q's shape, the ids and the key positions; ``shape`` = (B, Hq, Hkv, D)."""
+    batch, q_heads, kv_heads, head_dim = shape
+    positions = _window(doc_ids, query_start, length, extra_before=extra_before, empty=empty, seed=length)
+    rng = np.random.default_rng(query_start)
+    q = jnp.asarray(rng.normal(size=(batch, length, q_heads, head_dim)), dtype)
+    keys, values = (jnp.asarray(rng.normal(size=(positions.shape[0], batch, kv_heads, head_dim)), dtype)
+                    for _ in range(2))
+    cot = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+    return q, keys, values, cot, jnp.asarray(doc_ids), jnp.asarray(positions)
+
+
 def _window(doc_ids, query_start, length, *, extra_before, empty, seed):
     """A key window as an exchange hands it over: every position a local query reads (from its
     document's start), ``extra_before`` more positions before them, ``empty`` rows of -1, shuffled."""
@@ -170,13 +183,9 @@ def test_window_attention_matches_masked_attention_with_gradients(query_start, l
     last local query, top-left causal) against the jnp masked softmax: outputs and q/k/v gradients."""
     from jax_api.attention.blockdiag import masked_attention
 
-    positions = _window(WINDOW_DOCS, query_start, length, extra_before=extra_before, empty=empty, seed=length)
-    rng = np.random.default_rng(query_start)
-    q = jnp.asarray(rng.normal(size=(2, length, 4, 16)), jnp.float32)
-    keys = jnp.asarray(rng.normal(size=(positions.shape[0], 2, 2, 16)), jnp.float32)
-    values = jnp.asarray(rng.normal(size=(positions.shape[0], 2, 2, 16)), jnp.float32)
-    cot = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
-    ids, key_positions = jnp.asarray(WINDOW_DOCS), jnp.asarray(positions)
+    q, keys, values, cot, ids, key_positions = _window_problem(WINDOW_DOCS, query_start, length,
+                                                               extra_before=extra_before, empty=empty,
+                                                               shape=(2, 4, 2, 16), dtype=jnp.float32)
 
     def loss(fn, q, keys, values):
         return jnp.sum(fn(q, keys, values, key_positions, ids, query_start=query_start, scale=0.25) * cot)
@@ -185,7 +194,7 @@ def test_window_attention_matches_masked_attention_with_gradients(query_start, l
                                                          packed_causal=emulated_packed_causal)
     got = jax.value_and_grad(lambda *a: loss(fused, *a), argnums=(0, 1, 2))(q, keys, values)
     want = jax.value_and_grad(lambda *a: loss(masked_attention, *a), argnums=(0, 1, 2))(q, keys, values)
-    bound = tolerance(attention_length(positions.shape[0], 16), compared_with="rounded")
+    bound = tolerance(attention_length(key_positions.shape[0], 16), compared_with="rounded")
     out = cudnn.cudnn_window_attention(q, keys, values, key_positions, ids, query_start=query_start, max_runs=4,
                                        scale=0.25, packed_causal=emulated_packed_causal)
     expected = masked_attention(q, keys, values, key_positions, ids, query_start=query_start, scale=0.25)
@@ -350,13 +359,9 @@ def test_cudnn_window_matches_masked_attention_on_the_gpu(query_start, extra_bef
 
     doc_ids = doc_ids_from_runs([(1, 700), (2, 900), (0, 60), (3, 800), (4, 612), (0, 16)])  # T = 3088
     length = 1024
-    positions = _window(doc_ids, query_start, length, extra_before=extra_before, empty=empty, seed=1)
-    rng = np.random.default_rng(query_start)
-    q = jnp.asarray(rng.normal(size=(1, length, 8, 64)), jnp.bfloat16)
-    keys = jnp.asarray(rng.normal(size=(positions.shape[0], 1, 2, 64)), jnp.bfloat16)
-    values = jnp.asarray(rng.normal(size=(positions.shape[0], 1, 2, 64)), jnp.bfloat16)
-    cot = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
-    ids, key_positions = jnp.asarray(doc_ids), jnp.asarray(positions)
+    q, keys, values, cot, ids, key_positions = _window_problem(doc_ids, query_start, length,
+                                                               extra_before=extra_before, empty=empty,
+                                                               shape=(1, 8, 2, 64), dtype=jnp.bfloat16)
 
     def loss(fn, q, keys, values):
         out = fn(q, keys, values, key_positions, ids, query_start=query_start, scale=0.125)
