@@ -130,6 +130,43 @@ def stage_accumulator(acc: cute.Tensor, coords: cute.Tensor, view: cute.Tensor, 
             view[r, c] = value.to(view.element_type)
 
 
+def make_stmatrix_copy_c(tiled_mma, dtype) -> cute.TiledCopy:
+    """``stmatrix`` (four 8x8 matrices of 16-bit elements per warp instruction) tiled over the C layout
+    of ``tiled_mma`` (``mma.sync`` or warpgroup MMA): each lane stores 16 bytes per instruction, a row of
+    8 elements of one matrix, instead of one 2-byte element per store."""
+    atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), dtype)
+    return cute.make_tiled_copy_C(atom, tiled_mma)
+
+
+def stmatrix_c_partitions(tiled_copy: cute.TiledCopy, tidx, acc: cute.Tensor, view: cute.Tensor):
+    """(source, destination) of thread ``tidx`` for ``make_stmatrix_copy_c``, each (8, instructions):
+    column j is the 8 values one stmatrix instruction takes from this thread (``acc``, in the MMA's C
+    layout, retiled) and the row of ``view`` it stores this thread's address for. The copy's partitions
+    are ((8 values of an instruction, repeats), M, N): an instruction's values come first in their flat
+    order, so the (8, n) compact view of the flat order groups them."""
+    thr_copy = tiled_copy.get_slice(tidx)
+    dst = thr_copy.partition_D(view)
+    per_call = cute.make_layout((8, cute.size(dst) // 8))
+    return cute.composition(thr_copy.retile(acc), per_call), cute.composition(dst, per_call)
+
+
+def stage_accumulator_stmatrix(tiled_mma, tidx, acc: cute.Tensor, view: cute.Tensor) -> None:
+    """``stage_accumulator(acc, coords, view)`` (coords: ``tiled_mma``'s C partition of the view's
+    shape) through ``stmatrix``: the float32 accumulator ``acc`` of ``tiled_mma`` is converted to the
+    view's 16-bit dtype in registers, 8 values at a time (a whole-fragment conversion kept 32 more
+    registers live and spilled in one mma.sync config), and stored 16 bytes per lane. ``view`` [rows,
+    cols] in shared memory: any layout whose rows hold runs of 8 contiguous, 16-byte aligned elements
+    (``smem_tile_layout``: its (3, 3, 3) swizzle moves whole 8-element runs). A plain function: its loop
+    runs at trace time (callable inside run-time loops)."""
+    dtype = view.element_type
+    tiled_copy = make_stmatrix_copy_c(tiled_mma, dtype)
+    src, dst = stmatrix_c_partitions(tiled_copy, tidx, acc, view)
+    piece = cute.make_rmem_tensor(cute.make_layout((8,)), dtype)
+    for j in range(cute.size(dst, mode=[1])):
+        piece.store(src[None, j].load().to(dtype))
+        cute.copy(tiled_copy, piece, dst[None, j])
+
+
 class SmemOperand:
     """One shared-memory operand (A or B) of ``tiled_mma``, loaded k-slice by k-slice by ldmatrix."""
 

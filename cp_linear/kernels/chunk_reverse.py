@@ -120,6 +120,7 @@ class _GradientRowsKernel:
         chunk's end goes to ``chunk_grads[chunk, head, row0 + r]`` first."""
         K, R, NQ, NH = self.key_dim, self.rows, self.query_tile, num_householder
         step_coords = self.coordinates(tiled_mma, tidx, C)
+        grad_mma = self.gradient_mma(tiled_mma)  # grad's C layout, for its stmatrix staging
         last_chunk = first_chunk + chunk_count - 1
         self.load_chunk(g2s, tidx, last_chunk, head, value_col, is_value_rows, k, q, do, ta, p,
                         chunk_first_step, chunk_steps, s_k_all[None, None, 0], s_q_all[None, None, 0],
@@ -136,7 +137,7 @@ class _GradientRowsKernel:
                 index = tidx + j * self.threads
                 s_scalars[index // C, index % C, stage] = scalar_next[j]
             if cutlass.const_expr(store_grads):  # staged, then stored as whole rows after the sync below
-                _mma.stage_accumulator(grad, grad_coords, s_out)
+                _mma.stage_accumulator_stmatrix(grad_mma, tidx, grad, s_out)
             cute.arch.cp_async_wait_group(0)
             if cutlass.const_expr(self.wgmma):
                 cute.arch.fence_view_async_shared()  # cp.async data -> the tensor cores' reads
@@ -172,10 +173,16 @@ class _GradientRowsKernel:
             thr = tiled_mma.get_slice(tidx)
         return thr.partition_C(cute.make_identity_tensor((self.rows, cols)))
 
+    def gradient_mma(self, tiled_mma):
+        """The MMA whose C layout holds the gradient rows [R, K] (``tiled_mma`` for mma.sync)."""
+        if cutlass.const_expr(self.wgmma):
+            return _mma.make_wgmma(self.dtype, self.rows // 64, self.key_dim)
+        return tiled_mma
+
     def gradient(self, tiled_mma, tidx):
         """The float32 gradient rows [R, K] as an accumulator (uninitialised) and their coordinates."""
         if cutlass.const_expr(self.wgmma):
-            thr = _mma.make_wgmma(self.dtype, self.rows // 64, self.key_dim).get_slice(tidx)
+            thr = self.gradient_mma(tiled_mma).get_slice(tidx)
             grad = thr.make_fragment_C(thr.partition_shape_C((self.rows, self.key_dim)))
         else:
             grad = cute.make_rmem_tensor(tiled_mma.get_slice(tidx).partition_shape_C((self.rows, self.key_dim)),

@@ -169,6 +169,7 @@ class ChunkScanKernel:
                 products = _SyncProducts(self, tidx, tiled_mma)
             state = products.state_accumulator()
             state_coords = products.coordinates(state, (R, K))
+            state_mma = products.state_mma  # the state's C layout, for its stmatrix staging
             for e in cutlass.range_constexpr(cute.size(state)):
                 r, c = state_coords[e]
                 if cutlass.const_expr(self.summary):
@@ -195,7 +196,7 @@ class ChunkScanKernel:
                 scalar_next[j] = scalars[first_chunk, head, index // C, index % C]
             if cutlass.const_expr(self.output_states):  # chunk 0's start state, staged in stage 1 (loaded later)
                 if chunk_count > 0:
-                    self.store_chunk_state(s2g, tidx, state, state_coords, s_out, s_k_all, 1,
+                    self.store_chunk_state(s2g, tidx, state_mma, state, s_out, s_k_all, 1,
                                            chunk_states, first_chunk, head, row_block)
             for it in range(chunk_count):
                 stage = it % STAGES
@@ -204,7 +205,7 @@ class ChunkScanKernel:
                     index = tidx + j * self.threads
                     s_scalars[index // C, index % C, stage] = scalar_next[j]
                 if cutlass.const_expr(self.states):
-                    _mma.stage_accumulator(state, state_coords, s_out)
+                    _mma.stage_accumulator_stmatrix(state_mma, tidx, state, s_out)
                 cute.arch.cp_async_wait_group(0)
                 if cutlass.const_expr(self.wgmma):
                     cute.arch.fence_view_async_shared()  # cp.async/st.shared data -> the async proxy of wgmma
@@ -231,7 +232,7 @@ class ChunkScanKernel:
                 if cutlass.const_expr(self.output_states):
                     if it + 1 < chunk_count:
                         cute.arch.sync_threads()  # every warp is done with this stage's tiles
-                        self.store_chunk_state(s2g, tidx, state, state_coords, s_out, s_k_all, stage,
+                        self.store_chunk_state(s2g, tidx, state_mma, state, s_out, s_k_all, stage,
                                                chunk_states, chunk + 1, head, row_block)
                         # the next loads into this stage are issued after the next iteration's sync
 
@@ -247,16 +248,16 @@ class ChunkScanKernel:
         return cute.make_tensor(rows.iterator, cute.make_layout((R, K), stride=(K, 1)))
 
     @cute.jit
-    def store_chunk_state(self, s2g, tidx, state, state_coords, s_out, s_k_all, stage, chunk_states, chunk, head,
+    def store_chunk_state(self, s2g, tidx, state_mma, state, s_out, s_k_all, stage, chunk_states, chunk, head,
                           row_block):
-        """Mode "output_states": stage the state (rounded to the input dtype) in ``s_out``, or, without
-        one (R = 64 rows: R x K is the size of a k tile), in the k tile of ``stage`` (unused until the
-        next sync), then store it as chunk ``chunk``'s start state."""
+        """Mode "output_states": stage the state (rounded to the input dtype; ``stmatrix`` over the C layout
+        of ``state_mma``) in ``s_out``, or, without one (R = 64 rows: R x K is the size of a k tile), in the
+        k tile of ``stage`` (unused until the next sync), then store it as chunk ``chunk``'s start state."""
         staging = s_out
         if cutlass.const_expr(s_out is None):
             base = cute.recast_ptr(s_k_all[None, None, stage].iterator, dtype=self.dtype)  # plain, 1024-aligned
             staging = cute.make_tensor(base, _mma.smem_tile_layout(self.rows, self.key_dim))
-        _mma.stage_accumulator(state, state_coords, staging)
+        _mma.stage_accumulator_stmatrix(state_mma, tidx, state, staging)
         cute.arch.sync_threads()
         _mma.copy_tile_s2g(s2g, tidx, staging, self.chunk_state_rows(chunk_states, chunk, head, row_block))
 
@@ -301,6 +302,7 @@ class _SyncProducts:
 
     def __init__(self, kernel: ChunkScanKernel, tidx, tiled_mma):
         self.kernel, self.tidx, self.tiled_mma = kernel, tidx, tiled_mma
+        self.state_mma = tiled_mma  # every product's C layout, the state's included
         self.thr = tiled_mma.get_slice(tidx)
 
     def state_accumulator(self):

@@ -38,10 +38,10 @@ __all__ = ["CUDNN_UNDER_CP", "FORCE_CUDNN_ATTENTION", "cudnn_attention_reason", 
 
 # Tests on machines without cuDNN set this to run the packing math around an emulated call.
 FORCE_CUDNN_ATTENTION = False
-# The CP path (``cudnn_window_attention``: segments at gaps in the packed buffer, dummy query rows) has
-# passed its CPU tests against an emulation of cuDNN's contract but not yet run on a GPU: off until
-# ``pytest -m gpu tests/jax_api/test_cudnn_attention.py`` has (benchmarks/NOTES.md, 2026-12-03 fourth).
-CUDNN_UNDER_CP = False
+# The CP path (``cudnn_window_attention``: segments at gaps in the packed buffer, dummy query rows):
+# ``pytest -m gpu tests/jax_api/test_cudnn_attention.py`` passed on an H200 (benchmarks/NOTES.md,
+# 2026-12-03 fifth). A switch, so a cuDNN regression can be bypassed without a code change.
+CUDNN_UNDER_CP = True
 
 CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 CUDNN_MAX_HEAD_DIM = 256  # on Hopper; the head dim must also be a multiple of 8
@@ -126,7 +126,7 @@ def cudnn_document_attention(q, k, v, doc_ids, *, max_runs: int, scale: float, p
 def cudnn_cp_reason(q: jax.Array, k: jax.Array, max_runs: int | None) -> str | None:
     """Why a CP shard's attention runs the jnp masked softmax rather than ``cudnn_window_attention``."""
     if not CUDNN_UNDER_CP:
-        return "cuDNN attention under CP is off (CUDNN_UNDER_CP) until its GPU tests have run"
+        return "cuDNN attention under CP is switched off (jax_api.attention.cudnn.CUDNN_UNDER_CP)"
     if max_runs is None or max_runs < 2:
         return "no bound on the segments of a shard (pass max_runs; layouts built by build_layout carry one)"
     return cudnn_attention_reason(q, k)
@@ -161,6 +161,13 @@ def window_segments(positions: jax.Array, doc_ids: jax.Array, local_rows: jax.Ar
     return offsets[None], lengths.astype(jnp.int32)[None], count > max_runs
 
 
+def _rows_in_segments(offsets: jax.Array, lengths: jax.Array, rows: int) -> jax.Array:
+    """bool [B, rows]: the row lies in one of the segments that offsets [B, M + 1] / lengths [B, M] describe."""
+    row = jnp.arange(rows)[None, :, None]
+    starts, counts = offsets[:, None, :-1], lengths[:, None, :]
+    return jnp.any((row >= starts) & (row < starts + counts) & (counts > 0), axis=-1)
+
+
 def cudnn_window_attention(q, keys, values, key_positions, doc_ids, *, query_start, max_runs: int, scale: float,
                            packed_causal=None):
     """``blockdiag.masked_attention``'s contract on cuDNN: queries q [B, Lq, Hq, D] at global positions
@@ -178,9 +185,14 @@ def cudnn_window_attention(q, keys, values, key_positions, doc_ids, *, query_sta
     offsets, lengths, overflow = window_segments(positions, doc_ids, local_rows, max_runs)
     offsets, lengths = (jnp.broadcast_to(x, (batch, x.shape[1])) for x in (offsets, lengths))
 
+    # cuDNN leaves the gradient rows outside every segment unwritten (NaN seen on an H200): keys and
+    # values enter through a select, so those rows get an exact zero gradient
+    covered = _rows_in_segments(offsets, lengths, positions.shape[0])[:, :, None, None]
+
     def attend(clean_q, clean_keys, clean_values):
         rows_q = jnp.zeros((batch, positions.shape[0], *q.shape[2:]), q.dtype).at[:, local_rows].set(clean_q)
-        rows_k, rows_v = (jnp.moveaxis(x[order], 0, 1) for x in (clean_keys, clean_values))  # [B, N, Hkv, D]
+        rows_k, rows_v = (jnp.where(covered, jnp.moveaxis(x[order], 0, 1), 0)  # [B, N, Hkv, D]
+                          for x in (clean_keys, clean_values))
         out = attend_segments(rows_q, rows_k, rows_v, offsets, lengths, scale=scale)[:, local_rows]
         real = (doc_ids[query_positions] > 0)[None, :, None, None]
         return jnp.where(real & ~overflow, out, jnp.where(overflow, jnp.nan, 0.0).astype(out.dtype))

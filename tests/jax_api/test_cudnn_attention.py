@@ -34,13 +34,45 @@ def doc_ids_from_runs(runs):
 
 
 def emulated_packed_causal(q, k, v, offsets, lengths, *, scale):
-    """cuDNN's packed layout as documented: causal softmax inside each described segment; float32."""
+    """cuDNN's packed layout as documented: causal softmax inside each described segment; float32. Rows
+    outside every segment are left unwritten by cuDNN, outputs and gradients alike (NaN seen on an H200):
+    NaN here, so a caller that lets them through fails."""
+    @jax.custom_vjp
+    def attend(q, k, v, offsets, lengths):
+        out = _segment_softmax(q, k, v, offsets, lengths, scale)
+        return jnp.where(_covered_rows(offsets, lengths, q.shape[1]), out, jnp.nan).astype(q.dtype)
+
+    def attend_fwd(q, k, v, offsets, lengths):
+        return attend(q, k, v, offsets, lengths), (q, k, v, offsets, lengths)
+
+    def attend_bwd(saved, cotangent):
+        q, k, v, offsets, lengths = saved
+        _, pullback = jax.vjp(lambda *x: _segment_softmax(*x, offsets, lengths, scale), q, k, v)
+        covered = _covered_rows(offsets, lengths, q.shape[1])
+        return (*(jnp.where(covered, grad, jnp.nan).astype(grad.dtype) for grad in pullback(cotangent)), None, None)
+
+    attend.defvjp(attend_fwd, attend_bwd)
+    return attend(q, k, v, offsets, lengths)
+
+
+def _segment_membership(offsets, lengths, tokens):
+    """bool [B, T, M]: token t lies in described segment m."""
+    position = jnp.arange(tokens)
+    starts = offsets[:, :-1]
+    inside = (position[None, :, None] >= starts[:, None, :]) & (position[None, :, None] < (starts + lengths)[:, None, :])
+    return inside & (lengths >= 0)[:, None, :]
+
+
+def _covered_rows(offsets, lengths, tokens):
+    """bool [B, T, 1, 1]: token t lies in a described segment."""
+    return jnp.any(_segment_membership(offsets, lengths, tokens), axis=-1)[:, :, None, None]
+
+
+def _segment_softmax(q, k, v, offsets, lengths, scale):
     batch, tokens, q_heads, _ = q.shape
     group = q_heads // k.shape[2]
     position = jnp.arange(tokens)
-    starts, counts = offsets[:, :-1], lengths  # [B, M]
-    inside = (position[None, :, None] >= starts[:, None, :]) & (position[None, :, None] < (starts + counts)[:, None, :])
-    inside &= (counts >= 0)[:, None, :]
+    inside = _segment_membership(offsets, lengths, tokens)
     segment = jnp.where(jnp.any(inside, -1), jnp.argmax(inside, -1), -1)  # [B, T]
     allowed = ((segment[:, :, None] == segment[:, None, :]) & (segment[:, :, None] >= 0)
                & (position[None, None, :] <= position[None, :, None]))  # [B, Tq, Tk]
