@@ -52,7 +52,6 @@ def backend() -> str:
     return jax.default_backend()
 
 
-
 def kernel_use(lowered_text: str) -> dict[str, int]:
     """Custom calls of each kernel family in a lowered program's text (0: that family ran on jnp ops)."""
     targets = re.findall(r"custom_call\s*@cp_linear_([A-Za-z]+)Config", lowered_text)
