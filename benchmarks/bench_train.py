@@ -18,10 +18,10 @@ JAX, "jax-1gpu" (``--frameworks``; by default when jax is importable and not --d
 JAX sees a GPU; ``jax_train_step.py``): the same decoder from ``jax_api.layers`` with the torch rows'
 initial weights (so the loss printed under the table matches), one ``jax.jit(jax.value_and_grad)``
 step, no update, timed alike after an untimed ahead-of-time compile. bf16 through the model's
-``compute_dtype`` (JAX has no autocast): its residual stream is bf16 and its attention the float32
-document-masked softmax over every key, where torch keeps a float32 residual and runs flex_attention in
-bf16; the printout lists these differences and which CuTeDSL kernels (GDP, short conv, gated norm) the
-compiled step calls. Peak memory: JAX's ``peak_bytes_in_use`` since the process started (XLA has no
+``compute_dtype`` (JAX has no autocast): its residual stream is bf16 and its attention cuDNN's packed
+flash attention (``jax_api.attention.cudnn``), where torch keeps a float32 residual and runs flex_attention
+in bf16; the printout lists these differences and which kernels (GDP, short conv, gated norm, cuDNN
+attention) the compiled step calls. Peak memory: JAX's ``peak_bytes_in_use`` since the process started (XLA has no
 reset). A ``jax / torch`` line compares jax-1gpu with cp_linear-1gpu tokens/s (issue 15: within 3%).
 --dry-run runs it on the CPU in float32, as the torch dry run.
 

@@ -12,9 +12,9 @@ Precision (``bf16=True``, where torch runs under bf16 autocast): the model's ``c
 as examples/train_jax.py ``--dtype bfloat16``; the JAX model has no autocast and no param-dtype option.
 ``PRECISION_DIFFERENCES`` lists what that does differently from torch's autocast.
 
-Kernels: the layers pick the CuTeDSL kernels (GDP, short conv, gated norm) by themselves on a Hopper
-GPU with bf16 activations. ``kernel_use`` reads which ones the compiled step calls from its
-lowered program (their XLA custom calls), so the row records what ran rather than what should have.
+Kernels: the layers pick the CuTeDSL kernels (GDP, short conv, gated norm) and cuDNN's attention by
+themselves on a Hopper GPU with bf16 activations. ``kernel_use`` reads which ones the compiled step calls
+from its lowered program (their XLA custom calls), so the row records what ran rather than what should have.
 """
 
 from __future__ import annotations
@@ -44,14 +44,12 @@ KERNEL_FAMILIES = {
     "short conv": ("ShortConv",),
     "gated norm": ("GatedRMSNorm",),
 }
+CUDNN_ATTENTION = "cuDNN attention"  # the attention layers' fused calls (jax_api.attention.cudnn), not CuTeDSL
 
 
 def backend() -> str:
     """JAX's default backend: "gpu" on a CUDA machine, "cpu" without one (or under JAX_PLATFORMS=cpu)."""
     return jax.default_backend()
-
-
-CUDNN_ATTENTION = "cuDNN attention"  # the attention layers' fused calls (jax_api.attention.cudnn), not CuTeDSL
 
 
 def kernel_use(lowered_text: str) -> dict[str, int]:

@@ -5,20 +5,30 @@ script cannot rot between GPU sessions.
 The CP rank runs in the session's 2-rank gloo pool instead of freshly spawned processes (spawning
 two ranks that import torch cost most of the old test's 150 s on CI); ``run_world``'s spawning is
 the only part left to the GPU sessions.
+
+No dry run executes in the test process, so none can hang the suite: the torch rows run in the pool
+(its tasks time out), and the JAX row's run (torch row, then JAX's compile and step) in a fresh
+interpreter under a timeout. In the test process, after the suite's JAX and gloo tests, the JAX
+row's compile once hung for 15+ min (XLA idle in ``backend_compile_and_load``), past pytest-timeout,
+whose SIGALRM cannot interrupt a wait in C++.
 """
 
 import argparse
 import csv
 import importlib
 import importlib.util
+import json
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_train.py"
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "bench_train.py"
 TOKENS = 32  # --dry-run's tokens per rank
 COLUMNS = ["framework", "variant", "gpus", "tokens_per_gpu", "step_ms", "tokens_per_s", "mfu", "peak_gib"]
 
@@ -30,8 +40,16 @@ def _load():
     return importlib.import_module("bench_train")
 
 
+POOL_TIMEOUT_S = 120  # per world size; a dry-run row takes seconds
+
+
 def measure_in_pool(rank, world, args):
     return _load().measure(rank, world, dist.group.WORLD, args)
+
+
+def measure_alone_in_pool(rank, world, args):
+    """The one-device row on the pool's rank 0 (the others idle): under the pool's timeout, not in pytest."""
+    return _load().measure(0, 1, None, args) if rank == 0 else None
 
 
 @pytest.mark.multirank
@@ -39,9 +57,9 @@ def test_dry_run_prints_and_writes_a_row_per_world_size(tmp_path, gloo_pools, ca
     bench = _load()
 
     def run(world, args):
-        if world == 1:
-            return [bench.measure(0, 1, None, args)]
-        return [row for row in gloo_pools(world).run(measure_in_pool, args) if row is not None]
+        task = measure_alone_in_pool if world == 1 else measure_in_pool
+        return [row for row in gloo_pools(2 if world == 1 else world).run(task, args, timeout=POOL_TIMEOUT_S)
+                if row is not None]
 
     rows = bench.main(["--dry-run", "--gpus", "1", "2", "--out", str(tmp_path)], run=run)
     assert [(row["variant"], row["gpus"], row["tokens_per_gpu"]) for row in rows] == [
@@ -72,16 +90,48 @@ def _load_jax_step():
     return importlib.import_module("jax_train_step")
 
 
-def test_dry_run_jax_row_runs_the_torch_rows_model_and_prints_the_ratio(tmp_path, capsys):
+DRY_RUN_TIMEOUT_S = 300  # the run takes 15-30 s on CI's 2 cores, most of it imports and XLA's compile
+_DRY_RUN = """
+import faulthandler, json, sys
+faulthandler.dump_traceback_later({dump_after}, exit=True)  # a hang prints every thread's stack
+sys.path.insert(0, {benchmarks!r})
+import bench_train
+rows = bench_train.main(sys.argv[1:])  # --gpus 1: the torch row in this process, then the JAX row
+with open({rows!r}, "w") as handle:
+    json.dump(rows, handle)
+"""
+
+
+def dry_run_in_subprocess(argv: list[str], out: Path) -> tuple[list[dict], str]:
+    """bench_train.main(argv) in a fresh interpreter with one host device for JAX: (rows, stdout). A run
+    past DRY_RUN_TIMEOUT_S fails the test with its output (and, from faulthandler, its threads' stacks)."""
+    from tests.conftest import child_xla_flags
+
+    rows_file = out / "rows.json"
+    dump_after = max(1, DRY_RUN_TIMEOUT_S - 30)  # before the kill, so that the stacks come back
+    code = _DRY_RUN.format(dump_after=dump_after, benchmarks=str(SCRIPT.parent), rows=str(rows_file))
+    env = dict(os.environ, XLA_FLAGS=child_xla_flags(1),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    try:
+        result = subprocess.run([sys.executable, "-c", code, *argv, "--out", str(out)], cwd=REPO, env=env,
+                                capture_output=True, text=True, timeout=DRY_RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired as err:
+        output = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x
+                         for x in (err.stdout or "", err.stderr or ""))
+        pytest.fail(f"bench_train.py {' '.join(argv)} ran past {DRY_RUN_TIMEOUT_S} s (killed); its output:\n"
+                    f"{output[-6000:]}")
+    hung = "Timeout (" in result.stderr  # faulthandler's header
+    why = f"ran past {dump_after} s; faulthandler's stacks follow" if hung else "its output follows"
+    assert result.returncode == 0, (f"bench_train.py {' '.join(argv)} exited with {result.returncode} ({why}):\n"
+                                    + result.stdout[-3000:] + result.stderr[-6000:])
+    return json.loads(rows_file.read_text()), result.stdout
+
+
+def test_dry_run_jax_row_runs_the_torch_rows_model_and_prints_the_ratio(tmp_path):
     """--frameworks torch jax: the jax-1gpu row (float32 on the CPU, the layers' jnp paths) after the torch
     row, with the torch model's weights, documents and tokens, so both steps give the same loss."""
     step = _load_jax_step()
-    bench = _load()
-
-    def run(world, args):
-        return [bench.measure(0, 1, None, args)]
-
-    rows = bench.main(["--dry-run", "--gpus", "1", "--frameworks", "torch", "jax", "--out", str(tmp_path)], run=run)
+    rows, out = dry_run_in_subprocess(["--dry-run", "--gpus", "1", "--frameworks", "torch", "jax"], tmp_path)
     assert [(row["framework"], row["variant"]) for row in rows] == [("torch", "cp_linear-1gpu"), ("jax", "jax-1gpu")]
     torch_row, jax_row = rows
     assert 0 < jax_row["step_ms"] < 60e3, jax_row
@@ -95,7 +145,6 @@ def test_dry_run_jax_row_runs_the_torch_rows_model_and_prints_the_ratio(tmp_path
         reader = csv.DictReader(handle)
         assert reader.fieldnames == COLUMNS
         assert [(r["framework"], r["variant"]) for r in reader] == [("torch", "cp_linear-1gpu"), ("jax", "jax-1gpu")]
-    out = capsys.readouterr().out
     ratio = jax_row["tokens_per_s"] / torch_row["tokens_per_s"]
     assert f"jax / torch tokens/s: jax-1gpu / cp_linear-1gpu = {ratio:.3f}" in out
     kernels = step.kernel_summary(jax_row["kernels"])

@@ -79,14 +79,9 @@ def document_segments(doc_ids: jax.Array, max_runs: int) -> tuple[jax.Array, jax
     [1, max_runs] (each run's length, then -1) and ``overflow`` (bool scalar: more runs than
     ``max_runs``; the trailing runs are then missing from the description).
     """
-    tokens = doc_ids.shape[0]
-    new_run = jnp.concatenate([jnp.ones((1,), bool), doc_ids[1:] != doc_ids[:-1]])
-    starts = jnp.nonzero(new_run, size=max_runs, fill_value=tokens)[0].astype(jnp.int32)
-    ends = jnp.concatenate([starts[1:], jnp.full((1,), tokens, jnp.int32)])
-    real = jnp.arange(max_runs) < jnp.sum(new_run)
-    lengths = jnp.where(real, ends - starts, -1)
-    offsets = jnp.concatenate([jnp.where(real, starts, -1), jnp.full((1,), -1, jnp.int32)])
-    return offsets[None], lengths[None], jnp.sum(new_run) > max_runs
+    # the window case with every position a local query: each run is one whole segment
+    every_token = jnp.arange(doc_ids.shape[0], dtype=jnp.int32)
+    return window_segments(every_token, doc_ids, every_token, max_runs)
 
 
 def _packed_causal(q, k, v, offsets, lengths, *, scale: float):
@@ -96,6 +91,13 @@ def _packed_causal(q, k, v, offsets, lengths, *, scale: float):
     return dot_product_attention(q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets,
                                  kv_offsets=offsets, scale=scale, mask_type=MaskType.PADDING_CAUSAL,
                                  qkv_layout="BTNH")
+
+
+def _padding_zeroed(out, real_queries, overflow):
+    """out [B, L, Hq, D] with exact zeros on padding rows (``real_queries`` bool [L] False), and NaN
+    everywhere when the segments overflowed their bound."""
+    keep = real_queries[None, :, None, None] & ~overflow
+    return jnp.where(keep, out, jnp.where(overflow, jnp.nan, 0.0).astype(out.dtype))
 
 
 def cudnn_document_attention(q, k, v, doc_ids, *, max_runs: int, scale: float, packed_causal=None):
@@ -115,8 +117,7 @@ def cudnn_document_attention(q, k, v, doc_ids, *, max_runs: int, scale: float, p
         # contain_nonfinite hands keys over as [T, B, Hkv, D]; cuDNN takes BTNH
         out = attend_segments(clean_q, jnp.moveaxis(clean_keys, 0, 1), jnp.moveaxis(clean_values, 0, 1),
                               offsets, lengths, scale=scale)
-        real = (doc_ids > 0)[None, :, None, None]
-        return jnp.where(real & ~overflow, out, jnp.where(overflow, jnp.nan, 0.0).astype(out.dtype))
+        return _padding_zeroed(out, doc_ids > 0, overflow)
 
     positions = jnp.arange(q.shape[1], dtype=jnp.int32)
     keys, values = jnp.moveaxis(k, 1, 0), jnp.moveaxis(v, 1, 0)
@@ -194,8 +195,7 @@ def cudnn_window_attention(q, keys, values, key_positions, doc_ids, *, query_sta
         rows_k, rows_v = (jnp.where(covered, jnp.moveaxis(x[order], 0, 1), 0)  # [B, N, Hkv, D]
                           for x in (clean_keys, clean_values))
         out = attend_segments(rows_q, rows_k, rows_v, offsets, lengths, scale=scale)[:, local_rows]
-        real = (doc_ids[query_positions] > 0)[None, :, None, None]
-        return jnp.where(real & ~overflow, out, jnp.where(overflow, jnp.nan, 0.0).astype(out.dtype))
+        return _padding_zeroed(out, doc_ids[query_positions] > 0, overflow)
 
     return contain_nonfinite(attend, q, keys, values, key_positions, doc_ids,
                              query_start=query_start).astype(q.dtype)

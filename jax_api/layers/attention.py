@@ -70,12 +70,10 @@ class BlockDiagAttention(StateTableMixin, nnx.Module):
 
 def cudnn_layer_reason(q, k, layout) -> str | None:
     """Why the one-device layer runs the float32 masked softmax rather than cuDNN's packed attention
-    (None: cuDNN, ``jax_api.attention.cudnn``): its platform and input rules, and a layout that
-    bounds the packing's runs (any layout built for one device)."""
+    (None: cuDNN, ``jax_api.attention.cudnn``): its platform and input rules (every ``TokenLayout``
+    bounds the packing's runs)."""
     from jax_api.attention.cudnn import cudnn_attention_reason
 
-    if layout.max_attention_runs is None or layout.max_attention_runs < 2:
-        return "the layout bounds no document runs for cuDNN (a layout built for one device of T >= 2 does)"
     return cudnn_attention_reason(q, k)
 
 

@@ -13,9 +13,9 @@ part by ``lax.axis_index``, so one compiled program serves every packing of the 
     attention_plan            ``BlockDiagExchangePlan`` for the attention exchange (CP only)
     max_shard_sequences       static bound on the GDP sequences of one shard: sizes the chunk
                               layout (``cp_linear.chunking.max_shard_sequences``)
-    max_attention_runs        static bound on the runs of equal ``doc_ids`` (padding runs too) of one
-                              shard or zig-zag chunk (the GDP bound, at least 2): sizes cuDNN's packed
-                              attention (``jax_api.attention.cudnn``)
+    max_attention_runs        (property) static bound on the runs of equal ``doc_ids`` (padding runs
+                              too) of one shard or zig-zag chunk: sizes cuDNN's packed attention
+                              (``jax_api.attention.cudnn``)
 
 ``cp_linear.packing.PackedLayout`` (numpy, shared with torch) derives the arrays.
 
@@ -59,11 +59,16 @@ class TokenLayout:
     cu_seqlens: jax.Array | None = None
     max_shard_sequences: int | None = None
     shard_layout: str = "contiguous"
-    max_attention_runs: int | None = None
 
     @property
     def total_len(self) -> int:
         return int(self.doc_ids.shape[0])
+
+    @property
+    def max_attention_runs(self) -> int:
+        """The GDP sequences are the runs of equal doc ids, so their bound (per shard; per zig-zag chunk)
+        bounds the attention's segments too; at least 2: cuDNN reads one segment per row as unpacked."""
+        return max(2, self.max_shard_sequences or 1)
 
     @property
     def local_len(self) -> int:
@@ -87,8 +92,7 @@ class TokenLayout:
 
 jax.tree_util.register_dataclass(TokenLayout,
                                  data_fields=["seq_idx", "doc_ids", "position", "attention_plan", "cu_seqlens"],
-                                 meta_fields=["packed", "cp_size", "max_shard_sequences", "shard_layout",
-                                              "max_attention_runs"])
+                                 meta_fields=["packed", "cp_size", "max_shard_sequences", "shard_layout"])
 
 
 def layout_from_packed(packed: PackedLayout, *, cp_size: int = 1, attention_mode: str = "auto",
@@ -106,9 +110,6 @@ def layout_from_packed(packed: PackedLayout, *, cp_size: int = 1, attention_mode
         # not a shape (an [N + 1] array would retrace the one-device program for every new N)
         real = packed.cu_seqlens()
         cu = jnp.asarray(np.pad(real, (0, bound + 1 - real.shape[0]), constant_values=packed.total_len), jnp.int32)
-    # the GDP sequences are the runs of equal doc ids, so their bound (per shard; per zig-zag chunk)
-    # bounds the attention's segments too; at least 2: cuDNN reads one segment per row as unpacked
-    runs = max(2, bound or 1)
     if cp_size > 1:
         from jax_api.attention.blockdiag import plan_blockdiag_exchange
 
@@ -123,7 +124,7 @@ def layout_from_packed(packed: PackedLayout, *, cp_size: int = 1, attention_mode
                        doc_ids=jnp.asarray(packed.doc_ids, jnp.int32),
                        position=jnp.asarray(packed.position, jnp.int32),
                        attention_plan=plan, packed=packed.packed, cp_size=int(cp_size), cu_seqlens=cu,
-                       max_shard_sequences=bound, shard_layout=layout, max_attention_runs=runs)
+                       max_shard_sequences=bound, shard_layout=layout)
 
 
 def build_layout(*, total_len: int, doc_ids=None, seq_idx=None, cu_seqlens=None, cp_size: int = 1,
