@@ -29,7 +29,6 @@ import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-from cp_linear.chunking import bounds_after_first
 from cp_linear.kernels import configs as cfg
 
 SUMMARY_FLAG = cfg.SUMMARY_FLAG  # forward_layout writes flag words as int32 bools: this must stay bit 0
@@ -515,7 +514,8 @@ class KernelBackwardContext:
 def forward_layout(cu_seqlens, *, total_tokens: int, num_householder: int, heads: int, row_blocks: int,
                    sm_count: int, segment_chunks: int | None = None, summary_sequence: int | None = None,
                    ctas_per_sm: float = 2, grad_summary_sequence: int | None = None,
-                   every_segment_summary: bool = False, every_segment_grad_summary: bool = False) -> ForwardLayout:
+                   every_segment_summary: bool = False, every_segment_grad_summary: bool = False,
+                   grad_flags: bool = True) -> ForwardLayout:
     """Chunk and segment tables from ``cu_seqlens`` (int [N + 1], on the device; any array namespace).
 
     ``total_tokens`` (T_all) and N = len(cu_seqlens) - 1 are host ints, so every table has a fixed
@@ -525,11 +525,15 @@ def forward_layout(cu_seqlens, *, total_tokens: int, num_householder: int, heads
     every segment of ``grad_summary_sequence`` (the CP leading fragment); of those, the ones the
     forward summarises (``seg_flags``) also carry ``FORWARD_TRANSITION_FLAG``.
     ``every_segment_summary`` / ``every_segment_grad_summary``: flag every real segment instead
-    (rows under CP: every row continues on the next rank and leads on this one).
+    (rows under CP: every row continues on the next rank and leads on this one). A host-int
+    ``summary_sequence`` / ``grad_summary_sequence`` of a single sequence (N = 1) flags every segment
+    without an array operation. ``grad_flags=False``: no ``seg_grad_flags`` (None; a forward without
+    the kernel backward reads none).
 
     Written for few array operations (each is a host dispatch, and on a GPU a launch): gathers by
     plain indexing (array_api_compat's torch ``take`` adds a negative-index ``where``), casts only
-    where a dtype differs (its ``astype`` copies), and no masking where a value is already zero.
+    where a dtype differs (its ``astype`` copies), no masking where a value is already zero, masks
+    applied as products (``where`` with a scalar adds an operation), one clip per sequence search.
     """
     import array_api_compat
 
@@ -553,11 +557,11 @@ def forward_layout(cu_seqlens, *, total_tokens: int, num_householder: int, heads
     # chunk c belongs to sequence chunk_seq[c] (int64 is fine for an index); chunks past the real
     # ones land on the last sequence, past its end
     chunk_ids = xp.arange(max_chunks, dtype=i32, device=device)
-    chunk_seq = xp.clip(bounds_after_first(chunk_offsets, chunk_ids), 0, num_sequences - 1)
+    chunk_seq = _sequence_of(xp, chunk_offsets, chunk_ids, num_sequences)
     index_in_seq = chunk_ids - chunk_offsets[chunk_seq]
     first_token_in_seq = index_in_seq * per_chunk
     real = chunk_ids < num_chunks
-    chunk_first_step = xp.where(real, (cu[chunk_seq] + first_token_in_seq) * n_h, 0)
+    chunk_first_step = (cu[chunk_seq] + first_token_in_seq) * n_h * real  # zero past the real chunks
     # zero past the real chunks without a mask: there first_token_in_seq >= the last sequence's length
     chunk_steps = xp.clip(lengths[chunk_seq] - first_token_in_seq, 0, per_chunk) * n_h
 
@@ -566,13 +570,16 @@ def forward_layout(cu_seqlens, *, total_tokens: int, num_householder: int, heads
                                    xp.cumulative_sum(seq_segments, dtype=i32)])
     num_segments = seq_first_segment[-1:]
     seg_ids = xp.arange(max_segments, dtype=i32, device=device)
-    seg_seq = xp.clip(bounds_after_first(seq_first_segment, seg_ids), 0, num_sequences - 1)
+    seg_seq = _sequence_of(xp, seq_first_segment, seg_ids, num_sequences)
     seg_index = seg_ids - seq_first_segment[seg_seq]
     first_chunk_in_seq = seg_index * segment_chunks
     seg_real = seg_ids < num_segments
-    seg_first_chunk = xp.where(seg_real, chunk_offsets[seg_seq] + first_chunk_in_seq, 0)
+    seg_first_chunk = (chunk_offsets[seg_seq] + first_chunk_in_seq) * seg_real
     # zero past the real segments without a mask, as chunk_steps
     seg_chunks = xp.clip(seq_chunks[seg_seq] - first_chunk_in_seq, 0, segment_chunks)
+    # a host-int sequence of a single-sequence shard is every segment's
+    every_segment_summary |= num_sequences == 1 and isinstance(summary_sequence, int)
+    every_segment_grad_summary |= num_sequences == 1 and isinstance(grad_summary_sequence, int)
     if every_segment_summary:
         summarized = seg_real
     else:
@@ -580,22 +587,31 @@ def forward_layout(cu_seqlens, *, total_tokens: int, num_householder: int, heads
         if summary_sequence is not None:
             followed = followed | (seg_seq == summary_sequence)
         summarized = seg_real & followed
-    if every_segment_grad_summary:
-        grad_summarized = seg_real
-    else:
-        preceded = seg_index >= 1
-        if grad_summary_sequence is not None:
-            preceded = preceded | (seg_seq == grad_summary_sequence)
-        grad_summarized = seg_real & preceded
     # a flag word with bit 0 set is the bool cast to int32 (SUMMARY_FLAG == 1)
+    seg_flags = xp.astype(summarized, i32)
+    seg_grad_flags = None
+    if grad_flags:
+        if every_segment_grad_summary:
+            grad_summarized = seg_real
+        else:
+            preceded = seg_index >= 1
+            if grad_summary_sequence is not None:
+                preceded = preceded | (seg_seq == grad_summary_sequence)
+            grad_summarized = seg_real & preceded
+        # bit 0: a backward summary; FORWARD_TRANSITION_FLAG where the forward summarised it too
+        seg_grad_flags = xp.astype(grad_summarized, i32) * (1 + FORWARD_TRANSITION_FLAG * seg_flags)
     return ForwardLayout(
         num_householder=n_h, tokens_per_chunk=per_chunk, segment_chunks=segment_chunks, max_chunks=max_chunks,
         max_segments=max_segments, num_sequences=num_sequences, chunk_first_step=as32(chunk_first_step),
         chunk_steps=as32(chunk_steps), num_chunks=num_chunks, seq_first_segment=seq_first_segment,
         seq_segments=as32(seq_segments), seg_first_chunk=as32(seg_first_chunk), seg_chunks=as32(seg_chunks),
-        seg_flags=xp.astype(summarized, i32), num_segments=num_segments,
-        seg_grad_flags=xp.astype(grad_summarized, i32) + FORWARD_TRANSITION_FLAG * xp.astype(
-            grad_summarized & summarized, i32))
+        seg_flags=seg_flags, num_segments=num_segments, seg_grad_flags=seg_grad_flags)
+
+
+def _sequence_of(xp, offsets, ids, num_sequences: int):
+    """The sequence of every chunk / segment id: ``bounds_after_first(offsets, ids)`` clipped to the last
+    sequence (ids past the real ones land there), with one clip."""
+    return xp.clip(xp.searchsorted(offsets, ids, side="right") - 1, 0, num_sequences - 1)
 
 
 # ---------------------------------------------------------------------------------------------- value checks

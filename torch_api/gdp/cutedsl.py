@@ -188,8 +188,9 @@ class _Shard(kl.KernelShard):
     p: torch.Tensor  # [C_max, H, NQ, 64]
     scalars: torch.Tensor  # [C_max, H, 4, 64] float32
     summaries: torch.Tensor | None  # [S_max, H, V + K, K] float32 ([E^T ; M^T] per segment); None in the backward
-    # int64 []: the last nonempty sequence (packed forward shards; the backward finds it where it needs it)
-    trailing: torch.Tensor | None = None
+    # int64 []: the last nonempty sequence (packed forward shards; the backward finds it where it needs it),
+    # or the host int 0 of a single-sequence shard (``_trailing_sequence``)
+    trailing: torch.Tensor | int | None = None
     saved: dict | None = None  # views of the kernel backward's saved buffer (``_saved_regions``), when kept
 
     @property
@@ -331,10 +332,12 @@ class CuTeDSLGatedDeltaProductCPBackend:
             cu = self._cu(inputs, device)
             tables = None
             # the trailing sequence: the last nonempty one, found on the device (a graph-ready layout pads
-            # cu_seqlens with empty sequences at its end, torch_api.layers.layout), so no host read
-            trailing = _last_nonempty(cu)
+            # cu_seqlens with empty sequences at its end, torch_api.layers.layout), so no host read; a
+            # single sequence is the trailing one (a host int: no device search, no masks)
+            trailing = _trailing_sequence(cu)
             layout = kl.forward_layout(cu, summary_sequence=trailing if cp_summary else None,
-                                       grad_summary_sequence=0 if kernel_backward else None, **layout_args)
+                                       grad_summary_sequence=0 if kernel_backward else None,
+                                       grad_flags=kernel_backward, **layout_args)
         if layout.max_segments != sizes.max_segments:  # the custom ops' fake kernels read sizes.max_segments
             raise RuntimeError(f"forward_layout made {layout.max_segments} segments where _sizes predicted "
                                f"{sizes.max_segments}; keep CuTeDSLGatedDeltaProductCPBackend._sizes in step with it")
@@ -359,8 +362,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
         shard = self._new_shard(inputs, layout, saved, trailing, sizes.row_block, summaries=True)
         self._prep(shard)
         # mode "summary" reads no state_in and writes no o nor chunk states: tiny placeholders of the right type
-        self._scan(shard, "summary", state_in=shard.summaries.new_empty(1, 1, value_dim, key_dim),
-                   state_out=shard.summaries, o=shard.q.new_empty(1, 1, value_dim))
+        self._scan(shard, "summary", state_in=_placeholder(shard.q.device, torch.float32, (1, 1, value_dim, key_dim)),
+                   state_out=shard.summaries, o=_placeholder(shard.q.device, shard.q.dtype, (1, 1, value_dim)))
         if saved is not None:
             # the backward's transition rows M_b are the forward's transposed: kept, ChunkGamma skips them
             # (kl.FORWARD_TRANSITION_FLAG); rows of segments without a summary stay zero (deterministic)
@@ -481,7 +484,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         layout = shard.layout
         tile = shard.query_tile if mode in kcfg.OUTPUT_MODES else 0
         if chunk_states is None:  # not written in this mode: an empty placeholder of the right type
-            chunk_states = shard.q.new_empty(1, 1, shard.value_dim * shard.key_dim)
+            chunk_states = _placeholder(shard.q.device, shard.q.dtype, (1, 1, shard.value_dim * shard.key_dim))
         else:
             chunk_states = chunk_states.view(chunk_states.shape[0], shard.heads, -1)
         kl.ChunkScanLaunch(
@@ -558,9 +561,11 @@ class CuTeDSLGatedDeltaProductCPBackend:
         incoming_affine = self._prefix_fold(shard, final=stacked_rows)
         # the trailing sequence's index is data (the last nonempty one): its row is written
         # (FINAL_TRAILING writes every sequence whose segments end at the last one)
-        picked = None if shard.rows else shard.trailing.view(1)
-        summary = (stacked_rows if shard.rows else stacked_rows[picked]).transpose(-1, -2).contiguous()  # [E | M]
-        if not shard.rows:  # rows: every row is a leading sequence, whose S0 the next ranks fold from
+        single = isinstance(shard.trailing, int)  # one sequence: index 0, which starts the shard
+        picked = None if shard.rows or single else shard.trailing.view(1)
+        rows = stacked_rows if shard.rows or single else stacked_rows[picked]
+        summary = rows.transpose(-1, -2).contiguous()  # [E | M]
+        if not shard.rows and not single:  # rows: every row is a leading sequence, whose S0 the next ranks fold from
             starts_inside = shard.trailing > 0
             if initial is not None:
                 # the trailing sequence starts here from its S0: E + M S0. A leading sequence's S0 stays out of
@@ -667,8 +672,11 @@ class CuTeDSLGatedDeltaProductCPBackend:
             if shard.rows:
                 end_grads += outgoing
             else:  # the trailing (last nonempty) sequence's end
-                trailing = _last_nonempty(self._cu(shard.inputs, shard.q.device))
-                end_grads.index_add_(0, trailing.view(1), outgoing[None])
+                trailing = _trailing_sequence(self._cu(shard.inputs, shard.q.device))
+                if isinstance(trailing, int):
+                    end_grads[trailing] += outgoing
+                else:
+                    end_grads.index_add_(0, trailing.view(1), outgoing[None])
             grad_out = self._descending_fold(shard, ctx.grad_summaries, end_grads, final=None)
         grads, grad_in = self._reverse(shard, ctx.do, ctx.incoming, grad_out, ctx.chunk_states)
         if shard.inputs.initial_state is None:
@@ -737,7 +745,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
         if chunk_states is None:
             chunk_states = torch.empty(chunks, heads, value_dim, key_dim, dtype=shard.q.dtype, device=device)
             # state_out and o are not written
-            self._scan(shard, "states", state_in=incoming, state_out=incoming, o=shard.q.new_empty(1, 1, value_dim),
+            self._scan(shard, "states", state_in=incoming, state_out=incoming,
+                       o=_placeholder(device, shard.q.dtype, (1, 1, value_dim)),
                        chunk_states=chunk_states)
         chunk_grads = torch.empty_like(chunk_states)
         grad_in = torch.empty_like(grad_out)
@@ -875,6 +884,28 @@ def rows_layout(device: torch.device, batch: int, **layout_args) -> tuple[kl.For
         if len(_ROWS_LAYOUTS) > ROWS_LAYOUTS_KEPT:
             _ROWS_LAYOUTS.popitem(last=False)
     return replace(layout), tables
+
+
+_PLACEHOLDERS: dict[tuple, torch.Tensor] = {}
+
+
+def _placeholder(device: torch.device, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A one-row tensor for a launch argument its mode neither reads nor writes, kept per (device, dtype,
+    shape) (an allocation less per launch; the kernels never touch it). Not kept while a CUDA graph is
+    captured: a fresh one then lives in the graph's memory."""
+    key = (device, dtype, shape)
+    placeholder = _PLACEHOLDERS.get(key)
+    if placeholder is None:
+        placeholder = torch.empty(shape, dtype=dtype, device=device)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _PLACEHOLDERS[key] = placeholder
+    return placeholder
+
+
+def _trailing_sequence(cu: torch.Tensor) -> torch.Tensor | int:
+    """The trailing sequence of a packed shard: 0 (a host int) for a single sequence, else
+    ``_last_nonempty`` on the device."""
+    return 0 if cu.shape[0] == 2 else _last_nonempty(cu)
 
 
 def _last_nonempty(cu: torch.Tensor) -> torch.Tensor:
