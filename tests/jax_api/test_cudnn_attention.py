@@ -58,8 +58,8 @@ def emulated_packed_causal(q, k, v, offsets, lengths, *, scale):
 def _segment_membership(offsets, lengths, tokens):
     """bool [B, T, M]: token t lies in described segment m."""
     position = jnp.arange(tokens)
-    starts = offsets[:, :-1]
-    inside = (position[None, :, None] >= starts[:, None, :]) & (position[None, :, None] < (starts + lengths)[:, None, :])
+    starts, stops = offsets[:, None, :-1], (offsets[:, :-1] + lengths)[:, None, :]
+    inside = (position[None, :, None] >= starts) & (position[None, :, None] < stops)
     return inside & (lengths >= 0)[:, None, :]
 
 
