@@ -33,10 +33,6 @@ from cp_linear.validation import (
 from cp_linear.validation import sequence_start_index as core_sequence_start_index
 
 
-# Kept out of torch.compile graphs: torch 2.11's Inductor fails to generate Triton for these row checks
-# fused with the gate's softplus (benchmarks/NOTES.md, 2026-12-03 fourth and fifth); eager, they cost
-# what they cost before
-@torch.compiler.disable
 def bad_tokens(q, k, v, g, beta, num_householder: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(state_bad, read_bad) bool [B, T, H] (``cp_linear.validation.gdp_bad_tokens``), without autograd."""
     with torch.no_grad():
