@@ -122,20 +122,18 @@ class ChunkLayout:
         return chunk * self.chunk_size + within % self.chunk_size
 
 
-def bounds_after_first(bounds: Array, values: Array) -> Array:
+def bounds_after_first(bounds: Array, values: Array, last: int | None = None) -> Array:
     """``searchsorted(bounds[1:], values, side="right")`` for sorted ``bounds``, without slicing them:
     Inductor (torch 2.11) cannot lower a searchsorted over a slice view. Equal by construction: the
     first bound is counted when it is <= the value (then subtracted), and when it is not, no later
-    bound is <= the value either (clipped at 0)."""
+    bound is <= the value either (clipped at 0). ``last``: also clipped to at most ``last`` (same clip)."""
     xp = array_api_compat.array_namespace(bounds)
-    return xp.clip(xp.searchsorted(bounds, values, side="right") - 1, 0, None)
+    return xp.clip(xp.searchsorted(bounds, values, side="right") - 1, 0, last)
 
 
 def _sequence_of(xp, bounds: Array, positions: Array) -> Array:
     """Index n of the (nonempty) sequence ``bounds[n] <= position < bounds[n + 1]`` of every position."""
-    count = bounds.shape[0] - 1
-    found = xp.astype(bounds_after_first(bounds, positions), xp.int32)
-    return xp.minimum(found, xp.full(found.shape, count - 1, dtype=xp.int32, device=array_api_compat.device(found)))
+    return xp.astype(bounds_after_first(bounds, positions, last=bounds.shape[0] - 2), xp.int32)
 
 
 def chunk_layout(cu_seqlens: Array, *, total_steps: int, num_householder: int = 1,

@@ -29,6 +29,7 @@ import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
+from cp_linear.chunking import bounds_after_first
 from cp_linear.kernels import configs as cfg
 
 SUMMARY_FLAG = cfg.SUMMARY_FLAG  # forward_layout writes flag words as int32 bools: this must stay bit 0
@@ -557,7 +558,7 @@ def forward_layout(cu_seqlens, *, total_tokens: int, num_householder: int, heads
     # chunk c belongs to sequence chunk_seq[c] (int64 is fine for an index); chunks past the real
     # ones land on the last sequence, past its end
     chunk_ids = xp.arange(max_chunks, dtype=i32, device=device)
-    chunk_seq = _sequence_of(xp, chunk_offsets, chunk_ids, num_sequences)
+    chunk_seq = bounds_after_first(chunk_offsets, chunk_ids, last=num_sequences - 1)
     index_in_seq = chunk_ids - chunk_offsets[chunk_seq]
     first_token_in_seq = index_in_seq * per_chunk
     real = chunk_ids < num_chunks
@@ -570,7 +571,7 @@ def forward_layout(cu_seqlens, *, total_tokens: int, num_householder: int, heads
                                    xp.cumulative_sum(seq_segments, dtype=i32)])
     num_segments = seq_first_segment[-1:]
     seg_ids = xp.arange(max_segments, dtype=i32, device=device)
-    seg_seq = _sequence_of(xp, seq_first_segment, seg_ids, num_sequences)
+    seg_seq = bounds_after_first(seq_first_segment, seg_ids, last=num_sequences - 1)
     seg_index = seg_ids - seq_first_segment[seg_seq]
     first_chunk_in_seq = seg_index * segment_chunks
     seg_real = seg_ids < num_segments
@@ -607,11 +608,6 @@ def forward_layout(cu_seqlens, *, total_tokens: int, num_householder: int, heads
         seq_segments=as32(seq_segments), seg_first_chunk=as32(seg_first_chunk), seg_chunks=as32(seg_chunks),
         seg_flags=seg_flags, num_segments=num_segments, seg_grad_flags=seg_grad_flags)
 
-
-def _sequence_of(xp, offsets, ids, num_sequences: int):
-    """The sequence of every chunk / segment id: ``bounds_after_first(offsets, ids)`` clipped to the last
-    sequence (ids past the real ones land there), with one clip."""
-    return xp.clip(xp.searchsorted(offsets, ids, side="right") - 1, 0, num_sequences - 1)
 
 
 # ---------------------------------------------------------------------------------------------- value checks
