@@ -14,12 +14,15 @@ launches). Paths (the problem of bench_gdp_fwd.py / bench_gdp_train.py: H = 16, 
 * ``fwd-infer-dense``: the same without cu_seqlens (rows);
 * ``fwd-train``: ``torch_api.gated_delta_product`` forward with ``check_inputs=True`` (bench_gdp_train.py);
 * ``bwd``: that forward's ``torch.autograd.backward`` (the forward untimed);
-* ``fwd-train-packed`` / ``bwd-packed``: the same with cu_seqlens = [0, T].
+* ``fwd-train-packed`` / ``bwd-packed``: the same with cu_seqlens = [0, T];
+* ``fwd-train-unchecked`` / ``bwd-unchecked``: the dense forward and backward with ``check_inputs=False``
+  (no value checks; non-finite inputs contained: sanitise and poison ops, ``torch_api.gdp.isolation``).
 
 Prints per path: host microseconds per call (median and fastest of ``--calls``), the aten ops the call
 dispatches (counted below autograd with a ``TorchDispatchMode``: every op, views included) and the kernel
-launches. ``--ops`` lists the ops per path by name; ``--cprofile PATH`` prints the functions with the
-most own time on that path.
+launches. ``--ops`` lists the ops per path by name; ``--trace`` lists them in order with the line of
+the project that dispatched each; ``--cprofile PATH`` prints the functions with the most own time on
+that path.
 """
 
 from __future__ import annotations
@@ -46,7 +49,9 @@ from cp_linear.kernels import launch as kl  # noqa: E402
 from torch_api import gated_delta_product  # noqa: E402
 from torch_api.gdp.types import GDPInputs  # noqa: E402
 
-PATHS = ("fwd-infer", "fwd-infer-dense", "fwd-train", "bwd", "fwd-train-packed", "bwd-packed")
+PATHS = ("fwd-infer", "fwd-infer-dense", "fwd-train", "bwd", "fwd-train-packed", "bwd-packed", "fwd-train-unchecked",
+         "bwd-unchecked")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @contextlib.contextmanager
@@ -73,13 +78,27 @@ def cpu_kernels(launches: Counter | None = None):
 class OpCounter(TorchDispatchMode):
     """Counts the aten ops dispatched below autograd, by name."""
 
-    def __init__(self):
+    def __init__(self, trace: bool = False):
         super().__init__()
         self.ops = Counter()
+        self.trace = [] if trace else None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops[str(func.overloadpacket.__name__)] += 1
+        if self.trace is not None:
+            self.trace.append((str(func.overloadpacket.__name__), _caller()))
         return func(*args, **(kwargs or {}))
+
+
+def _caller() -> str:
+    """The innermost frame of the project (outside this script) on the stack: "path:line function"."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path.startswith(ROOT) and "site-packages" not in path and not path.endswith("host_overhead.py"):
+            return f"{os.path.relpath(path, ROOT)}:{frame.f_lineno} {frame.f_code.co_name}"
+        frame = frame.f_back
+    return "?"
 
 
 def make_calls(tokens: int, heads: int, n_h: int, dim: int = 128) -> dict:
@@ -100,9 +119,9 @@ def make_calls(tokens: int, heads: int, n_h: int, dim: int = 128) -> dict:
     def leaves():
         return [x.detach().requires_grad_() for x in (q, k, v, g, beta)]
 
-    def forward(xs, packed):
+    def forward(xs, packed, check=True):
         return gated_delta_product(*xs, num_householder=n_h, cu_seqlens=packed, use_qk_l2norm_in_kernel=True,
-                                   backend=backend)
+                                   backend=backend, check_inputs=check)
 
     def backward(outputs):
         torch.autograd.backward(outputs, [do, dfinal])
@@ -111,6 +130,8 @@ def make_calls(tokens: int, heads: int, n_h: int, dim: int = 128) -> dict:
     for suffix, packed in (("", None), ("-packed", cu)):
         calls["fwd-train" + suffix] = (leaves, lambda xs, packed=packed: forward(xs, packed))
         calls["bwd" + suffix] = (lambda packed=packed: forward(leaves(), packed), backward)
+    calls["fwd-train-unchecked"] = (leaves, lambda xs: forward(xs, None, False))
+    calls["bwd-unchecked"] = (lambda: forward(leaves(), None, False), backward)
     return calls
 
 
@@ -128,17 +149,17 @@ def host_us(setup, call, calls: int) -> tuple[float, float]:
     return statistics.median(times) * 1e6, min(times) * 1e6
 
 
-def count(setup, call) -> tuple[Counter, Counter]:
-    """(aten ops by name, launches by kernel) of one call."""
+def count(setup, call, trace: bool = False) -> tuple[OpCounter, Counter]:
+    """(the op counter: aten ops by name and, with trace, in order; launches by kernel) of one call."""
     launches = Counter()
     with cpu_kernels(launches):
         call(setup())  # warm-up: lazy imports, caches
         state = setup()
         launches.clear()
-        counter = OpCounter()
+        counter = OpCounter(trace)
         with counter:
             call(state)
-    return counter.ops, launches
+    return counter, launches
 
 
 def main() -> None:
@@ -150,6 +171,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--paths", nargs="+", default=list(PATHS[:4]), choices=PATHS)
     parser.add_argument("--ops", action="store_true", help="list each path's aten ops by name")
+    parser.add_argument("--trace", action="store_true", help="list each path's aten ops in order, with call sites")
     parser.add_argument("--cprofile", choices=PATHS, help="print the functions with most own time on this path")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -159,13 +181,16 @@ def main() -> None:
     print(f"{'path':<18} {'median us':>10} {'fastest us':>11} {'aten ops':>9} {'launches':>9}")
     for path in args.paths:
         setup, call = calls[path]
-        ops, launches = count(setup, call)
+        counter, launches = count(setup, call, args.trace)
+        ops = counter.ops
         with cpu_kernels():
             median, fastest = host_us(setup, call, args.calls)
         print(f"{path:<18} {median:>10.0f} {fastest:>11.0f} {sum(ops.values()):>9} {sum(launches.values()):>9}",
               flush=True)
         if args.ops:
             print("    " + ", ".join(f"{name} {n}" for name, n in ops.most_common()))
+        for name, site in counter.trace or ():
+            print(f"    {name:<18} {site}")
     if args.cprofile:
         setup, call = calls[args.cprofile]
         with cpu_kernels():

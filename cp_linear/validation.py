@@ -189,7 +189,10 @@ def nonfinite_rows(x: Array, feature_axes: int) -> Array:
         import torch
 
         low, high = torch.aminmax(x.flatten(-feature_axes) if feature_axes > 1 else x, dim=-1)
-        return ~(torch.isfinite(low) & torch.isfinite(high))
+        return (low * 0 + high * 0).isnan()  # NaN exactly where low or high is NaN or +-Inf (see below)
+    if array_api_compat.is_torch_array(x) and x.is_floating_point():
+        bad = (x * 0).isnan()  # two ops: ~torch.isfinite dispatches five (abs, ne, eq, mul, not), each a launch
+        return bad if feature_axes == 0 else bad.any(dim=tuple(range(-feature_axes, 0)))
     bad = ~xp.isfinite(x)
     if feature_axes == 0:
         return bad
@@ -231,7 +234,7 @@ def gdp_bad_tokens(q, k, v, g, beta, num_householder: int) -> tuple[Array, Array
     xp = array_api_compat.array_namespace(q)
     batch, tokens, heads = g.shape
     steps = nonfinite_rows(k, 1) | nonfinite_rows(v, 1) | nonfinite_rows(beta, 0)  # [B, T*n_h, H]
-    state_bad = xp.any(xp.reshape(steps, (batch, tokens, num_householder, heads)), axis=2) | ~xp.isfinite(g)
+    state_bad = xp.any(xp.reshape(steps, (batch, tokens, num_householder, heads)), axis=2) | nonfinite_rows(g, 0)
     return state_bad, nonfinite_rows(q, 1)
 
 
@@ -242,10 +245,17 @@ def sequence_start_index(cu_seqlens: Array, tokens: int) -> Array:
     return xp.take(cu_seqlens, bounds_after_first(cu_seqlens, position))
 
 
-def gdp_token_poison(state_bad: Array, read_bad: Array, start: Array, incoming_bad: Array | None = None) -> Array:
+def gdp_token_poison(state_bad: Array, read_bad: Array, start: Array | None, incoming_bad: Array | None = None
+                     ) -> Array:
     """bool [B, T, H]: outputs that depend on a non-finite input. ``incoming_bad`` bool [B or 1, H]: the
-    state entering the shard is poisoned, which reaches the tokens of its first sequence (start 0)."""
+    state entering the shard is poisoned, which reaches the tokens of its first sequence (start 0).
+    ``start`` None: every token's sequence starts at 0 (rows), so the ranges are prefixes: one prefix
+    sum, no gathers (the same values as ``start`` all zero)."""
     xp = array_api_compat.array_namespace(state_bad)
+    if start is None:
+        last = xp.moveaxis(xp.astype(state_bad, xp.int32), 1, -1)  # prefix sums along the last axis (above)
+        poisoned = xp.moveaxis(xp.cumulative_sum(last, axis=-1) > 0, -1, 1) | read_bad
+        return poisoned if incoming_bad is None else poisoned | incoming_bad[:, None, :]
     stop = xp.arange(1, state_bad.shape[1] + 1, dtype=start.dtype, **_placed_like(start))
     poisoned = any_in_ranges(state_bad, start, stop) | read_bad
     if incoming_bad is not None:

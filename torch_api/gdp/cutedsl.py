@@ -843,10 +843,12 @@ def _carve(buffer: torch.Tensor, regions) -> dict:
         views[name] = as_dtype[dtype].as_strided(shape, _contiguous_strides(shape),
                                                  (base + offsets[name]) // dtype.itemsize)
     table_sizes = [math.prod(shape) for name, _, shape in regions if name in _TABLES]
-    first = offsets[_TABLES[0]] // 4
-    views["tables"] = buffer.view(torch.int32)[first:first + sum(table_sizes)]
+    first, words = offsets[_TABLES[0]] // 4, sum(table_sizes)
+    # one int32 view split into what precedes the tables, the tables and the padding after them (up to
+    # three words: the total is 16-byte aligned): one op where a slice per span and a uint8 view took five
+    spans = [first, words, buffer.numel() - first - words]
+    _, views["tables"], views["padding"] = buffer.view(torch.int32).split(spans)
     views.update(zip(_TABLES, views["tables"].split(table_sizes)))
-    views["padding"] = buffer.view(torch.uint8)[4 * (first + sum(table_sizes)):]  # up to 12 bytes after the tables
     return views
 
 

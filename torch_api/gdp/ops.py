@@ -135,7 +135,7 @@ def run_gated_delta_product(q, k, v, g, beta, *, backend, scale: float, num_hous
         return _run(backend, q, k, v, g, beta, initial_state, scale=scale, num_householder=num_householder,
                     cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     state_bad, read_bad = bad_tokens(q, k, v, g, beta, num_householder)
-    start = sequence_start_index(q.shape[1], cu_seqlens, q.device)
+    start = None if cu_seqlens is None else sequence_start_index(q.shape[1], cu_seqlens, q.device)  # None: rows
     mask = token_poison(state_bad, read_bad, start)
     final_bad = sequence_bad(state_bad, cu_seqlens)
     if initial_state is not None:
