@@ -11,7 +11,7 @@ that ``ShardLayout.copy_packing_`` rewrites). What it gives up for that:
   mask       built on the device from the ids for the window [0, T): query p (global) reads key j
              iff doc(p) == doc(j) > 0 and j <= p. "sdpa" makes a dense bool mask per fixed block of
              ``QUERY_BLOCK`` queries over keys [0, block end) (exact, any device); "flex" builds the
-             BlockMask on the device (``create_block_mask``) every call, from the same rule
+             BlockMask on the device every call, from the same rule (``doc_causal_block_mask``)
 
 Padding rows output exactly 0 and get zero gradient, as in ``doc_causal_attention``. ``contain``
 (values unchecked): the kernel runs on sanitised q/k/v and a real query is NaN exactly when its own
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from cp_linear.validation import any_in_ranges, nonfinite_rows, poison, sanitize
-from torch_api.gdp.library import _autograd_inside
+from torch_api.gdp.library import _autograd_inside, _functorch_inside
 
 QUERY_BLOCK = 1024  # queries per SDPA call of the "sdpa" kernel: bounds the dense mask to QUERY_BLOCK x T
 
@@ -72,19 +72,66 @@ def _sdpa(q, k, v, doc_ids, query_start, scale):
     return torch.cat(pieces, dim=2).transpose(1, 2)
 
 
-def _flex(q, k, v, doc_ids, query_start, scale):
-    from torch.nn.attention.flex_attention import create_block_mask
+def _ordered_blocks(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bool [rows, cols] -> BlockMask's (counts int32 [1, 1, rows], indices int32 [1, 1, rows, cols]);
+    the stable descending sort puts the selected columns first, in ascending order (as flex does)."""
+    counts = tiles.sum(dim=-1, dtype=torch.int32)
+    indices = torch.argsort(tiles.to(torch.int32), dim=-1, descending=True, stable=True).to(torch.int32)
+    return counts.view(1, 1, -1), indices.view(1, 1, *tiles.shape)
 
+
+def doc_causal_block_mask(doc_ids: torch.Tensor, query_start: int, queries: int, block: int):
+    """The flex BlockMask of the doc-causal rule for queries [query_start, query_start + queries) over
+    the keys [0, T) of doc_ids int64 [T], built with plain tensor ops on the device.
+
+    Not ``create_block_mask``: its vmap fails inside this op when a compiled graph calls it (functorch's
+    dispatch keys are excluded there, issue 15), and it builds a dense [queries, T] mask. Each document
+    is one run of equal ids (``cp_linear.plan.validate_doc_ids``), so query p reads exactly the keys
+    [run start(p), p]: a tile is read when some row reads some key of it, full when every row reads all
+    of its keys (complete tiles only); the mask_mod applies the rule itself inside the partial tiles.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    keys = doc_ids.shape[0]
+    q_blocks, k_blocks = -(-queries // block), -(-keys // block)
+    rows = torch.arange(q_blocks * block, device=doc_ids.device)
+    position = torch.clamp(rows, max=queries - 1) + query_start  # global; rows past the end read nothing
+    real = (rows < queries) & (doc_ids[position] > 0)
+    start = _run_starts(doc_ids)[position]
+    first_key = torch.arange(k_blocks, device=doc_ids.device) * block
+    last_key = torch.clamp(first_key + block, max=keys) - 1
+    reads_some = real[:, None] & (start[:, None] <= last_key) & (position[:, None] >= first_key)
+    reads_all = (real[:, None] & (start[:, None] <= first_key) & (position[:, None] >= last_key)
+                 & (last_key - first_key + 1 == block))
+    some = reads_some.view(q_blocks, block, k_blocks).any(dim=1)
+    full = reads_all.view(q_blocks, block, k_blocks).all(dim=1)
+    partial = some & ~full
+
+    query_doc = doc_ids[query_start:query_start + queries]
+    query_pos = torch.arange(query_start, query_start + queries, device=doc_ids.device)
+
+    def doc_causal(b, h, q_idx, kv_idx):  # indexes precomputed tensors only
+        return (query_doc[q_idx] == doc_ids[kv_idx]) & (kv_idx <= query_pos[q_idx]) & (query_doc[q_idx] > 0)
+
+    # the constructor, not from_kv_blocks: that derives the query-side tables with a vmap
+    kv_num_blocks, kv_indices = _ordered_blocks(partial)
+    full_kv_num_blocks, full_kv_indices = _ordered_blocks(full)
+    q_num_blocks, q_indices = _ordered_blocks(partial.transpose(0, 1))
+    full_q_num_blocks, full_q_indices = _ordered_blocks(full.transpose(0, 1))
+    return BlockMask(seq_lengths=(queries, keys), kv_num_blocks=kv_num_blocks, kv_indices=kv_indices,
+                     full_kv_num_blocks=full_kv_num_blocks, full_kv_indices=full_kv_indices,
+                     q_num_blocks=q_num_blocks, q_indices=q_indices, full_q_num_blocks=full_q_num_blocks,
+                     full_q_indices=full_q_indices, BLOCK_SIZE=(block, block), mask_mod=doc_causal)
+
+
+def _flex(q, k, v, doc_ids, query_start, scale):
     from torch_api.attention.kernel import FLEX_BLOCK, _flex_fn
 
-    def doc_causal(b, h, q_idx, kv_idx):
-        query = q_idx + query_start
-        return (doc_ids[query] == doc_ids[kv_idx]) & (kv_idx <= query) & (doc_ids[query] > 0)
-
-    block_mask = create_block_mask(doc_causal, None, None, q.shape[1], k.shape[1], device=q.device,
-                                   BLOCK_SIZE=FLEX_BLOCK)
-    out = _flex_fn(q.device)(q.transpose(1, 2), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(),
-                             block_mask=block_mask, scale=scale, enable_gqa=q.shape[2] != k.shape[2])
+    block_mask = doc_causal_block_mask(doc_ids, query_start, q.shape[1], FLEX_BLOCK)
+    # eager flex_attention (CPU) evaluates the mask_mod under vmap: functorch's keys back on for it
+    with _functorch_inside():
+        out = _flex_fn(q.device)(q.transpose(1, 2), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(),
+                                 block_mask=block_mask, scale=scale, enable_gqa=q.shape[2] != k.shape[2])
     return out.transpose(1, 2)
 
 
@@ -171,4 +218,4 @@ def run_static_attention(q, k, v, layout, *, kernel: str, contain: bool) -> torc
         q, k, v, layout.doc_ids_tensor(q.device), layout.shard_start, layout.group_name or "", 0.0, kernel, contain)
 
 
-__all__ = ["QUERY_BLOCK", "run_static_attention", "static_attention_op"]
+__all__ = ["QUERY_BLOCK", "doc_causal_block_mask", "run_static_attention", "static_attention_op"]

@@ -34,9 +34,25 @@ from cp_linear.validation import sequence_start_index as core_sequence_start_ind
 
 
 def bad_tokens(q, k, v, g, beta, num_householder: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(state_bad, read_bad) bool [B, T, H] (``cp_linear.validation.gdp_bad_tokens``), without autograd."""
+    """(state_bad, read_bad) bool [B, T, H] (``cp_linear.validation.gdp_bad_tokens``), without autograd.
+    Under ``torch.compile`` through the opaque ``cp_linear::gdp_bad_tokens`` (same numbers): torch 2.11's
+    Inductor fails to generate Triton for these row checks fused with the gate's softplus (issue 15)."""
     with torch.no_grad():
+        if torch.compiler.is_compiling():
+            return torch.ops.cp_linear.gdp_bad_tokens(q, k, v, g, beta, num_householder)
         return gdp_bad_tokens(q, k, v, g, beta, num_householder)
+
+
+@torch.library.custom_op("cp_linear::gdp_bad_tokens", mutates_args=())
+def bad_tokens_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  num_householder: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gdp_bad_tokens`` as one op Inductor does not look into; bool outputs, so no autograd."""
+    return gdp_bad_tokens(q, k, v, g, beta, num_householder)
+
+
+@bad_tokens_op.register_fake
+def _(q, k, v, g, beta, num_householder):
+    return g.new_empty(g.shape, dtype=torch.bool), q.new_empty(q.shape[:3], dtype=torch.bool)
 
 
 def sanitized(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -103,5 +119,5 @@ def incoming_bad_and_clean(stacked) -> tuple[torch.Tensor, object]:
     return bad, stacked
 
 
-__all__ = ["bad_tokens", "incoming_bad_and_clean", "poison_summary", "sanitized", "sequence_bad",
+__all__ = ["bad_tokens", "bad_tokens_op", "incoming_bad_and_clean", "poison_summary", "sanitized", "sequence_bad",
            "sequence_start_index", "token_poison", "trailing_bad"]

@@ -175,6 +175,21 @@ def _autograd_inside():
             yield
 
 
+@contextlib.contextmanager
+def _functorch_inside():
+    """functorch's transforms (vmap) back on inside an op's real kernel: an op called from a Python
+    dispatch mode (AOTAutograd's aliasing check on a compiled graph's first call) runs with them excluded."""
+    with torch._C._PreserveDispatchKeyGuard():
+        for key in _FUNCTORCH_KEYS:
+            torch._C._dispatch_tls_set_dispatch_key_excluded(key, False)
+        yield
+
+
+_FUNCTORCH_KEYS = tuple(getattr(torch._C.DispatchKey, name) for name in (
+    "FuncTorchDynamicLayerFrontMode", "FuncTorchDynamicLayerBackMode", "FuncTorchBatched", "FuncTorchVmapMode",
+    "BatchedNestedTensor", "FuncTorchGradWrapper") if hasattr(torch._C.DispatchKey, name))
+
+
 _AUTOGRAD_KEYS = tuple(getattr(torch._C.DispatchKey, name) for name in (
     "ADInplaceOrView", "AutogradFunctionality", "AutogradOther", "AutogradNestedTensor", "AutogradCPU",
     "AutogradCUDA") if hasattr(torch._C.DispatchKey, name))
