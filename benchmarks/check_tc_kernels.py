@@ -16,6 +16,7 @@ import argparse
 import copy
 import sys
 import traceback
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -190,6 +191,12 @@ def one_device_case(lengths, heads, key_dim, value_dim, n_h, dtype, segment_chun
     check(f"{tag} final state vs float64", rel(final, final_ref), 8e-3)
     floor = rel(o_ref.to(dtype), o_ref)
     print(f"     {tag} dtype rounding of the exact output: {floor:.3e}", flush=True)
+    # the inference plan (save_for_backward False: one V-row fold from the initial states, no apply_affine)
+    o_lean, final_lean, _ = backend.one_device_forward(replace(inputs, save_for_backward=False), initial)
+    check(f"{tag} inference plan o vs float64", rel(o_lean, o_ref), 8e-3)
+    check(f"{tag} inference plan final state vs float64", rel(final_lean, final_ref), 8e-3)
+    check(f"{tag} inference plan o vs the saving forward", rel(o_lean, o), 1e-3)
+    check(f"{tag} inference plan final state vs the saving forward", rel(final_lean, final), 1e-4)
     # FLA side by side from a zero initial state (same bf16 inputs for both)
     o0, _, _ = backend.one_device_forward(inputs)
     ref0 = torch.from_numpy(reference(q, k, v, g, beta, n_h, cu)[0])

@@ -20,6 +20,31 @@ def emulation_inputs(lengths, heads, key_dim, value_dim, n_h, seed, rows=1):
     return q, k, v, g, beta
 
 
+INFERENCE_LENGTHS = [0, 150, 0, 37, 700, 0]  # empty sequences, and one long sequence of many segments
+
+
+def inference_case(layout, n_h, with_initial, seed):
+    """(GDPInputs, initial states or None) of the lean-forward tests: packed sequences with empty ones and
+    one long sequence of many segments at segment_chunks=2, or 3 rows; bf16, H = 2, K = V = 64."""
+    from torch_api.gdp.types import GDPInputs
+
+    heads, dim = 2, 64
+    if layout == "rows":
+        lengths, rows, cu = [260], 3, None
+    else:
+        lengths, rows = INFERENCE_LENGTHS, 1
+        cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    q, k, v, g, beta = emulation_inputs(lengths, heads, dim, dim, n_h, seed=seed, rows=rows)
+    g = g * 0.05  # a slow decay: the initial state and earlier segments still matter at the end
+    sequences = rows if cu is None else len(lengths)
+    initial = None
+    if with_initial:
+        initial = torch.randn(sequences, heads, dim, dim, generator=torch.Generator().manual_seed(seed + 1)) * 0.3
+    inputs = GDPInputs(q, k, v, g, beta, scale=dim ** -0.5, num_householder=n_h, use_qk_l2norm_in_kernel=True,
+                       cu_seqlens=cu)
+    return inputs, initial
+
+
 def fold_summaries(segments_per_sequence, spare_segments, heads, key_dim, value_dim, seed, device="cpu"):
     """Random segment summaries [S_max, H, V + K, K] float32 (rows [E^T ; M^T], M near 0.9 I so that
     long folds stay bounded) and seq_first_segment int32 [N + 1] for sequences of the given segment

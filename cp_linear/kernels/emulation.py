@@ -138,14 +138,17 @@ def emulate_segment_fold(launch) -> None:
             if eye_rows > 0:
                 X[:, identity_row:] = torch.eye(eye_rows, K)
         order = range(int(launch.seq_first_segment[sequence]), int(launch.seq_first_segment[sequence + 1]))
-        for segment in (reversed(order) if int(launch.descending) else order):
+        trailing = int(launch.seq_first_segment[sequence + 1]) == int(launch.seq_first_segment[-1])
+        writes_final = int(launch.write_final) == 1 or (int(launch.write_final) == 2 and trailing)
+        for position, segment in enumerate(reversed(order) if int(launch.descending) else order):
             launch.incoming[segment] = X
+            if position == len(order) - 1 and not writes_final:
+                break  # as the kernel: the map of the segment taken last is not read (it may have no summary)
             summary = launch.summaries[segment]
             E = torch.zeros(heads, rows, K)
             E[:, :min(rows, value_rows)] = summary[:, :min(rows, value_rows)]
             X = X @ summary[:, value_rows:] + E
-        trailing = int(launch.seq_first_segment[sequence + 1]) == int(launch.seq_first_segment[-1])
-        if int(launch.write_final) == 1 or (int(launch.write_final) == 2 and trailing):
+        if writes_final:
             launch.final[sequence] = X
 
 

@@ -526,10 +526,10 @@ def forward_layout(cu_seqlens, *, total_tokens: int, num_householder: int, heads
     every segment of ``grad_summary_sequence`` (the CP leading fragment); of those, the ones the
     forward summarises (``seg_flags``) also carry ``FORWARD_TRANSITION_FLAG``.
     ``every_segment_summary`` / ``every_segment_grad_summary``: flag every real segment instead
-    (rows under CP: every row continues on the next rank and leads on this one). A host-int
-    ``summary_sequence`` / ``grad_summary_sequence`` of a single sequence (N = 1) flags every segment
-    without an array operation. ``grad_flags=False``: no ``seg_grad_flags`` (None; a forward without
-    the kernel backward reads none).
+    (rows under CP: every row continues on the next rank and leads on this one). A
+    ``summary_sequence`` / ``grad_summary_sequence`` of a single sequence (N = 1; it can only be
+    sequence 0) flags every segment without an array operation, and N = 1 runs no sequence search.
+    ``grad_flags=False``: no ``seg_grad_flags`` (None; a forward without the kernel backward reads none).
 
     Written for few array operations (each is a host dispatch, and on a GPU a launch): gathers by
     plain indexing (array_api_compat's torch ``take`` adds a negative-index ``where``), casts only
@@ -549,45 +549,62 @@ def forward_layout(cu_seqlens, *, total_tokens: int, num_householder: int, heads
     i32 = xp.int32
     device = array_api_compat.device(cu_seqlens)
     as32 = lambda x: x if x.dtype == i32 else xp.astype(x, i32)  # noqa: E731
+    # one sequence (N = 1, a host int) owns every chunk and segment: one-element slices of its tables
+    # (views) stand in for the sequence searches and the gathers, each a launch on a GPU
+    single = num_sequences == 1
     cu = as32(cu_seqlens)
     lengths = cu[1:] - cu[:-1]
     seq_chunks = (lengths + (per_chunk - 1)) // per_chunk
-    chunk_offsets = xp.concat([xp.zeros(1, dtype=i32, device=device), xp.cumulative_sum(seq_chunks, dtype=i32)])
-    num_chunks = chunk_offsets[-1:]
+    zero = xp.zeros(1, dtype=i32, device=device)
+    if single:
+        num_chunks = seq_chunks
+    else:
+        chunk_offsets = xp.concat([zero, xp.cumulative_sum(seq_chunks, dtype=i32)])
+        num_chunks = chunk_offsets[-1:]
 
     # chunk c belongs to sequence chunk_seq[c] (int64 is fine for an index); chunks past the real
     # ones land on the last sequence, past its end
     chunk_ids = xp.arange(max_chunks, dtype=i32, device=device)
-    chunk_seq = bounds_after_first(chunk_offsets, chunk_ids, last=num_sequences - 1)
-    index_in_seq = chunk_ids - chunk_offsets[chunk_seq]
+    if single:
+        index_in_seq, seq_start, seq_length = chunk_ids, cu[:1], lengths
+    else:
+        chunk_seq = bounds_after_first(chunk_offsets, chunk_ids, last=num_sequences - 1)
+        index_in_seq = chunk_ids - chunk_offsets[chunk_seq]
+        seq_start, seq_length = cu[chunk_seq], lengths[chunk_seq]
     first_token_in_seq = index_in_seq * per_chunk
     real = chunk_ids < num_chunks
-    chunk_first_step = (cu[chunk_seq] + first_token_in_seq) * n_h * real  # zero past the real chunks
+    chunk_first_step = (seq_start + first_token_in_seq) * n_h * real  # zero past the real chunks
     # zero past the real chunks without a mask: there first_token_in_seq >= the last sequence's length
-    chunk_steps = xp.clip(lengths[chunk_seq] - first_token_in_seq, 0, per_chunk) * n_h
+    chunk_steps = xp.clip(seq_length - first_token_in_seq, 0, per_chunk) * n_h
 
     seq_segments = (seq_chunks + (segment_chunks - 1)) // segment_chunks
-    seq_first_segment = xp.concat([xp.zeros(1, dtype=i32, device=device),
-                                   xp.cumulative_sum(seq_segments, dtype=i32)])
+    seq_first_segment = xp.concat([zero, seq_segments if single else xp.cumulative_sum(seq_segments, dtype=i32)])
     num_segments = seq_first_segment[-1:]
     seg_ids = xp.arange(max_segments, dtype=i32, device=device)
-    seg_seq = bounds_after_first(seq_first_segment, seg_ids, last=num_sequences - 1)
-    seg_index = seg_ids - seq_first_segment[seg_seq]
+    if single:
+        seg_index, seg_seq_chunks = seg_ids, seq_chunks
+    else:
+        seg_seq = bounds_after_first(seq_first_segment, seg_ids, last=num_sequences - 1)
+        seg_index = seg_ids - seq_first_segment[seg_seq]
+        seg_seq_chunks = seq_chunks[seg_seq]
     first_chunk_in_seq = seg_index * segment_chunks
     seg_real = seg_ids < num_segments
-    seg_first_chunk = (chunk_offsets[seg_seq] + first_chunk_in_seq) * seg_real
-    # zero past the real segments without a mask, as chunk_steps
-    seg_chunks = xp.clip(seq_chunks[seg_seq] - first_chunk_in_seq, 0, segment_chunks)
-    # a host-int sequence of a single-sequence shard is every segment's
-    every_segment_summary |= num_sequences == 1 and isinstance(summary_sequence, int)
-    every_segment_grad_summary |= num_sequences == 1 and isinstance(grad_summary_sequence, int)
+    seg_first_chunk = (first_chunk_in_seq if single else chunk_offsets[seg_seq] + first_chunk_in_seq) * seg_real
+    # chunks from the segment's first to its sequence's end: <= 0 past the real segments (they land on
+    # the last sequence past its chunks), so seg_chunks is zero there without a mask, as chunk_steps
+    chunks_left = seg_seq_chunks - first_chunk_in_seq
+    seg_chunks = xp.clip(chunks_left, 0, segment_chunks)
+    # a single-sequence shard's summary sequence can only be that sequence (0, a host int or data)
+    every_segment_summary |= single and summary_sequence is not None
+    every_segment_grad_summary |= single and grad_summary_sequence is not None
     if every_segment_summary:
         summarized = seg_real
     else:
-        followed = seg_index < seq_segments[seg_seq] - 1
+        # followed by another segment of its sequence: more chunks left than one segment takes (never
+        # past the real segments)
+        summarized = chunks_left > segment_chunks
         if summary_sequence is not None:
-            followed = followed | (seg_seq == summary_sequence)
-        summarized = seg_real & followed
+            summarized = seg_real & (summarized | (seg_seq == summary_sequence))
     # a flag word with bit 0 set is the bool cast to int32 (SUMMARY_FLAG == 1)
     seg_flags = xp.astype(summarized, i32)
     seg_grad_flags = None

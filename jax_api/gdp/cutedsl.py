@@ -19,6 +19,10 @@ Launch plan of one shard (the torch backend's, launch for launch)::
                                    the preceding summaries; the others from their initial state)
               chunk_scan output    outputs and every segment's end state
 
+A one-device forward that no backward follows (``one_device_forward`` with ``save_for_backward``
+False) runs torch's leaner plan: chunk_prep, the summary pass of the segments followed by another
+one, segment_fold of V rows from each sequence's initial state (or zero), the output pass.
+
 The backward runs the backward kernels (the default, ``backward="kernels"``, as in torch), or
 ``JaxGDPBackend``'s float32 recomputation from the saved inputs with ``backward="jax"``::
 
@@ -39,7 +43,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import jax
 import jax.numpy as jnp
@@ -228,8 +232,9 @@ class CuTeDSLGatedDeltaProductCPBackend:
         row_block = row_block if row_block <= min(key_dim, value_dim) else 0
         dtype = KERNEL_DTYPE_NAMES[jnp.dtype(q.dtype)]
         scan_rows = kcfg.ChunkScanConfig(dtype, key_dim, value_dim, "output", 32, row_block).rows_per_cta
-        # the trailing sequence: the last nonempty one (a JAX layout pads N with empty sequences)
-        trailing = _last_nonempty(cu) if not rows else None
+        # the trailing sequence: the last nonempty one (a JAX layout pads N with empty sequences); read by
+        # the CP summary and the kernel backward (whose shard has the forward's cp_summary=True)
+        trailing = _last_nonempty(cu) if not rows and cp_summary else None
         summary_sequence = trailing if cp_summary else None
         # rows: every row continues on the next rank (CP summaries of every segment) and every row leads
         # (backward summaries of every segment)
@@ -395,6 +400,37 @@ class CuTeDSLGatedDeltaProductCPBackend:
         else:  # JaxGDPBackend's backward recomputes from the inputs and the incoming state
             saved = self._fallback.saved_context(inputs, preceding)
         return CPForwardResult(output, saved)
+
+    # ------------------------------------------------------------------ one device
+
+    def one_device_forward(self, inputs: GDPInputs, initial_state: jax.Array | None = None
+                           ) -> tuple[jax.Array, jax.Array, CPSavedContext | None]:
+        """-> (o [B, T, H, V], final_state float32 [N, H, K, V], saved context): the four functions with
+        no neighbours, as the torch backend's. When ``inputs.save_for_backward`` is False and the kernels
+        take the inputs, the leaner plan of ``_inference_forward`` runs and the saved context is None."""
+        inputs = replace(inputs, initial_state=initial_state, output_final_state=True)
+        if not inputs.save_for_backward and self._use_kernels(inputs):
+            output, final_state = self._inference_forward(inputs)
+            return output, final_state, None
+        _, local = self.cp_forward_prepare(inputs)
+        (output, final_state), saved = self.cp_forward_apply(local, None)
+        return output, final_state, saved
+
+    def _inference_forward(self, inputs: GDPInputs) -> tuple[jax.Array, jax.Array]:
+        """The one-device forward when no backward follows (torch's ``_inference_forward``, launch for
+        launch): chunk_prep, the summary pass of the segments followed by another one, segment_fold of V
+        rows from each sequence's start state (its initial state, or zero) writing every segment's
+        incoming state (FINAL_NONE: a sequence's last segment has no summary), the output pass."""
+        initial = _initial_states(inputs)
+        shard = self._shard(inputs, cp_summary=False)
+        value_dim = shard.value_dim
+        init = None if initial is None else jnp.swapaxes(initial, -1, -2)  # the kernel's rows [N, H, V, K]
+        incoming, _ = self._fold(shard, shard.summaries, init=init, init_count=0 if initial is None else
+                                 initial.shape[0], rows=value_dim, first_sequence=0, write_final=kl.FINAL_NONE,
+                                 descending=False)
+        output, state_out, _ = self._output(shard, incoming)
+        start = initial if initial is not None else jnp.zeros(inputs.state_shape, _F32)
+        return output, _final_states(shard, state_out, start)
 
     # ------------------------------------------------------------------ backward protocol
 

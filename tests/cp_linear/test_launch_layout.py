@@ -61,6 +61,9 @@ NAMESPACES = {"numpy": lambda cu: np.asarray(cu, dtype=np.int32),
 @pytest.mark.parametrize("namespace", NAMESPACES)
 @pytest.mark.parametrize("lengths, n_h, segment_chunks, summary_sequence, grad_summary_sequence", [
     pytest.param([300], 1, 2, None, None, id="one-sequence"),
+    pytest.param([300], 2, 2, 0, 0, id="one-sequence-cp-flags"),
+    pytest.param([0], 2, 2, None, None, id="one-empty-sequence"),
+    pytest.param([150, 0, 37, 301], 2, 2, None, None, id="packed-with-empty"),
     pytest.param([150, 0, 37, 301], 2, 2, 3, 0, id="packed-with-empty-cp-flags"),
     pytest.param([64, 65, 1], 3, 1, None, 0, id="segment-per-chunk"),
     pytest.param([200, 0, 0], 2, 3, 0, None, id="trailing-empty"),

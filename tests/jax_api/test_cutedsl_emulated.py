@@ -208,6 +208,42 @@ def test_a_new_packing_reuses_the_program(emulated):
     assert launches[0] == launches[1] == 5
 
 
+@pytest.mark.parametrize("layout", ["packed", "rows"])
+@pytest.mark.parametrize("with_initial", [False, True], ids=["zero-start", "initial-state"])
+def test_inference_forward_matches_the_torch_backend_bit_for_bit(emulated, layout, with_initial):
+    """``one_device_forward`` with ``save_for_backward=False``: torch's lean plan launch for launch (prep,
+    the summary pass of the segments followed by another one, one fold of V rows from each sequence's
+    start, the output pass), with the same bits as the torch backend's, every result buffer poisoned."""
+    from dataclasses import replace
+
+    from tests.cutedsl_inputs import inference_case
+
+    inputs, initial = inference_case(layout, 2, with_initial, seed=80)
+    inputs = replace(inputs, save_for_backward=False)
+    o_t, final_t, saved_t = tcd.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=2).one_device_forward(inputs,
+                                                                                                      initial)
+    assert saved_t is None
+    backend = jcd.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=2, sm_count=132)
+    scalars = dict(scale=inputs.scale, num_householder=inputs.num_householder,
+                   use_qk_l2norm_in_kernel=inputs.use_qk_l2norm_in_kernel, save_for_backward=False)
+
+    @jax.jit
+    def forward(q, k, v, g, beta, cu, initial):
+        o, final, saved = backend.one_device_forward(GDPInputs(q, k, v, g, beta, cu_seqlens=cu, **scalars), initial)
+        assert saved is None
+        return o, final
+
+    LAUNCH_COUNTS.clear()
+    cu = None if inputs.cu_seqlens is None else jnp.asarray(inputs.cu_seqlens.numpy())
+    o_j, final_j = forward(*(_jax(x) for x in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)), cu,
+                           None if initial is None else _jax(initial))
+    _assert_same_bits("o", o_j, o_t)
+    _assert_same_bits("final_state", final_j, final_t)
+    plan = sorted(f"{type(config).__name__}:{getattr(config, 'mode', '')}" for config in LAUNCH_COUNTS)
+    assert plan == ["ChunkPrepConfig:", "ChunkScanConfig:output", "ChunkScanConfig:summary", "SegmentFoldConfig:fold"]
+    assert sum(LAUNCH_COUNTS.values()) == 4
+
+
 @pytest.mark.parametrize("case", ["one_sequence", "one_sequence_initial", "packed_initial"])
 def test_saved_segment_states_match_the_torch_backend_bit_for_bit(emulated, case):
     """The forward's saved segment states (prepare's prefix maps through apply_affine; what the

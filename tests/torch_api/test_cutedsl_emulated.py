@@ -8,6 +8,8 @@ blocked algorithm's precision, against the float64 reference without a GPU. The 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -18,7 +20,7 @@ from cp_linear.kernels.emulation import run_emulated
 from cp_linear.reference import naive_gated_delta_product
 from tests.cp_linear.gdp_cases import rel_err
 from tests.cutedsl_inputs import emulation_inputs as _inputs
-from tests.cutedsl_inputs import recorded_scan_modes
+from tests.cutedsl_inputs import INFERENCE_LENGTHS, inference_case, recorded_scan_modes
 from torch_api.gdp.types import GDPInputs
 
 
@@ -484,3 +486,110 @@ def test_prefix_fold_writes_only_the_trailing_sequences_final_rows(emulated):
     from tests.cutedsl_inputs import check_trailing_final_rows
 
     check_trailing_final_rows("cpu")
+
+
+# --------------------------------------------------------------------------- inference: the lean one-device plan
+
+
+def _poisoned_emulation(launches: list):
+    """``_Launch.run`` on the emulation, recording every launch and filling each float output with NaN
+    first: a later read of anything a launch does not write shows up in the results (as the JAX
+    emulation's result buffers, and uninitialised memory on the GPU)."""
+    def run(launch):
+        launches.append(launch)
+        for name in type(launch).OUTPUTS:
+            output = getattr(launch, name)
+            if output.is_floating_point():
+                output.fill_(float("nan"))
+        run_emulated(launch)
+    return run
+
+
+def _plan(launches) -> list[str]:
+    """Each launch as "kernel" or "kernel:mode"."""
+    names = []
+    for launch in launches:
+        mode = getattr(launch.config, "mode", None)
+        names.append(type(launch).__name__ + (f":{mode}" if mode else ""))
+    return names
+
+
+@pytest.mark.parametrize("layout", ["packed", "rows"])
+@pytest.mark.parametrize("with_initial", [False, True], ids=["zero-start", "initial-state"])
+@pytest.mark.parametrize("n_h", [1, 2])
+def test_inference_forward_matches_float64_and_the_saving_forward(emulated, monkeypatch, layout, with_initial, n_h):
+    """``one_device_forward`` with ``save_for_backward=False`` (the lean plan: no CP summary, no prefix
+    maps, no apply_affine) against float64 and against the forward that saves for the kernel backward:
+    bitwise without initial states (apply_affine adds nothing to E_pre then), within float32 rounding
+    of the incoming states with them. Every output is poisoned before its launch writes it."""
+    inputs, initial = inference_case(layout, n_h, with_initial, seed=60 + n_h)
+    backend = cutedsl.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=2, backward="kernels")
+    launches = []
+    monkeypatch.setattr(kl._Launch, "run", _poisoned_emulation(launches))
+    o, final, saved = backend.one_device_forward(replace(inputs, save_for_backward=False), initial)
+    assert saved is None
+    assert not torch.isnan(o.float()).any() and not torch.isnan(final).any()
+    o_saving, final_saving, saved_saving = backend.one_device_forward(inputs, initial)
+    assert backend.saved_segment_states(saved_saving) is not None  # the saving forward's plan, unchanged
+    q, k, v, g, beta = inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta
+    if layout == "rows":
+        for row in range(q.shape[0]):
+            one = slice(row, row + 1)
+            o_ref, final_ref = _reference(q[one], k[one], v[one], g[one], beta[one], n_h, None,
+                                          None if initial is None else initial[one])
+            assert rel_err(o[one].float().numpy(), o_ref) < OUTPUT_LIMIT
+            assert rel_err(final[one].numpy(), final_ref) < STATE_LIMIT
+    else:
+        o_ref, final_ref = _reference(q, k, v, g, beta, n_h, inputs.cu_seqlens.numpy(), initial)
+        assert rel_err(o.float().numpy(), o_ref) < OUTPUT_LIMIT
+        assert rel_err(final.numpy(), final_ref) < STATE_LIMIT
+        if initial is not None:  # the empty sequences keep their initial states
+            for n in np.flatnonzero(np.array(INFERENCE_LENGTHS) == 0):
+                assert torch.equal(final[n], initial[n])
+    if initial is None:
+        assert torch.equal(o, o_saving) and torch.equal(final, final_saving)
+    else:
+        # measured: o 6e-5 (a few bf16 roundings of the chunk states flip), final states 1e-7
+        assert rel_err(o.float().numpy(), o_saving.float().numpy().astype(np.float64)) < 5e-4
+        assert rel_err(final.numpy(), final_saving.numpy().astype(np.float64)) < 1e-6
+
+
+@pytest.mark.parametrize("layout", ["packed", "one-sequence", "rows"])
+@pytest.mark.parametrize("with_initial", [False, True], ids=["zero-start", "initial-state"])
+def test_inference_forward_runs_the_lean_plan(emulated, monkeypatch, layout, with_initial):
+    """Four launches (the saving forward runs five): chunk_prep, the summary pass of only the segments
+    followed by another one in their sequence, one fold of V rows from each sequence's start (its
+    initial state, or zero rows: no identity rows) writing no final rows, the output pass without chunk
+    states. The saving forward's plan is unchanged."""
+    inputs, initial = inference_case("rows" if layout == "rows" else "packed", 2, with_initial, seed=70)
+    if layout == "one-sequence":
+        tokens = 300
+        inputs = replace(inputs, q=inputs.q[:, :tokens], k=inputs.k[:, :2 * tokens], v=inputs.v[:, :2 * tokens],
+                         g=inputs.g[:, :tokens], beta=inputs.beta[:, :2 * tokens],
+                         cu_seqlens=torch.tensor([0, tokens], dtype=torch.int32))
+        initial = None if initial is None else initial[:1]
+    backend = cutedsl.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=2, backward="kernels")
+    launches = []
+    monkeypatch.setattr(kl._Launch, "run", _poisoned_emulation(launches))
+    backend.one_device_forward(replace(inputs, save_for_backward=False), initial)
+    assert _plan(launches) == ["ChunkPrepLaunch", "ChunkScanLaunch:summary", "SegmentFoldLaunch:fold",
+                               "ChunkScanLaunch:output"]
+    _, summary, fold, output = launches
+    layout_tables = fold.seq_first_segment
+    real = int(layout_tables[-1])
+    followed = torch.zeros(summary.seg_flags.shape[0], dtype=torch.int32)
+    for n in range(layout_tables.shape[0] - 1):
+        followed[int(layout_tables[n]):max(int(layout_tables[n + 1]) - 1, int(layout_tables[n]))] = 1
+    assert torch.equal(summary.seg_flags, followed) and real > int(followed.sum())
+    assert (fold.incoming.shape[2], fold.value_rows, fold.identity_row) == (64, 64, 64)
+    assert (fold.write_final, fold.descending, fold.first_sequence) == (kl.FINAL_NONE, 0, 0)
+    sequences = layout_tables.shape[0] - 1
+    if initial is None:
+        assert fold.init_count == 0
+    else:
+        assert fold.init_count == sequences and torch.equal(fold.init, initial.transpose(-1, -2))
+    assert output.state_in is fold.incoming
+    launches.clear()
+    backend.one_device_forward(inputs, initial)
+    assert _plan(launches) == ["ChunkPrepLaunch", "ChunkScanLaunch:summary", "SegmentFoldLaunch:fold",
+                               "SegmentFoldLaunch:apply_affine", "ChunkScanLaunch:output_states"]

@@ -22,8 +22,14 @@ that one long sequence fills the GPU):
                                    mode "output_states" for the kernel backward, every chunk's start state)
 
 A sequence that spans ranks therefore costs one summary pass (run before the all-gather) and
-one output pass — no second state pass, and one sequential fold per forward. The kernel
-backward mirrors it:
+one output pass — no second state pass, and one sequential fold per forward. A one-device forward
+that no backward follows (``one_device_forward`` with ``save_for_backward`` False) needs neither the
+CP summary nor the prefix maps, and runs four launches:
+
+    chunk_prep, chunk_scan summary (only segments followed by another one), segment_fold (V rows from
+    each sequence's initial state or zero -> every segment's incoming state), chunk_scan output
+
+The kernel backward mirrors the protocol's plan:
 
     prepare   chunk_prep, chunk_gamma   per-segment backward summaries [gamma ; M_b] of the leading
                                    sequence and of every segment preceded by another one (M_b = M^T:
@@ -333,9 +339,10 @@ class CuTeDSLGatedDeltaProductCPBackend:
             tables = None
             # the trailing sequence: the last nonempty one, found on the device (a graph-ready layout pads
             # cu_seqlens with empty sequences at its end, torch_api.layers.layout), so no host read; a
-            # single sequence is the trailing one (a host int: no device search, no masks)
-            trailing = _trailing_sequence(cu)
-            layout = kl.forward_layout(cu, summary_sequence=trailing if cp_summary else None,
+            # single sequence is the trailing one (a host int: no device search, no masks). Only the CP
+            # summary reads it
+            trailing = _trailing_sequence(cu) if cp_summary else None
+            layout = kl.forward_layout(cu, summary_sequence=trailing,
                                        grad_summary_sequence=0 if kernel_backward else None,
                                        grad_flags=kernel_backward, **layout_args)
         if layout.max_segments != sizes.max_segments:  # the custom ops' fake kernels read sizes.max_segments
@@ -511,6 +518,24 @@ class CuTeDSLGatedDeltaProductCPBackend:
             final=final, init_count=0, value_rows=value_dim, identity_row=value_dim, first_sequence=0,
             write_final=kl.FINAL_EVERY if shard.rows else kl.FINAL_TRAILING, descending=0).run()
         return incoming_affine
+
+    def _incoming_fold(self, shard: _Shard, initial: torch.Tensor | None) -> torch.Tensor:
+        """segment_fold mode "fold" with V rows from each sequence's start state (``initial`` [N, H, K, V],
+        or zero) -> every real segment's incoming state [S_max, H, V, K] (rows of unused segments are not
+        written). A sequence's last segment has no summary and its map is not applied (FINAL_NONE): the
+        output pass computes the end states."""
+        heads, key_dim, value_dim = shard.heads, shard.key_dim, shard.value_dim
+        incoming = torch.empty(shard.layout.max_segments, heads, value_dim, key_dim, dtype=torch.float32,
+                               device=shard.q.device)
+        # the kernel's row form [N, H, V, K]; without initial states every sequence starts from zero rows
+        # (init_count = 0, identity_row = V: no identity rows) and init / final are placeholders, never read
+        init = incoming if initial is None else initial.transpose(-1, -2).contiguous()
+        kl.SegmentFoldLaunch(
+            kcfg.SegmentFoldConfig(key_dim), summaries=shard.summaries,
+            seq_first_segment=shard.layout.seq_first_segment, init=init, incoming=incoming, final=incoming,
+            init_count=0 if initial is None else initial.shape[0], value_rows=value_dim, identity_row=value_dim,
+            first_sequence=0, write_final=kl.FINAL_NONE, descending=0).run()
+        return incoming
 
     def _apply_affine(self, shard: _Shard, incoming_affine: torch.Tensor, init: torch.Tensor | None,
                       init_count: int) -> torch.Tensor:
@@ -692,13 +717,34 @@ class CuTeDSLGatedDeltaProductCPBackend:
     # ------------------------------------------------------------------ one device (through the four functions)
 
     def one_device_forward(self, inputs: GDPInputs, initial_state: torch.Tensor | None = None
-                           ) -> tuple[torch.Tensor, torch.Tensor, CPSavedContext]:
+                           ) -> tuple[torch.Tensor, torch.Tensor, CPSavedContext | None]:
         """-> (o [B, T, H, V], final_state float32 [N, H, K, V], saved context): the four functions
-        with no neighbours (what ``torch_api.gated_delta_product`` runs)."""
+        with no neighbours (what ``torch_api.gated_delta_product`` runs). When ``inputs.save_for_backward``
+        is False (inference: no backward will run) and the kernels take the inputs, a leaner plan
+        (``_inference_forward``) runs instead and the saved context is None."""
         inputs = replace(inputs, initial_state=initial_state, output_final_state=True)
+        if not inputs.save_for_backward and self._use_kernels(inputs):
+            output, final_state = self._inference_forward(inputs)
+            return output, final_state, None
         _, local = self.cp_forward_prepare(inputs)
         (output, final_state), saved = self.cp_forward_apply(local, None)
         return output, final_state, saved
+
+    def _inference_forward(self, inputs: GDPInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The one-device forward when no backward follows -> (o [B, T, H, V], final_state [N, H, K, V]):
+        chunk_prep, the summary pass of the segments followed by another one (no CP summary of the
+        trailing sequence), one fold of V rows from each sequence's start state writing every segment's
+        incoming state, the output pass: four launches where the protocol runs five, a fold of V rows
+        where it folds V + K (the prefix maps [E_pre | M_pre], then apply_affine), and no summary of a
+        sequence's last segment. The protocol's extra work serves CP (the trailing sequence's summary)
+        and the kernel backward (its layout flags, summaries and saved states), neither of which follows.
+        Without initial states the incoming states are bitwise the protocol's (apply_affine then adds
+        nothing to E_pre); with them they differ by float32 rounding (S0 folded segment by segment
+        instead of through the composed map)."""
+        initial = _initial_states(inputs)
+        shard = self._shard(inputs, cp_summary=False)
+        output, state_out = self._output(shard, self._incoming_fold(shard, initial))
+        return output, _final_states(shard, state_out, initial)
 
     def one_device_backward(self, output_grad, final_state_grad, saved_context: CPSavedContext):
         """-> (GDPInputGradients, dL/d initial state [N, H, K, V] float32 or None) for a
@@ -936,7 +982,9 @@ def _final_states(shard: _Shard, state_out: torch.Tensor, initial: torch.Tensor 
         last_segments = state_out[segments_per_row - 1:layout.num_sequences * segments_per_row:segments_per_row]
         return last_segments.transpose(-1, -2).contiguous()
     start = initial if initial is not None else state_out.new_zeros(shard.inputs.state_shape)
-    last_segment = (layout.seq_first_segment[1:] - 1).clamp(min=0).long()
+    # int32 indices as they are: index_select takes them (a cast to int64 would be one more launch; plain
+    # indexing would cast them internally); an empty sequence's row is replaced below
+    last_segment = (layout.seq_first_segment[1:] - 1).clamp(min=0)
     final_state = state_out.index_select(0, last_segment).transpose(-1, -2)
     empty = (layout.seq_segments == 0).view(-1, 1, 1, 1)
     return torch.where(empty, start, final_state).contiguous()
