@@ -25,12 +25,10 @@ One CTA of ``rows`` * K / 16 threads per (sequence, head, ``rows``-row tile; ``S
 owns a 16 x 32 tile, a lane 4 rows x 4 adjacent columns; X is kept transposed in shared memory,
 so per m a lane's 4 X values and 4 M^T values are one 16-byte load each, and a warp's two loads are
 one wavefront each (64 and 128 bytes) for 16 FMAs (the earlier row-per-warp layout took 8
-wavefronts: the step was bound by shared memory). Two groups of warps each sum half of m for the
-same tile; the second's partial sums reach the first through shared memory (ncu: with one warp per
-scheduler the step was latency-bound; H200, 8 segments x 16 heads, V rows: 36 -> 30 us). The fold is
-a chain, so the next segment's M^T (K x K float32) is copied in with cp.async into a second buffer
-while the current step computes (its address depends only on the segment table, never on X). Exact float32, a fixed summation
-order ((E + sum over m < K/2) + sum over m >= K/2, each in order of m).
+wavefronts: the step was bound by shared memory). The fold is a chain, so the next segment's M^T
+(K x K float32) is copied in with cp.async into a second buffer while the current step computes
+(its address depends only on the segment table, never on X). Exact float32, a fixed summation
+order (E, then m = 0..K-1).
 
 Mode "apply_affine" (parallel over segments, one launch). Run with R = V + K, the fold from
 [0 ; I] leaves each segment's prefix map in ``summaries`` ([E_pre^T ; M_pre^T] = the incoming
@@ -59,7 +57,6 @@ from cp_linear.kernels.configs import SegmentFoldConfig
 from cp_linear.kernels.launch import FINAL_EVERY, FINAL_TRAILING
 
 WARP_ROWS, WARP_COLS = 16, 32  # fold: a warp's tile of the state rows (each lane 4 x 4)
-M_GROUPS = 2  # fold: warp groups that each sum half of m = 0..K-1 for the same tile
 THREADS = 256  # apply_affine
 AFFINE_ROWS = 16  # apply_affine: rows per 16-thread group; each thread owns AFFINE_GROUPS of them
 AFFINE_GROUPS = 4  # (64 rows per CTA share one staged M^T)
@@ -71,8 +68,7 @@ class SegmentFoldKernel:
         self.key_dim = config.key_dim
         self.apply_affine = config.mode == "apply_affine"
         self.rows = config.rows  # fold: state rows per CTA
-        # two groups of warps split the sum over m (ncu: one warp per scheduler left the step latency-bound)
-        self.fold_threads = M_GROUPS * config.rows * config.key_dim // (WARP_ROWS * WARP_COLS) * 32
+        self.fold_threads = config.rows * config.key_dim // (WARP_ROWS * WARP_COLS) * 32
 
     @cute.jit
     def __call__(self,
@@ -122,15 +118,10 @@ class SegmentFoldKernel:
         s_xt = allocator.allocate_tensor(Float32, cute.make_layout((K, tile_rows), stride=(tile_rows + 4, 1)), 16)
         # two M^T buffers: the next step's copy lands in one while the current step reads the other
         s_m2 = allocator.allocate_tensor(Float32, cute.make_layout((K, K, 2), stride=(K, 1, K * K)), 16)
-        # the second m group's partial sums, added by the first group
-        s_part = allocator.allocate_tensor(Float32, cute.make_layout((tile_rows, K), stride=(K + 4, 1)), 16)
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Float32,
                                    num_bits_per_copy=128)
         rows = incoming.shape[2]
-        group_threads = threads // M_GROUPS
-        m_group = tidx // group_threads  # 0: owns X (E, the stores); 1: sums m = K/2..K-1 only
-        half_k = K // M_GROUPS
-        warp, lane = (tidx % group_threads) // 32, tidx % 32
+        warp, lane = tidx // 32, tidx % 32
         # warp tile WARP_ROWS x WARP_COLS, lanes 4 row groups x 8 column groups, each 4 rows x 4 adjacent
         # columns: per m one 16-byte X^T load (64 bytes per warp) and one 16-byte M^T load (128 bytes per
         # warp), one shared-memory wavefront each, for 16 FMAs
@@ -165,23 +156,20 @@ class SegmentFoldKernel:
                 if descending != 0:
                     segment = first + count - 1 - position
                     next_segment = first + count - 2 - position
-                if m_group == 0:
-                    for i in cutlass.range_constexpr(4):
-                        row = tile * tile_rows + first_row + i
-                        if row < rows:
-                            cute.local_tile(incoming[segment, head, row, None], (4,), (col_group,)).store(
-                                x[i, None].load())
+                for i in cutlass.range_constexpr(4):
+                    row = tile * tile_rows + first_row + i
+                    if row < rows:
+                        cute.local_tile(incoming[segment, head, row, None], (4,), (col_group,)).store(x[i, None].load())
                 if position < mapped:
                     if position + 1 < mapped:
                         self._stage_transition(atom, tidx, summaries, next_segment, head, value_rows,
                                                s_m2[None, None, (position + 1) % 2], threads)
                     cute.arch.cp_async_commit_group()  # possibly empty: one group per step keeps wait(1) right
-                    if m_group == 0:
-                        for j in cutlass.range_constexpr(4):
-                            column = cute.make_rmem_tensor(cute.make_layout((4,)), Float32)
-                            for i in cutlass.range_constexpr(4):
-                                column[i] = x[i, j]
-                            cute.local_tile(s_xt[first_col + j, None], (4,), (first_row // 4,)).store(column.load())
+                    for j in cutlass.range_constexpr(4):
+                        column = cute.make_rmem_tensor(cute.make_layout((4,)), Float32)
+                        for i in cutlass.range_constexpr(4):
+                            column[i] = x[i, j]
+                        cute.local_tile(s_xt[first_col + j, None], (4,), (first_row // 4,)).store(column.load())
                     # X <- X M^T + E^T: new[r, c] = E^T[r, c] + sum_m X[r, m] M^T[m, c], m in order (E's loads
                     # in flight across the barrier)
                     for i in cutlass.range_constexpr(4):
@@ -189,29 +177,19 @@ class SegmentFoldKernel:
                         e_row = cutlass.min(row, value_rows - 1)  # E^T rows exist below value_rows only
                         e = cute.local_tile(summaries[segment, head, e_row, None], (4,), (col_group,)).load()
                         for j in cutlass.range_constexpr(4):
-                            x[i, j] = zero_unless((row < value_rows) & (m_group == 0), e[j])
+                            x[i, j] = zero_unless(row < value_rows, e[j])
                     cute.arch.cp_async_wait_group(1)  # this step's M^T has landed (the next one may not)
                     cute.arch.sync_threads()
                     s_m = s_m2[None, None, position % 2]
-                    for m_local in cutlass.range(half_k, unroll=4):
-                        m = m_group * half_k + m_local
+                    for m in cutlass.range(K, unroll=4):
                         left = cute.local_tile(s_xt[m, None], (4,), (first_row // 4,)).load()
                         right = cute.local_tile(s_m[m, None], (4,), (col_group,)).load()
                         for i in cutlass.range_constexpr(4):
                             for j in cutlass.range_constexpr(4):
                                 x[i, j] += left[i] * right[j]
-                    if m_group == 1:
-                        for i in cutlass.range_constexpr(4):
-                            cute.local_tile(s_part[first_row + i, None], (4,), (col_group,)).store(x[i, None].load())
-                    cute.arch.sync_threads()
-                    if m_group == 0:  # (E + sum over the first half) + sum over the second: a fixed order
-                        for i in cutlass.range_constexpr(4):
-                            part = cute.local_tile(s_part[first_row + i, None], (4,), (col_group,)).load()
-                            for j in cutlass.range_constexpr(4):
-                                x[i, j] += part[j]
-                    cute.arch.sync_threads()  # s_xt, s_part and this buffer are rewritten by the next steps
+                    cute.arch.sync_threads()  # s_xt and this buffer are rewritten by the next steps
             cute.arch.cp_async_wait_group(0)
-            if writes_final & (m_group == 0):
+            if writes_final:
                 for i in cutlass.range_constexpr(4):
                     row = tile * tile_rows + first_row + i
                     if row < rows:
