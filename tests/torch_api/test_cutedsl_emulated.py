@@ -144,43 +144,6 @@ def test_kernel_backward_matches_float64_gradients(emulated, n_h, segment_chunks
         assert rel_err(got, expected.numpy()) < GRAD_LIMIT, name
 
 
-def test_contained_kernel_backward_is_zero_at_poisoned_inputs_and_clean_elsewhere(emulated):
-    """check_inputs=False through the kernels (bf16, qk l2norm): a NaN in k and an Inf in q and g. The
-    gradients are finite, exactly zero at every input of a poisoned (token, head), bad entries included
-    (sanitising passes the gradient through), and elsewhere those of the clean inputs with no gradient
-    through the poisoned outputs (tests/faults/cases.py::contained_gdp_gradients)."""
-    from tests.faults.cases import contained_gdp_gradients, expected_gdp_poison
-    from torch_api import gated_delta_product
-
-    lengths, n_h = [70, 90], 2
-    clean = list(_inputs(lengths, heads=2, key_dim=64, value_dim=64, n_h=n_h, seed=31))
-    dirty = [x.clone() for x in clean]
-    dirty[1][0, 20 * n_h, 1, 3] = float("nan")  # k, token 20 (sequence 0), head 1
-    dirty[0][0, 100, 0, 7] = float("inf")  # q, token 100 (sequence 1), head 0: poisons token 100 alone
-    dirty[3][0, 130, 0] = float("inf")  # g, token 130 (sequence 1), head 0
-    state_poisoned = np.stack([expected_gdp_poison(lengths, [130], 160), expected_gdp_poison(lengths, [20], 160)],
-                              axis=1)  # [T, H]
-    poisoned = state_poisoned.copy()
-    poisoned[100, 0] = True
-    final_bad = np.array([[False, True], [True, False]])  # [sequence, head]
-    cu = torch.tensor(np.cumsum([0] + lengths), dtype=torch.int32)
-    backend = cutedsl.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=2, backward="kernels")
-
-    def run(leaves, check_inputs):
-        return gated_delta_product(*leaves, num_householder=n_h, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
-                                   backend=backend, check_inputs=check_inputs)
-
-    out, _ = run(dirty, False)
-    assert np.array_equal(~torch.isfinite(out[0]).all(-1).numpy(), poisoned)
-    assert out.is_contiguous()  # else the backward copies the output gradient back (cutedsl._flat)
-    dirty_grads, clean_grads, zero = contained_gdp_gradients(run, clean, dirty, poisoned, state_poisoned,
-                                                             final_bad, n_h)
-    for name, mine, reference, must_be_zero in zip(("q", "k", "v", "g", "beta"), dirty_grads, clean_grads, zero):
-        assert torch.isfinite(mine).all(), name
-        assert not mine[0][must_be_zero].any(), name
-        assert rel_err(mine.float().numpy(), reference.float().numpy()) < 1e-3, name
-
-
 def _float64_gradients(q, k, v, g, beta, do, dfinal, initial, lengths, n_h):
     """float64 reference gradients (q, k, v, g, beta, initial state) of the same (rounded) inputs, sequence
     by sequence: [T, H, ...] each, the initial state's [N, H, K, V]."""
