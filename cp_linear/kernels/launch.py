@@ -388,13 +388,11 @@ def gradient_rows_mma(requested: str) -> str:
 
 def fold_config(key_dim: int, sequences: int, heads: int, rows: int, sm_count: int) -> cfg.SegmentFoldConfig:
     """segment_fold (mode "fold") for ``rows`` state rows of ``sequences`` x ``heads`` chains: 16-row
-    CTAs when twice as many still fit in one wave (one CTA per SM: the double-buffered M^T fills shared
-    memory), so each step of a chain is spread over twice the SMs; else 32-row ones (fewer M^T copies).
-    H200, 8 segments, H = 16: V rows 50 -> 36 us; V + K rows 61 us on 32-row CTAs, 75 on two waves of
-    16-row ones. Same numbers either way."""
+    CTAs when 32-row ones would leave SMs idle (one long sequence: each step of the chain is then
+    spread over twice the SMs), else 32-row ones (fewer M^T copies per row). Same numbers either way."""
     wide, narrow = cfg.FOLD_ROWS
-    narrow_ctas = sequences * heads * math.ceil(rows / narrow)
-    return cfg.SegmentFoldConfig(key_dim, "fold", narrow if narrow_ctas <= sm_count else wide)
+    tiles = sequences * heads * math.ceil(rows / wide)
+    return cfg.SegmentFoldConfig(key_dim, "fold", narrow if tiles < sm_count else wide)
 
 
 def segment_chunks_for(total_chunks_bound: int, heads: int, row_blocks: int, sm_count: int,
