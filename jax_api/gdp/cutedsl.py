@@ -412,10 +412,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
         if not inputs.save_for_backward and self._use_kernels(inputs):
             output, final_state = self._inference_forward(inputs)
             return output, final_state, None
-        summary, local = self.cp_forward_prepare(inputs)
-        # an empty neighbour stack, not None: the fallback's apply (JaxGDPBackend) folds it
-        preceding = jnp.zeros((0, *as_packed_array(summary).shape), as_packed_array(summary).dtype)
-        (output, final_state), saved = self.cp_forward_apply(local, preceding)
+        _, local = self.cp_forward_prepare(inputs)
+        (output, final_state), saved = self.cp_forward_apply(local, None)
         return output, final_state, saved
 
     def _inference_forward(self, inputs: GDPInputs) -> tuple[jax.Array, jax.Array]:

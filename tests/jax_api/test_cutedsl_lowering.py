@@ -42,12 +42,9 @@ def _names(*configs) -> set[str]:
     return {kernel_calls.target_name(config) for config in configs}
 
 
-# a few sequences x 2 heads leave SMs idle: the folds run 16-row CTAs (launch.fold_config)
-FOLD = kcfg.SegmentFoldConfig(DIM, "fold", 16)
-# no gradient taken: the lean one-device plan (no prefix maps, no apply_affine)
-INFERENCE = _names(kcfg.ChunkPrepConfig("bfloat16", DIM, 32), kcfg.ChunkScanConfig("bfloat16", DIM, DIM, "summary"),
-                   FOLD, kcfg.ChunkScanConfig("bfloat16", DIM, DIM, "output", 32))
-FORWARD = INFERENCE | _names(kcfg.SegmentFoldConfig(DIM, "apply_affine"))
+FORWARD = _names(kcfg.ChunkPrepConfig("bfloat16", DIM, 32), kcfg.ChunkScanConfig("bfloat16", DIM, DIM, "summary"),
+                 kcfg.SegmentFoldConfig(DIM), kcfg.SegmentFoldConfig(DIM, "apply_affine"),
+                 kcfg.ChunkScanConfig("bfloat16", DIM, DIM, "output", 32))
 # the kernel backward's forward keeps the chunk states (mode "output_states"), so its backward runs no
 # states scan (mode "states": only with save_chunk_states=False)
 FORWARD_KEEPING_STATES = FORWARD - _names(kcfg.ChunkScanConfig("bfloat16", DIM, DIM, "output", 32)) | _names(
@@ -90,11 +87,12 @@ def _one_device(backward):
     return loss
 
 
-def test_the_forward_lowers_to_four_kernel_calls_and_nothing_else(hopper):
-    """No gradient: prep, the summary scan, the one fold (every segment's incoming state), the output scan."""
+def test_the_forward_lowers_to_five_kernel_calls_and_nothing_else(hopper):
+    """prep, summary scan, the one fold (every segment's prefix map), apply_affine (the incoming
+    states from those maps), output scan."""
     text = jax.jit(_one_device("jax")).trace(*_arrays([100, 56, 100])).lower(lowering_platforms=("cuda",)).as_text()
     calls = _custom_calls(text)
-    assert len(calls) == 4 and set(calls) == INFERENCE, calls
+    assert len(calls) == 5 and set(calls) == FORWARD, calls
     assert "callback" not in text
 
 
@@ -188,8 +186,8 @@ _REGISTRATION_SCRIPT = textwrap.dedent('''
 
 @pytest.mark.timeout(900)
 def test_kernels_compile_and_register_once_per_config_for_the_gpu():
-    """In a fresh process that traces as on a GPU: the four configs of a forward that takes no gradient
-    compile for sm_90a once each (two packings, two traces), register as XLA FFI targets for the GPU platform, and the
+    """In a fresh process that traces as on a GPU: the five forward configs compile for sm_90a once
+    each (two packings, two traces), register as XLA FFI targets for the GPU platform, and the
     lowered program calls exactly those targets."""
     pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (the cuda extra)")
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", CUTE_DSL_ARCH="sm_90a", JAX_PLATFORMS="cpu",
@@ -199,6 +197,6 @@ def test_kernels_compile_and_register_once_per_config_for_the_gpu():
                             timeout=850, env=env, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in result.stdout.splitlines() if " " in line)
-    assert lines["COMPILES"] == "[1, 1, 1, 1] 4", result.stdout
-    assert set(lines["REGISTERED"].split()) == INFERENCE, result.stdout
-    assert set(lines["CALLS"].split()) == INFERENCE and lines["SAME"] == "True", result.stdout
+    assert lines["COMPILES"] == "[1, 1, 1, 1, 1] 5", result.stdout
+    assert set(lines["REGISTERED"].split()) == FORWARD, result.stdout
+    assert set(lines["CALLS"].split()) == FORWARD and lines["SAME"] == "True", result.stdout

@@ -593,25 +593,3 @@ def test_inference_forward_runs_the_lean_plan(emulated, monkeypatch, layout, wit
     backend.one_device_forward(inputs, initial)
     assert _plan(launches) == ["ChunkPrepLaunch", "ChunkScanLaunch:summary", "SegmentFoldLaunch:fold",
                                "SegmentFoldLaunch:apply_affine", "ChunkScanLaunch:output_states"]
-
-
-def test_the_op_without_gradients_runs_the_lean_plan_and_with_them_the_saving_one(emulated, monkeypatch):
-    """``torch_api.gated_delta_product`` hands a forward that no backward follows to the backend's
-    ``one_device_forward`` (the lean plan) and keeps the protocol's plan when inputs require gradients;
-    both give the same outputs and final states (zero start: bitwise)."""
-    from torch_api import gated_delta_product
-
-    inputs, _ = inference_case("packed", 2, False, seed=80)
-    backend = cutedsl.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=2, backward="kernels")
-    launches = []
-    monkeypatch.setattr(kl._Launch, "run", _poisoned_emulation(launches))
-    args = (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)
-    options = dict(num_householder=2, cu_seqlens=inputs.cu_seqlens, use_qk_l2norm_in_kernel=True, backend=backend)
-    o, final = gated_delta_product(*args, **options)
-    assert _plan(launches) == ["ChunkPrepLaunch", "ChunkScanLaunch:summary", "SegmentFoldLaunch:fold",
-                               "ChunkScanLaunch:output"]
-    launches.clear()
-    trained = [x.detach().clone().requires_grad_(True) for x in args]
-    o_grad, final_grad = gated_delta_product(*trained, **options)
-    assert "SegmentFoldLaunch:apply_affine" in _plan(launches)
-    assert torch.equal(o, o_grad.detach()) and torch.equal(final, final_grad.detach())
