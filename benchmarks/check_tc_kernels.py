@@ -277,19 +277,6 @@ def fold_case(key_dim: int, value_dim: int, init_count: int) -> None:
                              init=init, incoming=sequential, final=sequential[:1], init_count=init_count,
                              value_rows=value_dim, identity_row=value_dim, first_sequence=0, write_final=0,
                              descending=0).run()
-        # 16-row CTAs (kl.fold_config's choice for few chains) sum in the same order: bitwise the 32-row fold's,
-        # ascending and descending (the backward's), final rows included
-        for descending in (0, 1):
-            folds = []
-            for rows in kcfg.FOLD_ROWS:
-                folds.append((torch.zeros(total, heads, value_dim, key_dim, **f32),
-                              torch.full((len(counts), heads, value_dim, key_dim), float("nan"), **f32)))
-                kl.SegmentFoldLaunch(kcfg.SegmentFoldConfig(key_dim, "fold", rows), summaries=summaries,
-                                     seq_first_segment=starts, init=init, incoming=folds[-1][0], final=folds[-1][1],
-                                     init_count=init_count, value_rows=value_dim, identity_row=value_dim,
-                                     first_sequence=0, write_final=kl.FINAL_EVERY, descending=descending).run()
-            check(f"{tag} rows {kcfg.FOLD_ROWS} bitwise equal (descending={descending})",
-                  float(not (torch.equal(folds[0][0], folds[1][0]) and torch.equal(folds[0][1], folds[1][1]))), 0.0)
         finals = []
         for write_final in (kl.FINAL_EVERY, kl.FINAL_TRAILING):  # the latter is what prepare runs
             prefix = torch.empty(total, heads, value_dim + key_dim, key_dim, **f32)

@@ -33,7 +33,6 @@ QUERY_TILES = (32, 64)
 SCAN_MODES = ("summary", "output", "states", "output_states")
 OUTPUT_MODES = ("output", "output_states")  # the scan modes that read queries and write outputs
 FOLD_MODES = ("fold", "apply_affine")
-FOLD_ROWS = (32, 16)  # segment_fold rows per CTA: the default first
 MMA_KINDS = ("sync", "wgmma")
 
 
@@ -130,14 +129,11 @@ class SegmentFoldConfig:
 
     key_dim: int
     mode: str = "fold"
-    rows: int = 32  # fold: state rows per CTA (FOLD_ROWS); apply_affine has its own tiling
 
     def validate(self) -> None:
         _check_head_dim("key_dim", self.key_dim)
         if self.mode not in FOLD_MODES:
             raise ValueError(f"mode must be one of {FOLD_MODES}; received {self.mode!r}")
-        if self.rows not in FOLD_ROWS or (self.mode != "fold" and self.rows != FOLD_ROWS[0]):
-            raise ValueError(f"rows must be one of {FOLD_ROWS} (mode 'fold' only); received {self.rows!r}")
 
 
 @dataclass(frozen=True)
@@ -327,7 +323,6 @@ def tensor_core_configs() -> list:
     for key_dim in HEAD_DIMS:
         for mode in FOLD_MODES:
             configs.append(SegmentFoldConfig(key_dim, mode))
-        configs.append(SegmentFoldConfig(key_dim, "fold", FOLD_ROWS[1]))
         for dtype in TENSOR_CORE_DTYPES:
             for tile in QUERY_TILES:
                 configs.append(ChunkPrepConfig(dtype, key_dim, tile))

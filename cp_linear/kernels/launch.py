@@ -386,15 +386,6 @@ def gradient_rows_mma(requested: str) -> str:
     return "sync" if requested == "sync" else "wgmma"
 
 
-def fold_config(key_dim: int, sequences: int, heads: int, rows: int, sm_count: int) -> cfg.SegmentFoldConfig:
-    """segment_fold (mode "fold") for ``rows`` state rows of ``sequences`` x ``heads`` chains: 16-row
-    CTAs when 32-row ones would leave SMs idle (one long sequence: each step of the chain is then
-    spread over twice the SMs), else 32-row ones (fewer M^T copies per row). Same numbers either way."""
-    wide, narrow = cfg.FOLD_ROWS
-    tiles = sequences * heads * math.ceil(rows / wide)
-    return cfg.SegmentFoldConfig(key_dim, "fold", narrow if tiles < sm_count else wide)
-
-
 def segment_chunks_for(total_chunks_bound: int, heads: int, row_blocks: int, sm_count: int,
                        *, ctas_per_sm: float = 2, min_chunks: int = 8) -> int:
     """Chunks per segment so that the output pass has about ``ctas_per_sm`` CTAs per SM when one

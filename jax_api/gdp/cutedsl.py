@@ -226,6 +226,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             cu = jnp.arange(0, (batch + 1) * tokens, tokens, dtype=jnp.int32)
         else:
             cu = jnp.asarray(inputs.cu_seqlens, jnp.int32)
+        num_seqs = cu.shape[0] - 1
         n_h = inputs.num_householder
         row_block = self.row_block or kl.scan_row_block(key_dim, value_dim, n_h)
         row_block = row_block if row_block <= min(key_dim, value_dim) else 0
@@ -287,8 +288,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         if init is None:  # read only for sequences below init_count (none)
             init = jnp.zeros((1, heads, rows, key_dim), _F32)
         out = self._launch(
-            kl.SegmentFoldLaunch,
-            kl.fold_config(key_dim, layout.num_sequences, heads, rows, self.sm_count or _sm_count()),
+            kl.SegmentFoldLaunch, kcfg.SegmentFoldConfig(key_dim),
             dict(summaries=summaries, seq_first_segment=layout.seq_first_segment, init=init),
             dict(incoming=(layout.max_segments, heads, rows, key_dim),
                  final=(layout.num_sequences if write_final else 1, heads, rows, key_dim)),

@@ -503,10 +503,6 @@ class CuTeDSLGatedDeltaProductCPBackend:
             num_segments=layout.num_segments, state_in=state_in, state_out=state_out, o=o, chunk_states=chunk_states,
             num_householder=shard.inputs.num_householder).run()
 
-    @staticmethod
-    def _fold_config(shard: _Shard, rows: int) -> kcfg.SegmentFoldConfig:
-        return kl.fold_config(shard.key_dim, shard.layout.num_sequences, shard.heads, rows, _sm_count(shard.q.device))
-
     def _prefix_fold(self, shard: _Shard, final: torch.Tensor) -> torch.Tensor:
         """segment_fold of every sequence from [0 ; I] with V + K rows -> each segment's prefix map
         [S_max, H, V + K, K] (rows [E_pre^T ; M_pre^T]) and ``final`` [N, H, V + K, K]: the [E | M]
@@ -517,7 +513,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
                                       dtype=torch.float32, device=shard.q.device)
         # placeholders (not views, which would cost an op each): init is not read (init_count = 0)
         kl.SegmentFoldLaunch(
-            self._fold_config(shard, value_dim + key_dim), summaries=shard.summaries,
+            kcfg.SegmentFoldConfig(key_dim), summaries=shard.summaries,
             seq_first_segment=shard.layout.seq_first_segment, init=incoming_affine, incoming=incoming_affine,
             final=final, init_count=0, value_rows=value_dim, identity_row=value_dim, first_sequence=0,
             write_final=kl.FINAL_EVERY if shard.rows else kl.FINAL_TRAILING, descending=0).run()
@@ -535,7 +531,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         # (init_count = 0, identity_row = V: no identity rows) and init / final are placeholders, never read
         init = incoming if initial is None else initial.transpose(-1, -2).contiguous()
         kl.SegmentFoldLaunch(
-            self._fold_config(shard, value_dim), summaries=shard.summaries,
+            kcfg.SegmentFoldConfig(key_dim), summaries=shard.summaries,
             seq_first_segment=shard.layout.seq_first_segment, init=init, incoming=incoming, final=incoming,
             init_count=0 if initial is None else initial.shape[0], value_rows=value_dim, identity_row=value_dim,
             first_sequence=0, write_final=kl.FINAL_NONE, descending=0).run()
@@ -765,7 +761,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         grad_out = torch.empty(layout.max_segments, heads, value_dim, key_dim, dtype=torch.float32,
                                device=shard.q.device)
         kl.SegmentFoldLaunch(
-            self._fold_config(shard, value_dim), summaries=grad_summaries, seq_first_segment=layout.seq_first_segment,
+            kcfg.SegmentFoldConfig(key_dim), summaries=grad_summaries, seq_first_segment=layout.seq_first_segment,
             init=end_grads, incoming=grad_out, final=grad_out if final is None else final,  # None: FINAL_NONE
             init_count=end_grads.shape[0], value_rows=value_dim, identity_row=value_dim, first_sequence=0,
             write_final=kl.FINAL_NONE if final is None else kl.FINAL_EVERY, descending=1).run()
