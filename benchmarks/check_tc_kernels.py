@@ -135,8 +135,7 @@ class Recorder:
                     if idx.numel() == 0:
                         continue
                     a, b = a[idx.to(a.device)], b[idx]
-                else:
-                    a, b = a[:count], b[:count]
+                # the output modes: final states [N, H, K, V] (empty sequences' rows keep what both started with)
             if kind == "ChunkPrep":
                 count = int(gpu.num_chunks[0])
                 a, b = a[:count], b[:count]

@@ -116,8 +116,13 @@ def emulate_chunk_scan(launch) -> None:
                 out = out + rnd(D) @ launch.p[chunk].float().transpose(1, 2)
                 launch.o[first // n_h:first // n_h + tokens] = out[:, :, :tokens].permute(2, 0, 1).to(launch.o.dtype)
             X = sc[:, 2, 0, None, None] * X + rnd(D * sc[:, 0, None, :]) @ kc
-        if config.mode != "states":
+        if summary:
             launch.state_out[segment] = X
+        elif config.mode != "states":  # a sequence's last segment: its final state S = X^T
+            bounds = [int(b) for b in launch.seq_first_segment]
+            for sequence in range(len(bounds) - 1):
+                if bounds[sequence] <= segment == bounds[sequence + 1] - 1:
+                    launch.state_out[sequence] = X.transpose(-1, -2)
 
 
 def emulate_segment_fold(launch) -> None:

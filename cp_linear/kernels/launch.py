@@ -128,8 +128,9 @@ class ChunkPrepLaunch(_Launch):
 
 @dataclass
 class ChunkScanLaunch(_Launch):
-    """``state_out`` is [S, H, V, K] in modes "output" and "output_states", [S, H, V + K, K]
-    (summaries) in "summary"; mode "summary" does not read q, p or state_in. Modes "states" and
+    """``state_out`` is [N, H, K, V] in modes "output" and "output_states" (each sequence's final state,
+    written by its last segment: an empty sequence's row is not written), [S, H, V + K, K] (summaries)
+    in "summary"; mode "summary" does not read q, p, state_in or seq_first_segment. Modes "states" and
     "output_states" write each chunk's start state into ``chunk_states`` [C_max, H, V·K] (the
     [C_max, H, V, K] chunk states, flattened so that one spec serves every V and K); mode "states"
     does not read q or p nor write ``state_out``. An output a mode does not write may be any array
@@ -151,8 +152,9 @@ class ChunkScanLaunch(_Launch):
     seg_chunks: Any = _spec(None, dtype="int32")
     seg_flags: Any = _spec(None, dtype="int32")
     num_segments: Any = _spec(1, dtype="int32")
+    seq_first_segment: Any = _spec(None, dtype="int32")
     state_in: Any = _spec(None, None, "value_dim", "key_dim", dtype="float32")
-    state_out: Any = _spec(None, None, "state_rows", "key_dim", dtype="float32")
+    state_out: Any = _spec(None, None, "state_rows", "state_cols", dtype="float32")
     o: Any = _spec(None, None, "value_dim")
     chunk_states: Any = _spec(None, None, "chunk_state_size", align=16)  # written by 16-byte rows
     num_householder: Any = _scalar("int32")
@@ -315,8 +317,11 @@ def _extent(config, entry):
         return config.width + 1
     if entry == "chunk_state_size":
         return config.value_dim * config.key_dim
-    if entry == "state_rows":
-        return config.value_dim + config.key_dim if config.mode == "summary" else config.value_dim
+    if entry in ("state_rows", "state_cols"):  # chunk_scan's state_out: summaries [E^T ; M^T], or final states S
+        summary = config.mode == "summary"
+        if entry == "state_rows":
+            return config.value_dim + config.key_dim if summary else config.key_dim
+        return config.key_dim if summary else config.value_dim
     return getattr(config, entry)
 
 

@@ -16,6 +16,7 @@ import torch
 
 import torch_api.gdp.cutedsl as cutedsl
 from cp_linear.kernels import launch as kl
+from cp_linear.kernels import configs as kcfg
 from cp_linear.kernels.emulation import run_emulated
 from cp_linear.reference import naive_gated_delta_product
 from tests.cp_linear.gdp_cases import rel_err
@@ -531,12 +532,19 @@ def test_prefix_fold_writes_only_the_trailing_sequences_final_rows(emulated):
 def _poisoned_emulation(launches: list):
     """``_Launch.run`` on the emulation, recording every launch and filling each float output with NaN
     first: a later read of anything a launch does not write shows up in the results (as the JAX
-    emulation's result buffers, and uninitialised memory on the GPU)."""
+    emulation's result buffers, and uninitialised memory on the GPU). The output pass's final states are
+    poisoned only in the rows of sequences with segments: an empty sequence's row is the caller's fill."""
     def run(launch):
         launches.append(launch)
         for name in type(launch).OUTPUTS:
             output = getattr(launch, name)
-            if output.is_floating_point():
+            if not output.is_floating_point():
+                continue
+            if isinstance(launch, kl.ChunkScanLaunch) and name == "state_out" and launch.config.mode in \
+                    kcfg.OUTPUT_MODES:
+                bounds = launch.seq_first_segment
+                output[bounds[1:] > bounds[:-1]] = float("nan")
+            else:
                 output.fill_(float("nan"))
         run_emulated(launch)
     return run

@@ -500,7 +500,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
             k=shard.k, v=shard.v, q=shard.q, ta=shard.ta, tb=shard.tb, p=shard.p, scalars=shard.scalars,
             chunk_first_step=layout.chunk_first_step, chunk_steps=layout.chunk_steps,
             seg_first_chunk=layout.seg_first_chunk, seg_chunks=layout.seg_chunks, seg_flags=layout.seg_flags,
-            num_segments=layout.num_segments, state_in=state_in, state_out=state_out, o=o, chunk_states=chunk_states,
+            num_segments=layout.num_segments, seq_first_segment=layout.seq_first_segment, state_in=state_in,
+            state_out=state_out, o=o, chunk_states=chunk_states,
             num_householder=shard.inputs.num_householder).run()
 
     @staticmethod
@@ -561,16 +562,25 @@ class CuTeDSLGatedDeltaProductCPBackend:
             identity_row=value_dim, first_sequence=0, write_final=kl.FINAL_NONE, descending=0).run()
         return incoming
 
-    def _output(self, shard: _Shard, incoming: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """chunk_scan output -> (o [B, T, H, V], end state of every segment [S_max, H, V, K] float32); mode
-        "output_states" when the saved buffer keeps the chunk states (``save_chunk_states``)."""
+    def _output(self, shard: _Shard, incoming: torch.Tensor, initial: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """chunk_scan output -> (o [B, T, H, V], final state of every sequence [N, H, K, V] float32); mode
+        "output_states" when the saved buffer keeps the chunk states (``save_chunk_states``). The kernel
+        writes the final states from the sequences' last segments; an empty sequence (packed shards only)
+        keeps its ``initial`` state (zero without one), filled in beforehand."""
         o = torch.empty(shard.q.shape[0], shard.heads, shard.value_dim, dtype=shard.q.dtype, device=shard.q.device)
-        state_out = torch.empty_like(incoming)
+        state_shape, device = shard.inputs.state_shape, shard.q.device
+        if shard.rows:  # every row has tokens: every final state is written
+            final_state = torch.empty(state_shape, dtype=torch.float32, device=device)
+        elif initial is None:
+            final_state = torch.zeros(state_shape, dtype=torch.float32, device=device)
+        else:
+            final_state = initial.clone()  # never write into the caller's tensor (_cast may return it)
         chunk_states = None if shard.saved is None else shard.saved.get("chunk_states")
         self._scan(shard, "output" if chunk_states is None else "output_states", state_in=incoming,
-                   state_out=state_out, o=o, chunk_states=chunk_states)
+                   state_out=final_state, o=o, chunk_states=chunk_states)
         batch, tokens = shard.inputs.q.shape[:2]
-        return o.view(batch, tokens, shard.heads, shard.value_dim), state_out
+        return o.view(batch, tokens, shard.heads, shard.value_dim), final_state
 
     # ------------------------------------------------------------------ forward protocol
 
@@ -633,9 +643,9 @@ class CuTeDSLGatedDeltaProductCPBackend:
             init, init_count = None, 0
         # saved for the kernel backward and then an output of the custom ops: deterministic (unused rows zero)
         incoming = self._apply_affine(shard, local_context.incoming_affine, init, init_count)
-        output, state_out = self._output(shard, incoming)
+        output, final_state = self._output(shard, incoming, initial)
         if inputs.output_final_state:
-            output = (output, _final_states(shard, state_out, initial))
+            output = (output, final_state)
         transition = summary[..., value_dim:]
         saved = make_cp_saved_context(inputs, leading_state if shard.rows else leading_state[0],
                                       transition if shard.rows else transition[0])
@@ -747,8 +757,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         instead of through the composed map)."""
         initial = _initial_states(inputs)
         shard = self._shard(inputs, cp_summary=False)
-        output, state_out = self._output(shard, self._incoming_fold(shard, initial))
-        return output, _final_states(shard, state_out, initial)
+        return self._output(shard, self._incoming_fold(shard, initial), initial)
 
     def one_device_backward(self, output_grad, final_state_grad, saved_context: CPSavedContext):
         """-> (GDPInputGradients, dL/d initial state [N, H, K, V] float32 or None) for a
@@ -795,7 +804,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
         if chunk_states is None:
             chunk_states = torch.empty(chunks, heads, value_dim, key_dim, dtype=shard.q.dtype, device=device)
             # state_out and o are not written
-            self._scan(shard, "states", state_in=incoming, state_out=incoming,
+            self._scan(shard, "states", state_in=incoming,
+                       state_out=_placeholder(device, torch.float32, (1, 1, key_dim, value_dim)),
                        o=_placeholder(device, shard.q.dtype, (1, 1, value_dim)),
                        chunk_states=chunk_states)
         chunk_grads = torch.empty_like(chunk_states)
@@ -972,26 +982,6 @@ def _initial_states(inputs: GDPInputs) -> torch.Tensor | None:
     if inputs.initial_state is None:
         return None
     return _cast(inputs.initial_state.detach(), torch.float32, inputs.q.device)
-
-
-def _final_states(shard: _Shard, state_out: torch.Tensor, initial: torch.Tensor | None) -> torch.Tensor:
-    """The end state of each sequence's last segment [N, H, K, V]; an empty sequence keeps its
-    ``initial`` state (zero without one)."""
-    layout = shard.layout
-    if shard.rows:
-        # every row has T >= 1 tokens, hence the same nonzero segment count (forward_layout's rounding,
-        # from host ints): the last segments are a strided slice, and no row is empty
-        chunks_per_row = -(-shard.inputs.q.shape[1] // layout.tokens_per_chunk)
-        segments_per_row = -(-chunks_per_row // layout.segment_chunks)
-        last_segments = state_out[segments_per_row - 1:layout.num_sequences * segments_per_row:segments_per_row]
-        return last_segments.transpose(-1, -2).contiguous()
-    start = initial if initial is not None else state_out.new_zeros(shard.inputs.state_shape)
-    # int32 indices as they are: index_select takes them (a cast to int64 would be one more launch; plain
-    # indexing would cast them internally); an empty sequence's row is replaced below
-    last_segment = (layout.seq_first_segment[1:] - 1).clamp(min=0)
-    final_state = state_out.index_select(0, last_segment).transpose(-1, -2)
-    empty = (layout.seq_segments == 0).view(-1, 1, 1, 1)
-    return torch.where(empty, start, final_state).contiguous()
 
 
 def _packed_backward_stack(following) -> torch.Tensor | None:
