@@ -316,9 +316,25 @@ class GatedRMSNormBackwardConfig(GatedRMSNormConfig):
     """The gated RMSNorm's backward: dx, dgate and one row of weight-gradient sums per CTA."""
 
 
+LAYOUT_THREADS = 256
+LAYOUT_MAX_SEQUENCES = 2048  # sequences per shard the layout kernel takes (its bounds live in shared memory)
+LAYOUT_ENTRIES_PER_THREAD = 4  # chunk or segment table entries per thread
+TRAILING_SEQUENCE = -2  # ForwardLayoutLaunch.summary_sequence: the last sequence with tokens (found in the kernel)
+
+
+@dataclass(frozen=True)
+class ForwardLayoutConfig:
+    """The chunk and segment tables of a packed shard (``forward_layout``) from ``cu_seqlens`` in one
+    launch (int32 only: no variants)."""
+
+    def validate(self) -> None:
+        pass
+
+
 KERNEL_CONFIGS = (ChunkPrepConfig, ChunkScanConfig, SegmentFoldConfig, ChunkGammaConfig, ChunkReverseScanConfig,
                   ChunkReverseConfig, ChunkPrepBackwardConfig, ValueChecksConfig, ShortConvConfig,
-                  ShortConvBackwardConfig, ColumnSumConfig, GatedRMSNormConfig, GatedRMSNormBackwardConfig)
+                  ShortConvBackwardConfig, ColumnSumConfig, GatedRMSNormConfig, GatedRMSNormBackwardConfig,
+                  ForwardLayoutConfig)
 
 
 def tensor_core_configs() -> list:
@@ -374,7 +390,7 @@ def all_configs() -> list:
     """Every kernel config (forward and backward, and the value checks), for ahead-of-time compilation
     (the CLI and CI)."""
     return (tensor_core_configs() + backward_configs() + [ValueChecksConfig(dtype) for dtype in TENSOR_CORE_DTYPES]
-            + short_conv_configs())
+            + short_conv_configs() + [ForwardLayoutConfig()])
 
 
 def short_conv_configs() -> list:

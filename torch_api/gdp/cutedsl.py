@@ -74,8 +74,7 @@ KERNEL_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _SM_COUNT: dict[int, int] = {}
 _KERNEL_BACKWARD = "kernel_backward"  # saved-context flag: the kernel backward's buffer follows the 9 tensors
 # the work layout's device tables, saved by the forward for the backward (ForwardLayout's fields)
-_TABLES = ("chunk_first_step", "chunk_steps", "num_chunks", "seq_first_segment", "seq_segments", "seg_first_chunk",
-           "seg_chunks", "seg_flags", "num_segments", "seg_grad_flags")
+_TABLES = kl.LAYOUT_TABLES
 _PREP = ("ta", "tb", "p", "scalars")
 
 
@@ -334,25 +333,31 @@ class CuTeDSLGatedDeltaProductCPBackend:
             trailing = None
             layout, tables = rows_layout(device, batch, every_segment_summary=cp_summary,
                                          every_segment_grad_summary=kernel_backward, **layout_args)
-        else:
-            cu = self._cu(inputs, device)
-            tables = None
-            # the trailing sequence: the last nonempty one, found on the device (a graph-ready layout pads
-            # cu_seqlens with empty sequences at its end, torch_api.layers.layout), so no host read; a
-            # single sequence is the trailing one (a host int: no device search, no masks). Only the CP
-            # summary reads it
-            trailing = _trailing_sequence(cu) if cp_summary else None
-            layout = kl.forward_layout(cu, summary_sequence=trailing,
-                                       grad_summary_sequence=0 if kernel_backward else None,
-                                       grad_flags=kernel_backward, **layout_args)
-        if layout.max_segments != sizes.max_segments:  # the custom ops' fake kernels read sizes.max_segments
-            raise RuntimeError(f"forward_layout made {layout.max_segments} segments where _sizes predicted "
-                               f"{sizes.max_segments}; keep CuTeDSLGatedDeltaProductCPBackend._sizes in step with it")
         saved = None
         if kernel_backward:
             regions = self._saved_regions(inputs, sizes)
             saved = _carve(torch.empty(_region_offsets(regions)[1] // 4, dtype=torch.float32, device=device), regions)
-            if tables is not None:  # the cached layout's tables: already one tensor in _TABLES order
+        tables_in_saved = False  # the layout kernel writes the saved buffer's table region itself
+        if not rows:
+            cu = self._cu(inputs, device)
+            # the trailing sequence: the last nonempty one, found on the device (a graph-ready layout pads
+            # cu_seqlens with empty sequences at its end, torch_api.layers.layout), so no host read; a
+            # single sequence is the trailing one (a host int: no device search, no masks). Only the CP
+            # summary reads it
+            if kl.ForwardLayoutLaunch.takes(sizes.num_sequences):  # the tables in one launch
+                layout, trailing = self._layout_kernel(inputs, cu, sizes, saved, cp_summary=cp_summary,
+                                                       kernel_backward=kernel_backward)
+                tables_in_saved = saved is not None
+            else:
+                trailing = _trailing_sequence(cu) if cp_summary else None
+                layout = kl.forward_layout(cu, summary_sequence=trailing,
+                                           grad_summary_sequence=0 if kernel_backward else None,
+                                           grad_flags=kernel_backward, **layout_args)
+        if layout.max_segments != sizes.max_segments:  # the custom ops' fake kernels read sizes.max_segments
+            raise RuntimeError(f"forward_layout made {layout.max_segments} segments where _sizes predicted "
+                               f"{sizes.max_segments}; keep CuTeDSLGatedDeltaProductCPBackend._sizes in step with it")
+        if saved is not None and not tables_in_saved:
+            if rows:  # the cached layout's tables: already one tensor in _TABLES order
                 saved["tables"].copy_(tables)
             else:
                 torch.cat([getattr(layout, name) for name in _TABLES], out=saved["tables"])
@@ -391,6 +396,33 @@ class CuTeDSLGatedDeltaProductCPBackend:
         if not self.save_prep:
             self._prep(shard)
         return shard
+
+    def _layout_kernel(self, inputs: GDPInputs, cu: torch.Tensor, sizes: _LayoutSizes, saved: dict | None, *,
+                       cp_summary: bool, kernel_backward: bool) -> tuple[kl.ForwardLayout, torch.Tensor | int | None]:
+        """``kl.forward_layout``'s tables from one ``ForwardLayoutLaunch`` (straight into the saved buffer's
+        table region when the kernel backward keeps one) -> (layout, the trailing sequence: int32 [] on the
+        device, the host int 0 of a single sequence, or None without a CP summary)."""
+        layout_sizes = kl.LayoutSizes(kcfg.tokens_per_chunk(inputs.num_householder), sizes.segment_chunks,
+                                      sizes.max_chunks, sizes.max_segments, sizes.num_sequences)
+        table_sizes = layout_sizes.table_sizes()
+        out = saved["tables"] if saved is not None else torch.empty(sum(table_sizes.values()), dtype=torch.int32,
+                                                                      device=cu.device)
+        tables = dict(zip(_TABLES, out.split([table_sizes[name] for name in _TABLES])))
+        trailing = torch.empty(1, dtype=torch.int32, device=cu.device)
+        single = sizes.num_sequences == 1
+        kl.ForwardLayoutLaunch.of(
+            cu, tables, trailing, num_householder=inputs.num_householder, sizes=layout_sizes,
+            summary_sequence=kcfg.TRAILING_SEQUENCE if cp_summary and not single else 0 if cp_summary else None,
+            grad_summary_sequence=0 if kernel_backward else None).run()
+        if not kernel_backward:
+            tables["seg_grad_flags"] = None  # forward_layout(grad_flags=False): no backward reads them
+        layout = kl.ForwardLayout(
+            num_householder=inputs.num_householder, tokens_per_chunk=layout_sizes.tokens_per_chunk,
+            segment_chunks=sizes.segment_chunks, max_chunks=sizes.max_chunks, max_segments=sizes.max_segments,
+            num_sequences=sizes.num_sequences, **tables)
+        if not cp_summary:
+            return layout, None
+        return layout, 0 if single else trailing.view(())
 
     def _new_shard(self, inputs: GDPInputs, layout, saved: dict | None, trailing, row_block: int, *,
                    summaries: bool) -> _Shard:
@@ -445,9 +477,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
                         ("scalars", torch.float32, (chunks, heads, 4, 64))]
         if self.save_chunk_states:
             regions.append(("chunk_states", inputs.q.dtype, (chunks, heads, value_dim, key_dim)))
-        table_sizes = dict(chunk_first_step=chunks, chunk_steps=chunks, num_chunks=1, seq_first_segment=sequences + 1,
-                           seq_segments=sequences, seg_first_chunk=segments, seg_chunks=segments, seg_flags=segments,
-                           num_segments=1, seg_grad_flags=segments)
+        table_sizes = kl.LayoutSizes(kcfg.tokens_per_chunk(inputs.num_householder), sizes.segment_chunks, chunks,
+                                     segments, sequences).table_sizes()
         return tuple(regions) + tuple((name, torch.int32, (table_sizes[name],)) for name in _TABLES)
 
     def _sizes(self, inputs: GDPInputs) -> _LayoutSizes:
@@ -461,11 +492,10 @@ class CuTeDSLGatedDeltaProductCPBackend:
         scan_rows = kcfg.ChunkScanConfig("bfloat16", key_dim, value_dim, "output", 32, row_block).rows_per_cta
         row_blocks = value_dim // scan_rows
         num_seqs = batch if inputs.cu_seqlens is None else int(inputs.cu_seqlens.shape[0]) - 1
-        max_chunks = max(1, batch * tokens // kcfg.tokens_per_chunk(n_h) + num_seqs)
-        segment_chunks = self.segment_chunks or kl.segment_chunks_for(
-            max_chunks, heads, row_blocks, _sm_count(inputs.q.device), ctas_per_sm=self.ctas_per_sm)
-        return _LayoutSizes(row_block, row_blocks, segment_chunks, max(1, max_chunks // segment_chunks + num_seqs),
-                            max_chunks, num_seqs)
+        sizes = kl.layout_sizes(total_tokens=batch * tokens, num_householder=n_h, num_sequences=num_seqs, heads=heads,
+                                row_blocks=row_blocks, sm_count=_sm_count(inputs.q.device),
+                                segment_chunks=self.segment_chunks, ctas_per_sm=self.ctas_per_sm)
+        return _LayoutSizes(row_block, row_blocks, sizes.segment_chunks, sizes.max_segments, sizes.max_chunks, num_seqs)
 
     def saved_buffer_shape(self, inputs: GDPInputs) -> tuple[int] | None:
         """Shape of the extra tensor the forward saves for the kernel backward: one float32 buffer
