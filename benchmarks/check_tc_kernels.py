@@ -186,7 +186,8 @@ def layout_cases(seed: int = 0) -> None:
         last = int(nonempty[-1]) if nonempty.numel() else 0
         expected = kl.forward_layout(
             cu, total_tokens=max(total_tokens, 1), num_householder=n_h, heads=16, row_blocks=2, sm_count=132,
-            segment_chunks=sizes.segment_chunks, summary_sequence=last if summary == kcfg.TRAILING_SEQUENCE else summary,
+            segment_chunks=sizes.segment_chunks,
+            summary_sequence=last if summary == kcfg.TRAILING_SEQUENCE else summary,
             grad_summary_sequence=grad, every_segment_summary=every, every_segment_grad_summary=every_grad)
         differ = [name for name in kl.LAYOUT_TABLES if not torch.equal(tables[name], getattr(expected, name))]
         if int(trailing[0]) != last:
