@@ -361,6 +361,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
                 saved["tables"].copy_(tables)
             else:
                 torch.cat([getattr(layout, name) for name in _TABLES], out=saved["tables"])
+        if saved is not None:
             # a custom op's outputs must be deterministic: zero what no kernel writes, the padding and the
             # prep rows of chunk slots past the last real chunk (only slots from T_all // tokens per chunk on
             # can be spare: every sequence's chunks cover its tokens)
@@ -368,7 +369,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             first_spare = total_tokens // kcfg.tokens_per_chunk(inputs.num_householder)
             if self.save_prep:
                 unwritten += [saved[name][first_spare:] for name in _PREP]
-            if self.save_chunk_states:
+            if "chunk_states" in saved:
                 unwritten.append(saved["chunk_states"][first_spare:])
             torch._foreach_zero_(unwritten)  # one op (and one launch) for all of them
         shard = self._new_shard(inputs, layout, saved, trailing, sizes.row_block, summaries=True)
@@ -475,7 +476,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             regions += [("ta", inputs.q.dtype, (chunks, heads, 64, 64)), ("tb", inputs.q.dtype, (chunks, heads, 64, 64)),
                         ("p", inputs.q.dtype, (chunks, heads, tile, 64)),
                         ("scalars", torch.float32, (chunks, heads, 4, 64))]
-        if self.save_chunk_states:
+        if kl.keeps_chunk_states(self.save_chunk_states, key_dim):
             regions.append(("chunk_states", inputs.q.dtype, (chunks, heads, value_dim, key_dim)))
         table_sizes = kl.LayoutSizes(kcfg.tokens_per_chunk(inputs.num_householder), sizes.segment_chunks, chunks,
                                      segments, sequences).table_sizes()
