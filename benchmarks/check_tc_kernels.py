@@ -98,10 +98,12 @@ class Recorder:
                    "ChunkGamma": ("summaries",),
                    "ChunkReverseScan": ("grad_in", "chunk_grads"),
                    "ChunkReverse": ("dv", "dq_scan", "dk_scan", "d_ta", "d_tb", "d_p", "d_scalars"),
-                   "ChunkPrepBackward": ("dq", "dk", "dg", "dbeta"), "ValueChecks": ("flags",)}[kind]
-        if kind == "ValueChecks":  # flags: exact
-            differ = not torch.equal(gpu.flags.cpu(), emulated.flags)
-            check(f"{self.tag} ValueChecks flags equal the emulation's", float(differ), 0.0)
+                   "ChunkPrepBackward": ("dq", "dk", "dg", "dbeta"), "ValueChecks": ("flags",),
+                   "ForwardLayout": kl.LAYOUT_TABLES + ("trailing",)}[kind]
+        if kind in ("ValueChecks", "ForwardLayout"):  # flags and int32 tables: exact
+            differ = [name for name in outputs if not torch.equal(getattr(gpu, name).cpu(), getattr(emulated, name))]
+            check(f"{self.tag} {kind} {', '.join(outputs)} equal the emulation's (differ: {differ})",
+                  float(len(differ)), 0.0)
             return
         for name in outputs:
             a, b = getattr(gpu, name), getattr(emulated, name)
@@ -135,8 +137,7 @@ class Recorder:
                     if idx.numel() == 0:
                         continue
                     a, b = a[idx.to(a.device)], b[idx]
-                else:
-                    a, b = a[:count], b[:count]
+                # the output modes: final states [N, H, K, V] (empty sequences' rows keep what both started with)
             if kind == "ChunkPrep":
                 count = int(gpu.num_chunks[0])
                 a, b = a[:count], b[:count]
@@ -151,6 +152,49 @@ class Recorder:
                       f"{tuple(a.shape)}; first at {where[0].tolist()}, last at {where[-1].tolist()}; "
                       f"emulation finite: {bool(torch.isfinite(b.float()).all())}", flush=True)
             check(f"{self.tag} {kind}{'/' + mode if mode else ''} {name} vs emulation", rel(a, b), limit)
+
+
+def layout_cases(seed: int = 0) -> None:
+    """The layout kernel (one launch) against ``kl.forward_layout`` (array ops on the same device), table
+    for table, exactly: random packed shards with empty sequences (leading, inside, trailing, all), N from
+    1 to LAYOUT_MAX_SEQUENCES, each n_h, segment sizes, and every summary / gradient-flag option."""
+    gen = np.random.default_rng(seed)
+    counts = [1, 2, 3, 7, 64, 300, kcfg.LAYOUT_MAX_SEQUENCES]
+    for index in range(40):
+        sequences = counts[index % len(counts)]
+        lengths = gen.integers(0, 3000 if sequences < 64 else 200, size=sequences)
+        lengths[gen.random(sequences) < 0.2] = 0  # empty sequences anywhere
+        if index % 10 == 9:
+            lengths[:] = 0  # no tokens at all
+        padding = int(gen.integers(0, 100)) if index % 3 == 0 else 0  # tokens after the last sequence
+        cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device="cuda")
+        n_h = 1 + index % 3
+        total_tokens = int(cu[-1]) + padding
+        segment_chunks = [1, 3, 8, 33, None][index % 5]
+        summary = [None, kcfg.TRAILING_SEQUENCE, 0][index % 3]
+        grad = [None, 0][(index // 3) % 2]
+        every, every_grad = index % 7 == 3, index % 11 == 5
+        sizes = kl.layout_sizes(total_tokens=max(total_tokens, 1), num_householder=n_h, num_sequences=sequences,
+                                heads=16, row_blocks=2, sm_count=132, segment_chunks=segment_chunks)
+        tables = {name: torch.full((size,), -7, dtype=torch.int32, device="cuda")
+                  for name, size in sizes.table_sizes().items()}
+        trailing = torch.full((1,), -7, dtype=torch.int32, device="cuda")
+        kl.ForwardLayoutLaunch.of(cu, tables, trailing, num_householder=n_h, sizes=sizes, summary_sequence=summary,
+                                  grad_summary_sequence=grad, every_segment_summary=every,
+                                  every_segment_grad_summary=every_grad).run()
+        nonempty = torch.nonzero(cu[1:] > cu[:-1]).flatten()
+        last = int(nonempty[-1]) if nonempty.numel() else 0
+        expected = kl.forward_layout(
+            cu, total_tokens=max(total_tokens, 1), num_householder=n_h, heads=16, row_blocks=2, sm_count=132,
+            segment_chunks=sizes.segment_chunks,
+            summary_sequence=last if summary == kcfg.TRAILING_SEQUENCE else summary,
+            grad_summary_sequence=grad, every_segment_summary=every, every_segment_grad_summary=every_grad)
+        differ = [name for name in kl.LAYOUT_TABLES if not torch.equal(tables[name], getattr(expected, name))]
+        if int(trailing[0]) != last:
+            differ.append("trailing")
+        check(f"layout kernel [N{sequences} nh{n_h} seg{sizes.segment_chunks} summary {summary} grad {grad} every "
+              f"{int(every)}{int(every_grad)} T{total_tokens}] tables equal forward_layout's (differ: {differ})",
+              float(len(differ)), 0.0)
 
 
 def reference(q, k, v, g, beta, n_h, cu, initial=None):
@@ -277,6 +321,19 @@ def fold_case(key_dim: int, value_dim: int, init_count: int) -> None:
                              init=init, incoming=sequential, final=sequential[:1], init_count=init_count,
                              value_rows=value_dim, identity_row=value_dim, first_sequence=0, write_final=0,
                              descending=0).run()
+        # 16-row CTAs (kl.fold_config's choice for few chains) sum in the same order: bitwise the 32-row fold's,
+        # ascending and descending (the backward's), final rows included
+        for descending in (0, 1):
+            folds = []
+            for rows in kcfg.FOLD_ROWS:
+                folds.append((torch.zeros(total, heads, value_dim, key_dim, **f32),
+                              torch.full((len(counts), heads, value_dim, key_dim), float("nan"), **f32)))
+                kl.SegmentFoldLaunch(kcfg.SegmentFoldConfig(key_dim, "fold", rows), summaries=summaries,
+                                     seq_first_segment=starts, init=init, incoming=folds[-1][0], final=folds[-1][1],
+                                     init_count=init_count, value_rows=value_dim, identity_row=value_dim,
+                                     first_sequence=0, write_final=kl.FINAL_EVERY, descending=descending).run()
+            check(f"{tag} rows {kcfg.FOLD_ROWS} bitwise equal (descending={descending})",
+                  float(not (torch.equal(folds[0][0], folds[1][0]) and torch.equal(folds[0][1], folds[1][1]))), 0.0)
         finals = []
         for write_final in (kl.FINAL_EVERY, kl.FINAL_TRAILING):  # the latter is what prepare runs
             prefix = torch.empty(total, heads, value_dim + key_dim, key_dim, **f32)
@@ -349,6 +406,7 @@ def main() -> int:
     parser.add_argument("--no-cp", action="store_true", help="skip the two-shard CP cases")
     parser.add_argument("--backward", action="store_true", help="also check the backward kernels")
     parser.add_argument("--fold-only", action="store_true", help="only the segment_fold checks (both modes)")
+    parser.add_argument("--layout-only", action="store_true", help="only the layout kernel checks")
     args = parser.parse_args()
     torch.manual_seed(0)
     cases = [([700, 1300, 64, 33], 4, 128, 128, 2, torch.bfloat16, 8, True),
@@ -364,6 +422,10 @@ def main() -> int:
                   ([4096], 4, 128, 128, 2, torch.bfloat16, None, False)]
     if args.cases is not None:
         cases = [cases[i] for i in args.cases]
+    _guarded("layout kernel", layout_cases)
+    if args.layout_only:
+        print(f"\n{len(FAILURES)} failed checks" + (": " + "; ".join(FAILURES) if FAILURES else ""), flush=True)
+        return 1 if FAILURES else 0
     for fold in ((128, 128, 0), (128, 128, 1), (128, 128, 4), (64, 64, 4), (64, 128, 1), (128, 64, 4)):
         _guarded(f"fold {fold}", fold_case, *fold)
     if args.fold_only:

@@ -22,7 +22,7 @@ Prints per path: host microseconds per call (median and fastest of ``--calls``),
 dispatches (counted below autograd with a ``TorchDispatchMode``: every op, views included) and the kernel
 launches. ``--ops`` lists the ops per path by name; ``--trace`` lists them in order with the line of
 the project that dispatched each; ``--cprofile PATH`` prints the functions with the most own time on
-that path.
+that path; ``--profile`` prints each path's aten ops by self CPU time with their input shapes.
 """
 
 from __future__ import annotations
@@ -162,6 +162,22 @@ def count(setup, call, trace: bool = False) -> tuple[OpCounter, Counter]:
     return counter, launches
 
 
+def profile_table(setup, call, rows: int = 25) -> str:
+    """One call under ``torch.profiler`` (shapes recorded): the aten ops with the most self CPU time, per
+    input shapes. With many tokens the CPU time of an op roughly follows the bytes it moves, which is what
+    the same op costs on a GPU (the kernel launches themselves are no-ops here)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with cpu_kernels():
+        call(setup())
+        state = setup()
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            call(state)
+    table = prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=rows,
+                                                               max_name_column_width=28, max_shapes_column_width=70)
+    return "\n".join("    " + line for line in table.splitlines())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=256)
@@ -173,6 +189,8 @@ def main() -> None:
     parser.add_argument("--ops", action="store_true", help="list each path's aten ops by name")
     parser.add_argument("--trace", action="store_true", help="list each path's aten ops in order, with call sites")
     parser.add_argument("--cprofile", choices=PATHS, help="print the functions with most own time on this path")
+    parser.add_argument("--profile", action="store_true",
+                        help="torch.profiler table per path: aten ops by self CPU time, grouped by input shapes")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     calls = make_calls(args.tokens, args.heads, args.nh)
@@ -191,6 +209,8 @@ def main() -> None:
             print("    " + ", ".join(f"{name} {n}" for name, n in ops.most_common()))
         for name, site in counter.trace or ():
             print(f"    {name:<18} {site}")
+        if args.profile:
+            print(profile_table(setup, call))
     if args.cprofile:
         setup, call = calls[args.cprofile]
         with cpu_kernels():

@@ -212,6 +212,13 @@ def any_in_ranges(flags: Array, start: Array, stop: Array) -> Array:
 
 def poison(x: Array, mask: Array) -> Array:
     """``x`` with NaN where ``mask`` (broadcast against x) is True, by selection."""
+    if array_api_compat.is_torch_array(x):  # one pass: a NaN scalar, no NaN tensor as large as x to fill and read
+        import torch
+
+        # the result takes the memory order of the condition: a permuted mask ([B, T, H] from a [B, H, T] scan,
+        # ``gdp_token_poison``) made the GDP output, and so its gradient, [B, H, T, V] in memory, which the
+        # backward then copied back (8 MB at 32k tokens); a contiguous mask costs a copy of a few bool rows
+        return torch.where(mask.contiguous(), float("nan"), x)
     xp = array_api_compat.array_namespace(x)
     return xp.where(mask, xp.full_like(x, float("nan")), x)
 

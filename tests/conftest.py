@@ -1,4 +1,6 @@
+import gc
 import os
+import sys
 
 # JAX reads this once, at import: give the CPU enough host devices for multi-device tests, and have XLA
 # compile the (tiny) test programs without LLVM's expensive optimisations. Compiling is most of a JAX
@@ -17,6 +19,53 @@ def child_xla_flags(device_count: int) -> str:
     return " ".join([f"--xla_force_host_platform_device_count={device_count}", *kept])
 
 import pytest  # noqa: E402
+
+# XLA's CPU client maps each kernel of a compiled program as three memory mappings of its own (code,
+# constants, data: a jit(value_and_grad) of CP GDP holds about 600) for as long as the program lives, and
+# this process keeps its programs alive (jitted module functions, lru_cache'd compiled functions shared
+# between files). The suite's programs outgrow the kernel's limit on mappings per process
+# (vm.max_map_count, 65530 by default): the fresh-clone suite reached it at tests/parity, where XLA's next
+# compile failed ("LLVM compilation error: Cannot allocate memory") and the C++ exception carrying that
+# error faulted in libgcc's unwinder (an abort, or a deadlock in tvm_ffi's SIGSEGV handler). So after a
+# test, once the process holds more than this share of the limit, JAX's compiled programs are released
+# (jax.clear_caches(); later tests recompile what they use again).
+MAP_SHARE_BEFORE_RELEASE = 0.5
+
+
+def memory_map_limit() -> int | None:
+    """vm.max_map_count (None off Linux)."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def memory_map_count() -> int:
+    """The number of memory mappings of this process (/proc/self/maps: one line each)."""
+    with open("/proc/self/maps", "rb") as f:
+        return f.read().count(b"\n")
+
+
+def release_compiled_programs_over(threshold: int) -> bool:
+    """Release JAX's compiled programs (jax.clear_caches) if this process holds more than ``threshold``
+    memory mappings; True if it did."""
+    jax = sys.modules.get("jax")
+    if jax is None or memory_map_count() <= threshold:
+        return False
+    jax.clear_caches()
+    gc.collect()
+    return True
+
+
+_MAP_LIMIT = memory_map_limit()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    if _MAP_LIMIT is not None:
+        release_compiled_programs_over(int(_MAP_LIMIT * MAP_SHARE_BEFORE_RELEASE))
 
 
 @pytest.fixture(scope="session")

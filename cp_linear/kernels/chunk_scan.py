@@ -19,7 +19,10 @@ Four modes (compile-time):
   zero values), starting from [0 ; I]; the end rows go to ``summary`` [S, H, V + K, K]. Only
   segments whose flag has bit 0 set run.
 * "output": rows are S^T from ``state_in`` [S, H, V, K] (the folded incoming state of each
-  segment); outputs go to ``o`` and the segment's end state to ``state_out``.
+  segment); outputs go to ``o``. A sequence's last segment writes its end state, the sequence's
+  final state, to ``state_out`` [N, H, K, V] (S, not S^T: the layout the frontends return), so no
+  per-segment end state makes a round trip through HBM; the CTA finds its sequence in
+  ``seq_first_segment`` while its first chunk's loads are in flight.
 * "states": rows as in "output", no outputs: every chunk's start state goes to ``chunk_states``
   ([C_max, H, V·K], input dtype), the chunk states the backward reads (its recompute of the forward).
 * "output_states": "output" and "states" in one pass (a training forward that keeps the chunk
@@ -88,8 +91,9 @@ class ChunkScanKernel:
                  seg_chunks: cute.Tensor,  # int32 [S_max]
                  seg_flags: cute.Tensor,  # int32 [S_max] (bit 0: build this segment's summary)
                  num_segments: cute.Tensor,  # int32 [1]
+                 seq_first_segment: cute.Tensor,  # int32 [N + 1] (read by the output modes)
                  state_in: cute.Tensor,  # [S_max, H, V, K] float32 (modes other than "summary")
-                 state_out: cute.Tensor,  # [S_max, H, V, K] float32 (out, the output modes) or
+                 state_out: cute.Tensor,  # [N, H, K, V] float32 (out, the output modes: final states) or
                                           # [S_max, H, V + K, K] (out, mode "summary")
                  o: cute.Tensor,  # [T_all, H, V] input dtype (out, modes "output", "output_states")
                  chunk_states: cute.Tensor,  # [C_max, H, V K] input dtype (out, modes "states", "output_states")
@@ -98,8 +102,8 @@ class ChunkScanKernel:
         g2s = _mma.make_g2s_copy(self.dtype, self.threads)
         s2g = _mma.make_s2g_copy(self.dtype, self.threads)  # the chunk states only
         self.kernel(k, v, q, ta, tb, p, scalars, chunk_first_step, chunk_steps, seg_first_chunk, seg_chunks,
-                    seg_flags, num_segments, state_in, state_out, o, chunk_states, num_householder, tiled_mma, g2s,
-                    s2g).launch(
+                    seg_flags, num_segments, seq_first_segment, state_in, state_out, o, chunk_states,
+                    num_householder, tiled_mma, g2s, s2g).launch(
             grid=(seg_first_chunk.shape[0], k.shape[1], self.row_blocks()), block=(self.threads, 1, 1),
             stream=stream)
 
@@ -132,7 +136,8 @@ class ChunkScanKernel:
     def kernel(self, k: cute.Tensor, v: cute.Tensor, q: cute.Tensor, ta: cute.Tensor, tb: cute.Tensor,
                p: cute.Tensor, scalars: cute.Tensor, chunk_first_step: cute.Tensor, chunk_steps: cute.Tensor,
                seg_first_chunk: cute.Tensor, seg_chunks: cute.Tensor, seg_flags: cute.Tensor,
-               num_segments: cute.Tensor, state_in: cute.Tensor, state_out: cute.Tensor, o: cute.Tensor,
+               num_segments: cute.Tensor, seq_first_segment: cute.Tensor, state_in: cute.Tensor,
+               state_out: cute.Tensor, o: cute.Tensor,
                chunk_states: cute.Tensor, num_householder: Int32, tiled_mma: cute.TiledMma, g2s: cute.TiledCopy,
                s2g: cute.TiledCopy):
         K, V, R, NQ, NH = self.key_dim, self.value_dim, self.rows, self.query_tile, num_householder
@@ -152,6 +157,9 @@ class ChunkScanKernel:
         s_out = None  # a chunk's start state on its way to chunk_states, as whole 16-byte rows
         if cutlass.const_expr(self.states or (self.output_states and R != C)):
             s_out = allocator.allocate_tensor(self.dtype, _mma.smem_tile_layout(R, K), 128)
+        s_sequence = None  # the output modes: the sequence whose last segment this CTA runs, or -1
+        if cutlass.const_expr(self.reads_queries):
+            s_sequence = allocator.allocate_tensor(Int32, cute.make_layout((1,)), 16)
 
         run = segment < num_segments[0]
         if cutlass.const_expr(self.summary):
@@ -188,6 +196,8 @@ class ChunkScanKernel:
                             chunk_first_step, chunk_steps, s_k_all[None, None, 0], s_v_all[None, None, 0],
                             s_ta_all[None, None, 0], s_tb_all[None, None, 0], s_q_all[None, None, 0],
                             s_p_all[None, None, 0], NH)
+            if cutlass.const_expr(self.reads_queries):
+                self.find_final_sequence(tidx, seq_first_segment, segment, s_sequence)
             # the chunk's 4 x 64 float32 scalars travel through registers, one chunk ahead
             per_thread = 4 * C // self.threads
             scalar_next = cute.make_rmem_tensor(cute.make_layout((per_thread,)), Float32)
@@ -236,10 +246,31 @@ class ChunkScanKernel:
                                                chunk_states, chunk + 1, head, row_block)
                         # the next loads into this stage are issued after the next iteration's sync
 
-            if cutlass.const_expr(not self.states):
+            if cutlass.const_expr(self.summary):
                 for e in cutlass.range_constexpr(cute.size(state)):
                     r, c = state_coords[e]
                     state_out[segment, head, row0 + r, c] = state[e]
+            if cutlass.const_expr(self.reads_queries):
+                cute.arch.sync_threads()  # s_sequence is written (the chunk loop's barriers order it too)
+                final_sequence = s_sequence[0]
+                if final_sequence >= 0:
+                    # S = X^T: lanes 4 apart hold consecutive rows of X, so each store covers whole sectors
+                    for e in cutlass.range_constexpr(cute.size(state)):
+                        r, c = state_coords[e]
+                        state_out[final_sequence, head, c, row0 + r] = state[e]
+
+    @cute.jit
+    def find_final_sequence(self, tidx, seq_first_segment: cute.Tensor, segment, s_sequence: cute.Tensor):
+        """``s_sequence[0]`` = n when ``segment`` is the last segment of sequence n, else -1. Exactly one n
+        has seq_first_segment[n] <= segment == seq_first_segment[n + 1] - 1 (an empty sequence owns no
+        segment); the threads test every n, strided, so N loads take N / threads rounds, not N."""
+        if tidx == 0:
+            s_sequence[0] = Int32(-1)
+        cute.arch.sync_threads()
+        sequences = seq_first_segment.shape[0] - 1
+        for n in range(tidx, sequences, self.threads):
+            if (seq_first_segment[n] <= segment) & (seq_first_segment[n + 1] == segment + 1):
+                s_sequence[0] = n
 
     def chunk_state_rows(self, chunk_states: cute.Tensor, chunk, head, row_block) -> cute.Tensor:
         """This CTA's [R, K] rows of one chunk's start state in ``chunk_states`` [C_max, H, V K]."""

@@ -33,6 +33,7 @@ QUERY_TILES = (32, 64)
 SCAN_MODES = ("summary", "output", "states", "output_states")
 OUTPUT_MODES = ("output", "output_states")  # the scan modes that read queries and write outputs
 FOLD_MODES = ("fold", "apply_affine")
+FOLD_ROWS = (32, 16)  # segment_fold rows per CTA: the default first
 MMA_KINDS = ("sync", "wgmma")
 
 
@@ -129,11 +130,14 @@ class SegmentFoldConfig:
 
     key_dim: int
     mode: str = "fold"
+    rows: int = 32  # fold: state rows per CTA (FOLD_ROWS); apply_affine has its own tiling
 
     def validate(self) -> None:
         _check_head_dim("key_dim", self.key_dim)
         if self.mode not in FOLD_MODES:
             raise ValueError(f"mode must be one of {FOLD_MODES}; received {self.mode!r}")
+        if self.rows not in FOLD_ROWS or (self.mode != "fold" and self.rows != FOLD_ROWS[0]):
+            raise ValueError(f"rows must be one of {FOLD_ROWS} (mode 'fold' only); received {self.rows!r}")
 
 
 @dataclass(frozen=True)
@@ -312,9 +316,25 @@ class GatedRMSNormBackwardConfig(GatedRMSNormConfig):
     """The gated RMSNorm's backward: dx, dgate and one row of weight-gradient sums per CTA."""
 
 
+LAYOUT_THREADS = 256
+LAYOUT_MAX_SEQUENCES = 2048  # sequences per shard the layout kernel takes (its bounds live in shared memory)
+LAYOUT_ENTRIES_PER_THREAD = 4  # chunk or segment table entries per thread
+TRAILING_SEQUENCE = -2  # ForwardLayoutLaunch.summary_sequence: the last sequence with tokens (found in the kernel)
+
+
+@dataclass(frozen=True)
+class ForwardLayoutConfig:
+    """The chunk and segment tables of a packed shard (``forward_layout``) from ``cu_seqlens`` in one
+    launch (int32 only: no variants)."""
+
+    def validate(self) -> None:
+        pass
+
+
 KERNEL_CONFIGS = (ChunkPrepConfig, ChunkScanConfig, SegmentFoldConfig, ChunkGammaConfig, ChunkReverseScanConfig,
                   ChunkReverseConfig, ChunkPrepBackwardConfig, ValueChecksConfig, ShortConvConfig,
-                  ShortConvBackwardConfig, ColumnSumConfig, GatedRMSNormConfig, GatedRMSNormBackwardConfig)
+                  ShortConvBackwardConfig, ColumnSumConfig, GatedRMSNormConfig, GatedRMSNormBackwardConfig,
+                  ForwardLayoutConfig)
 
 
 def tensor_core_configs() -> list:
@@ -323,6 +343,7 @@ def tensor_core_configs() -> list:
     for key_dim in HEAD_DIMS:
         for mode in FOLD_MODES:
             configs.append(SegmentFoldConfig(key_dim, mode))
+        configs.append(SegmentFoldConfig(key_dim, "fold", FOLD_ROWS[1]))
         for dtype in TENSOR_CORE_DTYPES:
             for tile in QUERY_TILES:
                 configs.append(ChunkPrepConfig(dtype, key_dim, tile))
@@ -369,7 +390,7 @@ def all_configs() -> list:
     """Every kernel config (forward and backward, and the value checks), for ahead-of-time compilation
     (the CLI and CI)."""
     return (tensor_core_configs() + backward_configs() + [ValueChecksConfig(dtype) for dtype in TENSOR_CORE_DTYPES]
-            + short_conv_configs())
+            + short_conv_configs() + [ForwardLayoutConfig()])
 
 
 def short_conv_configs() -> list:

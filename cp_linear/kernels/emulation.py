@@ -116,8 +116,13 @@ def emulate_chunk_scan(launch) -> None:
                 out = out + rnd(D) @ launch.p[chunk].float().transpose(1, 2)
                 launch.o[first // n_h:first // n_h + tokens] = out[:, :, :tokens].permute(2, 0, 1).to(launch.o.dtype)
             X = sc[:, 2, 0, None, None] * X + rnd(D * sc[:, 0, None, :]) @ kc
-        if config.mode != "states":
+        if summary:
             launch.state_out[segment] = X
+        elif config.mode != "states":  # a sequence's last segment: its final state S = X^T
+            bounds = [int(b) for b in launch.seq_first_segment]
+            for sequence in range(len(bounds) - 1):
+                if bounds[sequence] <= segment == bounds[sequence + 1] - 1:
+                    launch.state_out[sequence] = X.transpose(-1, -2)
 
 
 def emulate_segment_fold(launch) -> None:
@@ -155,8 +160,6 @@ def emulate_segment_fold(launch) -> None:
 def emulate_apply_affine(launch) -> None:
     """segment_fold mode "apply_affine": incoming[s] = E_pre_s + X0[n(s)] M_pre_s (n(s) < init_count),
     E_pre_s for the other sequences' segments, zero for s >= the real segment count."""
-    import torch
-
     value_rows = int(launch.value_rows)
     affine = launch.summaries.float()
     starts = launch.seq_first_segment.long()
@@ -167,6 +170,39 @@ def emulate_apply_affine(launch) -> None:
             if sequence < int(launch.init_count):
                 state = state + launch.init[sequence].float() @ affine[segment, :, value_rows:]
             launch.incoming[segment] = state
+
+
+def emulate_forward_layout(launch) -> None:
+    """The layout kernel through its reference, the array-API ``forward_layout`` (sizes from the tables')."""
+    import torch
+
+    from cp_linear.kernels import configs as cfg
+    from cp_linear.kernels import launch as kl
+
+    cu = launch.cu_seqlens
+    sequences = cu.shape[0] - 1
+    nonempty = torch.nonzero(cu[1:] > cu[:-1]).flatten()
+    last_nonempty = int(nonempty[-1]) if nonempty.numel() else 0
+    summary = int(launch.summary_sequence)
+    summary = None if summary == -1 else last_nonempty if summary == cfg.TRAILING_SEQUENCE else summary
+    grad = int(launch.grad_summary_sequence)
+    per_chunk, segment_chunks = int(launch.tokens_per_chunk), int(launch.segment_chunks)
+    max_chunks = launch.chunk_first_step.shape[0]
+    n_h = int(launch.num_householder)
+    if cfg.tokens_per_chunk(n_h) != per_chunk:
+        raise ValueError(f"tokens_per_chunk {per_chunk} is not that of num_householder {n_h}")
+    layout = kl.forward_layout(cu, total_tokens=(max_chunks - sequences) * per_chunk, num_householder=n_h, heads=1,
+                               row_blocks=1, sm_count=1, segment_chunks=segment_chunks, summary_sequence=summary,
+                               grad_summary_sequence=None if grad < 0 else grad,
+                               every_segment_summary=bool(int(launch.every_segment_summary)),
+                               every_segment_grad_summary=bool(int(launch.every_segment_grad_summary)))
+    for name in kl.LAYOUT_TABLES:
+        out, table = getattr(launch, name), getattr(layout, name)
+        if out.shape != table.shape:
+            raise ValueError(f"{name}: the launch's table has shape {tuple(out.shape)}, the layout's "
+                             f"{tuple(table.shape)}")
+        out.copy_(table)
+    launch.trailing.fill_(last_nonempty)
 
 
 def run_emulated(launch) -> None:
@@ -182,7 +218,8 @@ def run_emulated(launch) -> None:
                   kl.ValueChecksLaunch: emulate_value_checks, kl.ShortConvLaunch: emulate_short_conv,
                   kl.ShortConvBackwardLaunch: emulate_short_conv_backward, kl.ColumnSumLaunch: emulate_column_sum,
                   kl.GatedRMSNormLaunch: emulate_gated_rms_norm,
-                  kl.GatedRMSNormBackwardLaunch: emulate_gated_rms_norm_backward}
+                  kl.GatedRMSNormBackwardLaunch: emulate_gated_rms_norm_backward,
+                  kl.ForwardLayoutLaunch: emulate_forward_layout}
     if type(launch) not in emulations:
         raise TypeError(f"no emulation for {type(launch).__name__}")
     emulations[type(launch)](launch)

@@ -128,8 +128,9 @@ class ChunkPrepLaunch(_Launch):
 
 @dataclass
 class ChunkScanLaunch(_Launch):
-    """``state_out`` is [S, H, V, K] in modes "output" and "output_states", [S, H, V + K, K]
-    (summaries) in "summary"; mode "summary" does not read q, p or state_in. Modes "states" and
+    """``state_out`` is [N, H, K, V] in modes "output" and "output_states" (each sequence's final state,
+    written by its last segment: an empty sequence's row is not written), [S, H, V + K, K] (summaries)
+    in "summary"; mode "summary" does not read q, p, state_in or seq_first_segment. Modes "states" and
     "output_states" write each chunk's start state into ``chunk_states`` [C_max, H, V·K] (the
     [C_max, H, V, K] chunk states, flattened so that one spec serves every V and K); mode "states"
     does not read q or p nor write ``state_out``. An output a mode does not write may be any array
@@ -151,8 +152,9 @@ class ChunkScanLaunch(_Launch):
     seg_chunks: Any = _spec(None, dtype="int32")
     seg_flags: Any = _spec(None, dtype="int32")
     num_segments: Any = _spec(1, dtype="int32")
+    seq_first_segment: Any = _spec(None, dtype="int32")
     state_in: Any = _spec(None, None, "value_dim", "key_dim", dtype="float32")
-    state_out: Any = _spec(None, None, "state_rows", "key_dim", dtype="float32")
+    state_out: Any = _spec(None, None, "state_rows", "state_cols", dtype="float32")
     o: Any = _spec(None, None, "value_dim")
     chunk_states: Any = _spec(None, None, "chunk_state_size", align=16)  # written by 16-byte rows
     num_householder: Any = _scalar("int32")
@@ -315,8 +317,11 @@ def _extent(config, entry):
         return config.width + 1
     if entry == "chunk_state_size":
         return config.value_dim * config.key_dim
-    if entry == "state_rows":
-        return config.value_dim + config.key_dim if config.mode == "summary" else config.value_dim
+    if entry in ("state_rows", "state_cols"):  # chunk_scan's state_out: summaries [E^T ; M^T], or final states S
+        summary = config.mode == "summary"
+        if entry == "state_rows":
+            return config.value_dim + config.key_dim if summary else config.key_dim
+        return config.key_dim if summary else config.value_dim
     return getattr(config, entry)
 
 
@@ -364,6 +369,15 @@ def scan_row_block(key_dim: int, value_dim: int, num_householder: int) -> int:
     return 0
 
 
+def keeps_chunk_states(requested: bool, key_dim: int) -> bool:
+    """Whether a saving forward's output pass keeps every chunk's start state for the kernel backward
+    (chunk_scan mode "output_states"): ``requested`` (the backends' ``save_chunk_states``) at K = 128 only.
+    At K = 64 with n_h >= 2 that mode gave wrong outputs, chunk states and end states on an H200
+    (2026-12-04, not deterministic from run to run; benchmarks/NOTES.md), so there the forward runs mode
+    "output" and the backward recomputes the chunk states (mode "states"), as with ``save_chunk_states=False``."""
+    return requested and key_dim == 128
+
+
 def scan_mma(requested: str, dtype: str, key_dim: int, value_dim: int) -> str:
     """The scan's MMA kind (``ChunkScanConfig.mma``): ``requested`` unless it is "auto", which picks
     the warpgroup-MMA scan where it is compiled (bf16, K = V = 128), as measured on an H200 at
@@ -384,6 +398,17 @@ def gradient_rows_mma(requested: str) -> str:
     """``ChunkGammaConfig.mma`` and ``ChunkReverseScanConfig.mma``: warpgroup MMAs (compiled for every
     config) unless "sync" is requested."""
     return "sync" if requested == "sync" else "wgmma"
+
+
+def fold_config(key_dim: int, sequences: int, heads: int, rows: int, sm_count: int) -> cfg.SegmentFoldConfig:
+    """segment_fold (mode "fold") for ``rows`` state rows of ``sequences`` x ``heads`` chains: 16-row
+    CTAs when twice as many still fit in one wave (one CTA per SM: the double-buffered M^T fills shared
+    memory), so each step of a chain is spread over twice the SMs; else 32-row ones (fewer M^T copies).
+    H200, 8 segments, H = 16: V rows 50 -> 36 us; V + K rows 61 us on 32-row CTAs, 75 on two waves of
+    16-row ones. Same numbers either way."""
+    wide, narrow = cfg.FOLD_ROWS
+    narrow_ctas = sequences * heads * math.ceil(rows / narrow)
+    return cfg.SegmentFoldConfig(key_dim, "fold", narrow if narrow_ctas <= sm_count else wide)
 
 
 def segment_chunks_for(total_chunks_bound: int, heads: int, row_blocks: int, sm_count: int,
@@ -512,6 +537,99 @@ class KernelBackwardContext:
     chunk_states: Any = None  # [C_max, H, V, K] input dtype: the forward's chunk states, when it kept them
 
 
+# the tables of a ForwardLayout in the order the kernel backward's saved buffer (and the layout kernel's
+# output buffer) keeps them
+LAYOUT_TABLES = ("chunk_first_step", "chunk_steps", "num_chunks", "seq_first_segment", "seq_segments",
+                 "seg_first_chunk", "seg_chunks", "seg_flags", "num_segments", "seg_grad_flags")
+
+
+@dataclass(frozen=True)
+class LayoutSizes:
+    """The host bounds of a shard's layout (``forward_layout``): every table has a fixed size."""
+
+    tokens_per_chunk: int
+    segment_chunks: int
+    max_chunks: int
+    max_segments: int
+    num_sequences: int
+
+    def table_sizes(self) -> dict[str, int]:
+        """Entries of each table, in ``LAYOUT_TABLES`` order."""
+        chunks, segments, sequences = self.max_chunks, self.max_segments, self.num_sequences
+        return dict(chunk_first_step=chunks, chunk_steps=chunks, num_chunks=1, seq_first_segment=sequences + 1,
+                    seq_segments=sequences, seg_first_chunk=segments, seg_chunks=segments, seg_flags=segments,
+                    num_segments=1, seg_grad_flags=segments)
+
+
+def layout_sizes(*, total_tokens: int, num_householder: int, num_sequences: int, heads: int, row_blocks: int,
+                 sm_count: int, segment_chunks: int | None = None, ctas_per_sm: float = 2) -> LayoutSizes:
+    """``forward_layout``'s bounds from host ints: at most T_all / tokens-per-chunk chunks plus one partial
+    chunk per sequence, and as many segments of ``segment_chunks`` (sized by ``segment_chunks_for`` when
+    None) plus one partial segment per sequence."""
+    per_chunk = cfg.tokens_per_chunk(num_householder)
+    max_chunks = max(1, total_tokens // per_chunk + num_sequences)
+    if segment_chunks is None:
+        segment_chunks = segment_chunks_for(max_chunks, heads, row_blocks, sm_count, ctas_per_sm=ctas_per_sm)
+    max_segments = max(1, max_chunks // segment_chunks + num_sequences)
+    return LayoutSizes(per_chunk, segment_chunks, max_chunks, max_segments, num_sequences)
+
+
+@dataclass
+class ForwardLayoutLaunch(_Launch):
+    """``forward_layout``'s tables from ``cu_seqlens`` in one launch (``forward_layout`` kernel; N from 1 to
+    ``LAYOUT_MAX_SEQUENCES``). Every table is written whole; ``trailing`` gets the last sequence with
+    tokens (0 when none has any). ``summary_sequence``: -1 none, ``TRAILING_SEQUENCE``, or an index;
+    ``grad_summary_sequence``: -1 none, or an index; the ``every_segment_*`` flags include
+    ``forward_layout``'s single-sequence rules (``ForwardLayoutLaunch.of`` applies them)."""
+
+    KERNEL: ClassVar[str] = "cp_linear.kernels.forward_layout:ForwardLayoutKernel"
+    OUTPUTS: ClassVar[tuple[str, ...]] = LAYOUT_TABLES + ("trailing",)
+    config: cfg.ForwardLayoutConfig
+    cu_seqlens: Any = _spec(None, dtype="int32")
+    chunk_first_step: Any = _spec(None, dtype="int32")
+    chunk_steps: Any = _spec(None, dtype="int32")
+    num_chunks: Any = _spec(1, dtype="int32")
+    seq_first_segment: Any = _spec(None, dtype="int32")
+    seq_segments: Any = _spec(None, dtype="int32")
+    seg_first_chunk: Any = _spec(None, dtype="int32")
+    seg_chunks: Any = _spec(None, dtype="int32")
+    seg_flags: Any = _spec(None, dtype="int32")
+    num_segments: Any = _spec(1, dtype="int32")
+    seg_grad_flags: Any = _spec(None, dtype="int32")
+    trailing: Any = _spec(1, dtype="int32")
+    num_householder: Any = _scalar("int32")
+    tokens_per_chunk: Any = _scalar("int32")
+    segment_chunks: Any = _scalar("int32")
+    summary_sequence: Any = _scalar("int32")
+    grad_summary_sequence: Any = _scalar("int32")
+    every_segment_summary: Any = _scalar("int32")
+    every_segment_grad_summary: Any = _scalar("int32")
+
+    @staticmethod
+    def takes(num_sequences: int) -> bool:
+        return 1 <= num_sequences <= cfg.LAYOUT_MAX_SEQUENCES
+
+    @classmethod
+    def of(cls, cu_seqlens, tables: dict, trailing, *, num_householder: int, sizes: LayoutSizes,
+           summary_sequence: int | None = None, grad_summary_sequence: int | None = None,
+           every_segment_summary: bool = False, every_segment_grad_summary: bool = False) -> ForwardLayoutLaunch:
+        """The launch writing ``tables`` (arrays by ``LAYOUT_TABLES`` name, of ``sizes.table_sizes()``) and
+        ``trailing`` (int32 [1]); ``summary_sequence`` may be ``cfg.TRAILING_SEQUENCE`` (what a CP summary
+        of a packed shard asks: its index is data)."""
+        single = sizes.num_sequences == 1  # forward_layout's rule: its summary sequence can only be sequence 0
+        return cls(cfg.ForwardLayoutConfig(), cu_seqlens=cu_seqlens, **tables, trailing=trailing,
+                   num_householder=num_householder, tokens_per_chunk=sizes.tokens_per_chunk,
+                   segment_chunks=sizes.segment_chunks,
+                   summary_sequence=-1 if summary_sequence is None else summary_sequence,
+                   grad_summary_sequence=-1 if grad_summary_sequence is None else grad_summary_sequence,
+                   every_segment_summary=int(every_segment_summary or (single and summary_sequence is not None)),
+                   every_segment_grad_summary=int(every_segment_grad_summary
+                                                  or (single and grad_summary_sequence is not None)))
+
+
+LAUNCHES[cfg.ForwardLayoutConfig] = ForwardLayoutLaunch
+
+
 def forward_layout(cu_seqlens, *, total_tokens: int, num_householder: int, heads: int, row_blocks: int,
                    sm_count: int, segment_chunks: int | None = None, summary_sequence: int | None = None,
                    ctas_per_sm: float = 2, grad_summary_sequence: int | None = None,
@@ -540,12 +658,12 @@ def forward_layout(cu_seqlens, *, total_tokens: int, num_householder: int, heads
 
     xp = array_api_compat.array_namespace(cu_seqlens)
     n_h = num_householder
-    per_chunk = cfg.tokens_per_chunk(n_h)
     num_sequences = int(cu_seqlens.shape[0]) - 1
-    max_chunks = max(1, total_tokens // per_chunk + num_sequences)
-    if segment_chunks is None:
-        segment_chunks = segment_chunks_for(max_chunks, heads, row_blocks, sm_count, ctas_per_sm=ctas_per_sm)
-    max_segments = max(1, max_chunks // segment_chunks + num_sequences)
+    sizes = layout_sizes(total_tokens=total_tokens, num_householder=n_h, num_sequences=num_sequences, heads=heads,
+                         row_blocks=row_blocks, sm_count=sm_count, segment_chunks=segment_chunks,
+                         ctas_per_sm=ctas_per_sm)
+    per_chunk, segment_chunks = sizes.tokens_per_chunk, sizes.segment_chunks
+    max_chunks, max_segments = sizes.max_chunks, sizes.max_segments
     i32 = xp.int32
     device = array_api_compat.device(cu_seqlens)
     as32 = lambda x: x if x.dtype == i32 else xp.astype(x, i32)  # noqa: E731

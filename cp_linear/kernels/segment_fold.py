@@ -20,12 +20,17 @@ backward's state gradients, whose segment summaries [gamma^T ; M_b^T]
 applied only for a sequence that writes its final rows (the output or reverse pass computes the
 end state otherwise).
 
-One CTA of 256 threads per (sequence, head, 32-row tile); warp w owns 4 rows, lane l the columns
-l + 32 j, so each shared load of a row of M_s^T (32 consecutive words per warp) feeds 4 FMAs and
-each load of X is a broadcast (the step is bound by shared-memory wavefronts: 1 row x K / 16
-columns per thread took 9 wavefronts per 8 FMAs per warp). The fold is a chain, so the next segment's M^T (K x K float32) is copied in with
-cp.async into a second buffer while the current step computes (its address depends only on the
-segment table, never on X). Exact float32, a fixed summation order.
+One CTA of ``rows`` * K / 16 threads per (sequence, head, ``rows``-row tile; ``SegmentFoldConfig.rows``
+32 or 16: the rows are independent, so smaller tiles put a sequence's chain on more SMs). A warp
+owns a 16 x 32 tile, a lane 4 rows x 4 adjacent columns; X is kept transposed in shared memory,
+so per m a lane's 4 X values and 4 M^T values are one 16-byte load each, and a warp's two loads are
+one wavefront each (64 and 128 bytes) for 16 FMAs (the earlier row-per-warp layout took 8
+wavefronts: the step was bound by shared memory). Two groups of warps each sum half of m for the
+same tile; the second's partial sums reach the first through shared memory (ncu: with one warp per
+scheduler the step was latency-bound; H200, 8 segments x 16 heads, V rows: 36 -> 30 us). The fold is
+a chain, so the next segment's M^T (K x K float32) is copied in with cp.async into a second buffer
+while the current step computes (its address depends only on the segment table, never on X). Exact float32, a fixed summation
+order ((E + sum over m < K/2) + sum over m >= K/2, each in order of m).
 
 Mode "apply_affine" (parallel over segments, one launch). Run with R = V + K, the fold from
 [0 ; I] leaves each segment's prefix map in ``summaries`` ([E_pre^T ; M_pre^T] = the incoming
@@ -53,9 +58,9 @@ from cp_linear.kernels._common import zero_unless
 from cp_linear.kernels.configs import SegmentFoldConfig
 from cp_linear.kernels.launch import FINAL_EVERY, FINAL_TRAILING
 
-ROWS = 32  # state rows per fold CTA
-THREADS = 256
-ROW_BLOCK = ROWS // (THREADS // 32)  # fold: rows per thread (one warp per ROW_BLOCK rows)
+WARP_ROWS, WARP_COLS = 16, 32  # fold: a warp's tile of the state rows (each lane 4 x 4)
+M_GROUPS = 2  # fold: warp groups that each sum half of m = 0..K-1 for the same tile
+THREADS = 256  # apply_affine
 AFFINE_ROWS = 16  # apply_affine: rows per 16-thread group; each thread owns AFFINE_GROUPS of them
 AFFINE_GROUPS = 4  # (64 rows per CTA share one staged M^T)
 
@@ -65,6 +70,9 @@ class SegmentFoldKernel:
         config.validate()
         self.key_dim = config.key_dim
         self.apply_affine = config.mode == "apply_affine"
+        self.rows = config.rows  # fold: state rows per CTA
+        # two groups of warps split the sum over m (ncu: one warp per scheduler left the step latency-bound)
+        self.fold_threads = M_GROUPS * config.rows * config.key_dim // (WARP_ROWS * WARP_COLS) * 32
 
     @cute.jit
     def __call__(self,
@@ -86,15 +94,16 @@ class SegmentFoldKernel:
         else:
             self.kernel(summaries, seq_first_segment, init, incoming, final, init_count, value_rows, identity_row,
                         first_sequence, write_final, descending).launch(
-                grid=(seq_first_segment.shape[0] - 1, summaries.shape[1], (rows + ROWS - 1) // ROWS),
-                block=(THREADS, 1, 1), stream=stream)
+                grid=(seq_first_segment.shape[0] - 1, summaries.shape[1], (rows + self.rows - 1) // self.rows),
+                block=(self.fold_threads, 1, 1), stream=stream)
 
     @cute.jit
-    def _stage_transition(self, atom, tidx, summaries: cute.Tensor, segment, head, value_rows, s_m: cute.Tensor):
+    def _stage_transition(self, atom, tidx, summaries: cute.Tensor, segment, head, value_rows, s_m: cute.Tensor,
+                          threads: cutlass.Constexpr):
         """cp.async M^T (rows value_rows.. of ``segment``'s summary, K x K) into ``s_m``, 16 bytes per copy."""
         K = self.key_dim
-        for chunk in cutlass.range_constexpr(K * K // 4 // THREADS):
-            flat = (chunk * THREADS + tidx) * 4
+        for chunk in cutlass.range_constexpr(K * K // 4 // threads):
+            flat = (chunk * threads + tidx) * 4
             source = cute.local_tile(summaries[segment, head, value_rows + flat // K, None], (4,), ((flat % K) // 4,))
             cute.copy(atom, source, cute.local_tile(s_m[flat // K, None], (4,), ((flat % K) // 4,)))
 
@@ -103,33 +112,42 @@ class SegmentFoldKernel:
                incoming: cute.Tensor, final: cute.Tensor, init_count: Int32, value_rows: Int32,
                identity_row: Int32, first_sequence: Int32, write_final: Int32, descending: Int32):
         K = self.key_dim
-        cols = K // 32  # a thread owns ROW_BLOCK rows x cols columns (lane + 32 j)
+        tile_rows = self.rows
+        threads = self.fold_threads
+        col_warps = K // WARP_COLS
         tidx, _, _ = cute.arch.thread_idx()
         sequence, head, tile = cute.arch.block_idx()
         allocator = cutlass.utils.SmemAllocator()
-        s_x = allocator.allocate_tensor(Float32, cute.make_layout((ROWS, K), stride=(K + 4, 1)), 16)
+        # X^T (m-major): a thread's 4 rows at one m are one 16-byte load, shared by the 8 lanes of its row group
+        s_xt = allocator.allocate_tensor(Float32, cute.make_layout((K, tile_rows), stride=(tile_rows + 4, 1)), 16)
         # two M^T buffers: the next step's copy lands in one while the current step reads the other
         s_m2 = allocator.allocate_tensor(Float32, cute.make_layout((K, K, 2), stride=(K, 1, K * K)), 16)
+        # the second m group's partial sums, added by the first group
+        s_part = allocator.allocate_tensor(Float32, cute.make_layout((tile_rows, K), stride=(K + 4, 1)), 16)
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Float32,
                                    num_bits_per_copy=128)
         rows = incoming.shape[2]
-        warp, lane = tidx // 32, tidx % 32
-        # warp w owns tile rows ROW_BLOCK w ..: its reads of X broadcast, its reads of a row of M^T are
-        # 32 consecutive words (one shared-memory wavefront per load for ROW_BLOCK FMAs)
-        local_rows = [warp * ROW_BLOCK + i for i in range(ROW_BLOCK)]
+        group_threads = threads // M_GROUPS
+        m_group = tidx // group_threads  # 0: owns X (E, the stores); 1: sums m = K/2..K-1 only
+        half_k = K // M_GROUPS
+        warp, lane = (tidx % group_threads) // 32, tidx % 32
+        # warp tile WARP_ROWS x WARP_COLS, lanes 4 row groups x 8 column groups, each 4 rows x 4 adjacent
+        # columns: per m one 16-byte X^T load (64 bytes per warp) and one 16-byte M^T load (128 bytes per
+        # warp), one shared-memory wavefront each, for 16 FMAs
+        first_row = (warp // col_warps) * WARP_ROWS + (lane // 8) * 4
+        col_group = (warp % col_warps) * (WARP_COLS // 4) + lane % 8
+        first_col = col_group * 4
         if sequence >= first_sequence:
-            x = cute.make_rmem_tensor(cute.make_layout((ROW_BLOCK, cols)), Float32)
-            for i in cutlass.range_constexpr(ROW_BLOCK):
-                row = tile * ROWS + local_rows[i]
-                safe_row = cutlass.min(row, rows - 1)
-                for j in cutlass.range_constexpr(cols):
-                    value = Float32(0.0)
-                    if sequence < init_count:
-                        value = init[sequence, head, safe_row, lane + 32 * j]
-                    elif row >= identity_row:
-                        if row - identity_row == lane + 32 * j:
-                            value = Float32(1.0)
-                    x[i, j] = value
+            x = cute.make_rmem_tensor(cute.make_layout((4, 4), stride=(4, 1)), Float32)
+            for i in cutlass.range_constexpr(4):
+                row = tile * tile_rows + first_row + i
+                # clamped indices (placeholders may be small); the value is used only below init_count
+                start = cute.local_tile(init[cutlass.min(sequence, init.shape[0] - 1), head,
+                                             cutlass.min(row, init.shape[2] - 1), None], (4,), (col_group,)).load()
+                for j in cutlass.range_constexpr(4):
+                    identity = cutlass.select_((row >= identity_row) & (row - identity_row == first_col + j),
+                                               Float32(1.0), Float32(0.0))
+                    x[i, j] = cutlass.select_(sequence < init_count, start[j], identity)
             first = seq_first_segment[sequence]
             count = seq_first_segment[sequence + 1] - first
             sequences = seq_first_segment.shape[0] - 1
@@ -138,7 +156,8 @@ class SegmentFoldKernel:
             mapped = count if writes_final else count - 1
             if mapped > 0:
                 step_segment = cutlass.select_(descending != 0, first + count - 1, first)
-                self._stage_transition(atom, tidx, summaries, step_segment, head, value_rows, s_m2[None, None, 0])
+                self._stage_transition(atom, tidx, summaries, step_segment, head, value_rows, s_m2[None, None, 0],
+                                       threads)
             cute.arch.cp_async_commit_group()
             for position in range(count):
                 segment = first + position
@@ -146,45 +165,57 @@ class SegmentFoldKernel:
                 if descending != 0:
                     segment = first + count - 1 - position
                     next_segment = first + count - 2 - position
-                for i in cutlass.range_constexpr(ROW_BLOCK):
-                    row = tile * ROWS + local_rows[i]
-                    if row < rows:
-                        for j in cutlass.range_constexpr(cols):
-                            incoming[segment, head, row, lane + 32 * j] = x[i, j]
+                if m_group == 0:
+                    for i in cutlass.range_constexpr(4):
+                        row = tile * tile_rows + first_row + i
+                        if row < rows:
+                            cute.local_tile(incoming[segment, head, row, None], (4,), (col_group,)).store(
+                                x[i, None].load())
                 if position < mapped:
                     if position + 1 < mapped:
                         self._stage_transition(atom, tidx, summaries, next_segment, head, value_rows,
-                                               s_m2[None, None, (position + 1) % 2])
+                                               s_m2[None, None, (position + 1) % 2], threads)
                     cute.arch.cp_async_commit_group()  # possibly empty: one group per step keeps wait(1) right
-                    for i in cutlass.range_constexpr(ROW_BLOCK):
-                        for j in cutlass.range_constexpr(cols):
-                            s_x[local_rows[i], lane + 32 * j] = x[i, j]
-                    # X <- X M^T + E^T: new[r, c] = E^T[r, c] + sum_m X[r, m] M^T[m, c] (E's loads in flight
-                    # across the barrier)
-                    for i in cutlass.range_constexpr(ROW_BLOCK):
-                        row = tile * ROWS + local_rows[i]
+                    if m_group == 0:
+                        for j in cutlass.range_constexpr(4):
+                            column = cute.make_rmem_tensor(cute.make_layout((4,)), Float32)
+                            for i in cutlass.range_constexpr(4):
+                                column[i] = x[i, j]
+                            cute.local_tile(s_xt[first_col + j, None], (4,), (first_row // 4,)).store(column.load())
+                    # X <- X M^T + E^T: new[r, c] = E^T[r, c] + sum_m X[r, m] M^T[m, c], m in order (E's loads
+                    # in flight across the barrier)
+                    for i in cutlass.range_constexpr(4):
+                        row = tile * tile_rows + first_row + i
                         e_row = cutlass.min(row, value_rows - 1)  # E^T rows exist below value_rows only
-                        for j in cutlass.range_constexpr(cols):
-                            x[i, j] = zero_unless(row < value_rows, summaries[segment, head, e_row, lane + 32 * j])
+                        e = cute.local_tile(summaries[segment, head, e_row, None], (4,), (col_group,)).load()
+                        for j in cutlass.range_constexpr(4):
+                            x[i, j] = zero_unless((row < value_rows) & (m_group == 0), e[j])
                     cute.arch.cp_async_wait_group(1)  # this step's M^T has landed (the next one may not)
                     cute.arch.sync_threads()
                     s_m = s_m2[None, None, position % 2]
-                    for m in cutlass.range(K, unroll=4):
-                        right = cute.make_rmem_tensor(cute.make_layout((cols,)), Float32)
-                        for j in cutlass.range_constexpr(cols):
-                            right[j] = s_m[m, lane + 32 * j]
-                        for i in cutlass.range_constexpr(ROW_BLOCK):
-                            left = s_x[local_rows[i], m]
-                            for j in cutlass.range_constexpr(cols):
-                                x[i, j] += left * right[j]
-                    cute.arch.sync_threads()  # s_x and this buffer are rewritten by the next steps
+                    for m_local in cutlass.range(half_k, unroll=4):
+                        m = m_group * half_k + m_local
+                        left = cute.local_tile(s_xt[m, None], (4,), (first_row // 4,)).load()
+                        right = cute.local_tile(s_m[m, None], (4,), (col_group,)).load()
+                        for i in cutlass.range_constexpr(4):
+                            for j in cutlass.range_constexpr(4):
+                                x[i, j] += left[i] * right[j]
+                    if m_group == 1:
+                        for i in cutlass.range_constexpr(4):
+                            cute.local_tile(s_part[first_row + i, None], (4,), (col_group,)).store(x[i, None].load())
+                    cute.arch.sync_threads()
+                    if m_group == 0:  # (E + sum over the first half) + sum over the second: a fixed order
+                        for i in cutlass.range_constexpr(4):
+                            part = cute.local_tile(s_part[first_row + i, None], (4,), (col_group,)).load()
+                            for j in cutlass.range_constexpr(4):
+                                x[i, j] += part[j]
+                    cute.arch.sync_threads()  # s_xt, s_part and this buffer are rewritten by the next steps
             cute.arch.cp_async_wait_group(0)
-            if writes_final:
-                for i in cutlass.range_constexpr(ROW_BLOCK):
-                    row = tile * ROWS + local_rows[i]
+            if writes_final & (m_group == 0):
+                for i in cutlass.range_constexpr(4):
+                    row = tile * tile_rows + first_row + i
                     if row < rows:
-                        for j in cutlass.range_constexpr(cols):
-                            final[sequence, head, row, lane + 32 * j] = x[i, j]
+                        cute.local_tile(final[sequence, head, row, None], (4,), (col_group,)).store(x[i, None].load())
 
     @cute.kernel
     def affine_kernel(self, affine: cute.Tensor, seq_first_segment: cute.Tensor, init: cute.Tensor,
@@ -216,7 +247,7 @@ class SegmentFoldKernel:
             owner = Int32(0)  # the sequence of this segment: how many sequences end at or before it
             for n in range(init_count):
                 owner = owner + cutlass.select_(seq_first_segment[n + 1] <= segment, Int32(1), Int32(0))
-            self._stage_transition(atom, tidx, affine, segment, head, value_rows, s_m)
+            self._stage_transition(atom, tidx, affine, segment, head, value_rows, s_m, THREADS)
             cute.arch.cp_async_commit_group()
             for chunk in cutlass.range_constexpr(tile_rows * K // 4 // THREADS):
                 flat = (chunk * THREADS + tidx) * 4

@@ -226,7 +226,6 @@ class CuTeDSLGatedDeltaProductCPBackend:
             cu = jnp.arange(0, (batch + 1) * tokens, tokens, dtype=jnp.int32)
         else:
             cu = jnp.asarray(inputs.cu_seqlens, jnp.int32)
-        num_seqs = cu.shape[0] - 1
         n_h = inputs.num_householder
         row_block = self.row_block or kl.scan_row_block(key_dim, value_dim, n_h)
         row_block = row_block if row_block <= min(key_dim, value_dim) else 0
@@ -256,15 +255,18 @@ class CuTeDSLGatedDeltaProductCPBackend:
         shard.ta, shard.tb, shard.p, shard.scalars = prep["ta"], prep["tb"], prep["p"], prep["scalars"]
         if summaries:  # mode "summary" reads neither state_in nor o: tiny placeholders of the right type
             shard.summaries = self._scan(shard, "summary", state_in=jnp.zeros((1, 1, value_dim, key_dim), _F32),
-                                         state_rows=value_dim + key_dim, o_shape=(1, 1, value_dim))["state_out"]
+                                         o_shape=(1, 1, value_dim))["state_out"]
         return shard
 
-    def _scan(self, shard: _Shard, mode: str, *, state_in, state_rows: int, o_shape: tuple) -> dict:
-        """chunk_scan -> {"state_out": [S_max, H, state_rows, K] float32 (a one-segment placeholder in
-        mode "states"), "o": ``o_shape``, "chunk_states": [C_max, H, V K] (modes "states" and
-        "output_states"; a one-row placeholder otherwise)}."""
-        layout, heads = shard.layout, shard.heads
-        segments = 1 if mode == "states" else layout.max_segments
+    def _scan(self, shard: _Shard, mode: str, *, state_in, o_shape: tuple) -> dict:
+        """chunk_scan -> {"state_out": the segment summaries [S_max, H, V + K, K] (mode "summary"), or the
+        sequences' final states [N, H, K, V] (the output modes: an empty sequence's row is not written), or
+        a one-row placeholder (mode "states"); all float32; "o": ``o_shape``; "chunk_states": [C_max, H, V K]
+        (modes "states" and "output_states"; a one-row placeholder otherwise)}."""
+        layout, heads, key_dim, value_dim = shard.layout, shard.heads, shard.key_dim, shard.value_dim
+        state_out_shape = {"summary": (layout.max_segments, heads, value_dim + key_dim, key_dim),
+                           "states": (1, 1, key_dim, value_dim)}.get(mode, (layout.num_sequences, heads, key_dim,
+                                                                           value_dim))
         tile = shard.query_tile if mode in kcfg.OUTPUT_MODES else 0
         state_size = shard.value_dim * shard.key_dim
         chunk_states_shape = (layout.max_chunks, heads, state_size) if mode in ("states", "output_states") else (
@@ -275,8 +277,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
                                   kl.scan_mma(self.mma, shard.dtype, shard.key_dim, shard.value_dim)),
             dict(k=shard.k, v=shard.v, q=shard.q, ta=shard.ta, tb=shard.tb, p=shard.p, scalars=shard.scalars,
                  **shard.tables("chunk_first_step", "chunk_steps", "seg_first_chunk", "seg_chunks", "seg_flags",
-                                "num_segments"), state_in=state_in),
-            dict(state_out=(segments, heads, state_rows, shard.key_dim), o=o_shape, chunk_states=chunk_states_shape),
+                                "num_segments", "seq_first_segment"), state_in=state_in),
+            dict(state_out=state_out_shape, o=o_shape, chunk_states=chunk_states_shape),
             dict(num_householder=shard.inputs.num_householder))
         return out
 
@@ -288,7 +290,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
         if init is None:  # read only for sequences below init_count (none)
             init = jnp.zeros((1, heads, rows, key_dim), _F32)
         out = self._launch(
-            kl.SegmentFoldLaunch, kcfg.SegmentFoldConfig(key_dim),
+            kl.SegmentFoldLaunch,
+            kl.fold_config(key_dim, layout.num_sequences, heads, rows, self.sm_count or _sm_count()),
             dict(summaries=summaries, seq_first_segment=layout.seq_first_segment, init=init),
             dict(incoming=(layout.max_segments, heads, rows, key_dim),
                  final=(layout.num_sequences if write_final else 1, heads, rows, key_dim)),
@@ -313,11 +316,13 @@ class CuTeDSLGatedDeltaProductCPBackend:
         return out["incoming"]
 
     def _output(self, shard: _Shard, incoming: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-        """chunk_scan output -> (o [B, T, H, V], end state of every segment [S_max, H, V, K] float32, the
-        chunk states [C_max, H, V, K] in the input dtype when the kernel backward keeps them, else None)."""
-        keep = self.backward == "kernels" and self.save_chunk_states and shard.inputs.save_for_backward
+        """chunk_scan output -> (o [B, T, H, V], final state of every sequence [N, H, K, V] float32 (an empty
+        sequence's row unwritten: ``_final_states`` fills it), the chunk states [C_max, H, V, K] in the input
+        dtype when the kernel backward keeps them, else None)."""
+        keep = (self.backward == "kernels" and kl.keeps_chunk_states(self.save_chunk_states, shard.key_dim)
+                and shard.inputs.save_for_backward)
         out = self._scan(shard, "output_states" if keep else "output", state_in=incoming,
-                         state_rows=shard.value_dim, o_shape=(shard.q.shape[0], shard.heads, shard.value_dim))
+                         o_shape=(shard.q.shape[0], shard.heads, shard.value_dim))
         batch, tokens = shard.inputs.q.shape[:2]
         chunk_states = None
         if keep:
@@ -379,10 +384,10 @@ class CuTeDSLGatedDeltaProductCPBackend:
         else:
             init, init_count = None, 0
         incoming = self._apply_affine(shard, local_context.incoming_affine, init, init_count)
-        output, state_out, chunk_states = self._output(shard, incoming)
+        output, final_state, chunk_states = self._output(shard, incoming)
         if inputs.output_final_state:
             start = initial if initial is not None else jnp.zeros(inputs.state_shape, _F32)
-            output = (output, _final_states(shard, state_out, start))
+            output = (output, _final_states(shard, final_state, start))
         if self.backward == "kernels":  # the segments' incoming states: the reverse pass restarts from them
             transition = summary[..., value_dim:]
             # each summarised segment's transition rows in the backward's orientation (M_b = M^T): chunk_gamma
@@ -412,8 +417,10 @@ class CuTeDSLGatedDeltaProductCPBackend:
         if not inputs.save_for_backward and self._use_kernels(inputs):
             output, final_state = self._inference_forward(inputs)
             return output, final_state, None
-        _, local = self.cp_forward_prepare(inputs)
-        (output, final_state), saved = self.cp_forward_apply(local, None)
+        summary, local = self.cp_forward_prepare(inputs)
+        # an empty neighbour stack, not None: the fallback's apply (JaxGDPBackend) folds it
+        preceding = jnp.zeros((0, *as_packed_array(summary).shape), as_packed_array(summary).dtype)
+        (output, final_state), saved = self.cp_forward_apply(local, preceding)
         return output, final_state, saved
 
     def _inference_forward(self, inputs: GDPInputs) -> tuple[jax.Array, jax.Array]:
@@ -428,9 +435,9 @@ class CuTeDSLGatedDeltaProductCPBackend:
         incoming, _ = self._fold(shard, shard.summaries, init=init, init_count=0 if initial is None else
                                  initial.shape[0], rows=value_dim, first_sequence=0, write_final=kl.FINAL_NONE,
                                  descending=False)
-        output, state_out, _ = self._output(shard, incoming)
+        output, final_state, _ = self._output(shard, incoming)
         start = initial if initial is not None else jnp.zeros(inputs.state_shape, _F32)
-        return output, _final_states(shard, state_out, start)
+        return output, _final_states(shard, final_state, start)
 
     # ------------------------------------------------------------------ backward protocol
 
@@ -520,7 +527,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         heads, key_dim, value_dim, tile = shard.heads, shard.key_dim, shard.value_dim, shard.query_tile
         chunks, tokens_all, steps_all = layout.max_chunks, shard.q.shape[0], shard.k.shape[0]
         if chunk_states is None:
-            chunk_states = self._scan(shard, "states", state_in=incoming, state_rows=value_dim,
+            chunk_states = self._scan(shard, "states", state_in=incoming,
                                       o_shape=(1, 1, value_dim))["chunk_states"].reshape(chunks, heads, value_dim,
                                                                                          key_dim)
         scan = self._launch(
@@ -578,14 +585,13 @@ def _initial_states(inputs: GDPInputs) -> jax.Array | None:
     return jax.lax.stop_gradient(inputs.initial_state).astype(_F32)
 
 
-def _final_states(shard: _Shard, state_out: jax.Array, start: jax.Array) -> jax.Array:
-    """The end state of each sequence's last segment [N, H, K, V]; an empty sequence keeps ``start``."""
-    layout = shard.layout
-    last_segment = jnp.maximum(layout.seq_first_segment[1:] - 1, 0)
-    final_state = jnp.swapaxes(jnp.take(state_out, last_segment, axis=0), -1, -2)
-    empty = (layout.seq_segments == 0)[:, None, None, None]
+def _final_states(shard: _Shard, final_state: jax.Array, start: jax.Array) -> jax.Array:
+    """The output pass's final states [N, H, K, V] (written by each sequence's last segment), with an empty
+    sequence's row (packed shards only: every row has tokens) replaced by its ``start`` state."""
+    if shard.rows:
+        return final_state
+    empty = (shard.layout.seq_segments == 0)[:, None, None, None]
     return jnp.where(empty, start, final_state)
-
 
 def _packed_stack(preceding) -> jax.Array | None:
     """Stacked forward summaries [n, ..., K, V + K] float32 from any summary form (None when absent)."""

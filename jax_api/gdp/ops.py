@@ -122,6 +122,10 @@ def _forward(q, k, v, g, beta, cu_seqlens, initial_state, backend, scale, num_ho
              *, save_for_backward: bool):
     inputs = GDPInputs(q, k, v, g, beta, scale, num_householder, use_qk_l2norm_in_kernel, cu_seqlens,
                        initial_state, output_final_state=True, save_for_backward=save_for_backward)
+    if not save_for_backward and hasattr(backend, "one_device_forward"):
+        # the primal (no gradient follows): the backend's one-device plan (the kernels' leaner inference plan)
+        output, final_state, _ = backend.one_device_forward(inputs, initial_state)
+        return (output, final_state), None
     summary, local = backend.cp_forward_prepare(inputs)
     (output, final_state), saved = backend.cp_forward_apply(local, empty_stack(summary))
     return (output, final_state), Residuals.of(saved)

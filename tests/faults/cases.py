@@ -321,6 +321,31 @@ def expected_gdp_poison(lengths, bad_tokens, total) -> np.ndarray:
     return poisoned
 
 
+def contained_gdp_gradients(run, clean, dirty, poisoned, state_poisoned, final_bad, n_h, seed=0):
+    """The gradients of a contained GDP step (``run(inputs, check_inputs=False) -> (o, final_state)`` on
+    ``dirty``, a copy of ``clean`` with non-finite entries), and those of the clean step whose output and
+    final-state gradients are zero where ``poisoned`` bool [T, H] / ``final_bad`` bool [N, H]: the
+    contained step passes no gradient through a poisoned output, so both must agree everywhere. Exactly
+    zero: q's gradient at a poisoned (token, head), and every input's where ``state_poisoned`` bool [T, H]
+    (at or after a non-finite k, v, g or beta of its sequence: all it reaches is poisoned).
+    -> (dirty grads, clean grads, zero masks), the masks bool [rows, H] per input."""
+    grads = {}
+    for name, inputs, check in (("dirty", dirty, False), ("clean", clean, True)):
+        leaves = [x.detach().clone().requires_grad_() for x in inputs]
+        out, final = run(leaves, check_inputs=check)
+        gen = torch.Generator().manual_seed(seed)  # the same output gradients for both
+        do = torch.randn(out.shape, generator=gen).to(out.dtype)
+        dfinal = torch.randn(final.shape, generator=gen)
+        if name == "clean":
+            do = do * torch.from_numpy(~poisoned)[None, :, :, None].to(do.dtype)
+            dfinal = dfinal * torch.from_numpy(~final_bad)[:, :, None, None]
+        torch.autograd.backward([out, final], [do, dfinal])
+        grads[name] = [x.grad for x in leaves]
+    zero = [torch.from_numpy(poisoned)] + [torch.from_numpy(np.repeat(state_poisoned, per, axis=0))
+                                           for per in (n_h, n_h, 1, n_h)]  # q, then k, v, g, beta
+    return grads["dirty"], grads["clean"], zero
+
+
 def gdp_nonfinite_contained(rank, world):
     """check_inputs=False: NaN in v (a sequence spanning ranks 0-1, head 1) and -Inf in g (the last
     sequence, head 0). The outputs that depend on them are NaN, every other output equals the

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.faults.cases import N_H, docs, expected_gdp_poison, gdp_full_inputs
+from tests.faults.cases import N_H, contained_gdp_gradients, docs, expected_gdp_poison, gdp_full_inputs
 from torch_api.attention.kernel import DocCausalLayout, doc_causal_attention
 from torch_api.gdp.ops import gated_delta_product
 
@@ -41,6 +41,32 @@ def test_class5_one_device_gdp_keeps_a_nan_inside_its_sequence_and_after_it():
     assert torch.equal(out[0][~bad], reference[0][~bad])
     assert torch.isnan(final[1, 0]).all() and torch.equal(final[[0, 2]], reference_final[[0, 2]])
     assert torch.equal(final[1, 1], reference_final[1, 1])
+
+
+def test_class5_one_device_gdp_gradients_are_zero_at_poisoned_inputs_and_clean_elsewhere():
+    """A NaN / Inf in each input: the gradients are finite, exactly zero at every input of a poisoned
+    (token, head), bad entries included (sanitising passes the gradient through: ``_Sanitize``), and
+    elsewhere those of the clean inputs with no gradient through the poisoned outputs."""
+    clean = gdp_full_inputs(64)
+    dirty = [x.clone() for x in clean]
+    bad = {0: (5, 0), 1: (15, 1), 2: (45, 0), 3: (50, 1), 4: (62, 0)}  # input -> (token, head)
+    per = (1, N_H, N_H, 1, N_H)
+    for index, (token, head) in bad.items():
+        dirty[index][0, token * per[index] + per[index] - 1, head] = float("inf") if index == 3 else float("nan")
+    state_poisoned = np.stack([expected_gdp_poison(LENGTHS, [t for i, (t, h) in bad.items() if h == head and i], 64)
+                               for head in range(2)], axis=1)  # [T, H]
+    poisoned = state_poisoned.copy()
+    poisoned[5, 0] = True  # a non-finite q poisons its own token alone
+    final_bad = np.array([[False, False], [False, True], [True, True]])  # [sequence, head]
+    out, _ = gdp(dirty, check_inputs=False)
+    assert np.array_equal(~torch.isfinite(out[0]).all(-1).numpy(), poisoned)
+    assert out.is_contiguous()  # not in the [B, H, T] order of the poison mask's scan (a copy for every consumer)
+    dirty_grads, clean_grads, zero = contained_gdp_gradients(gdp, clean, dirty, poisoned, state_poisoned, final_bad,
+                                                             N_H)
+    for name, mine, reference, must_be_zero in zip(("q", "k", "v", "g", "beta"), dirty_grads, clean_grads, zero):
+        assert torch.isfinite(mine).all(), name
+        assert not mine[0][must_be_zero].any(), name
+        torch.testing.assert_close(mine, reference, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_class5_one_device_gdp_contains_a_nonfinite_initial_state():

@@ -29,6 +29,7 @@ import jax_api.gdp.cutedsl as jcd  # noqa: E402
 if jax.default_backend() != "cpu":  # these run the CPU path on purpose (tests/jax_api/test_cutedsl_gpu.py: the GPU)
     pytest.skip("CPU-only tests of the kernel bridge", allow_module_level=True)
 from cp_linear.kernels import configs as kcfg  # noqa: E402
+from cp_linear.kernels import launch as kl  # noqa: E402
 from jax_api.gdp import kernel_calls  # noqa: E402
 from jax_api.gdp.cp import gdp_chunkwise_context_parallel  # noqa: E402
 from jax_api.gdp.ops import gated_delta_product  # noqa: E402
@@ -42,14 +43,17 @@ def _names(*configs) -> set[str]:
     return {kernel_calls.target_name(config) for config in configs}
 
 
-FORWARD = _names(kcfg.ChunkPrepConfig("bfloat16", DIM, 32), kcfg.ChunkScanConfig("bfloat16", DIM, DIM, "summary"),
-                 kcfg.SegmentFoldConfig(DIM), kcfg.SegmentFoldConfig(DIM, "apply_affine"),
-                 kcfg.ChunkScanConfig("bfloat16", DIM, DIM, "output", 32))
-# the kernel backward's forward keeps the chunk states (mode "output_states"), so its backward runs no
-# states scan (mode "states": only with save_chunk_states=False)
-FORWARD_KEEPING_STATES = FORWARD - _names(kcfg.ChunkScanConfig("bfloat16", DIM, DIM, "output", 32)) | _names(
-    kcfg.ChunkScanConfig("bfloat16", DIM, DIM, "output_states", 32))
-BACKWARD = _names(kcfg.ChunkGammaConfig("bfloat16", DIM, DIM, 32, "wgmma"),
+# a few sequences x 2 heads leave SMs idle: the folds run 16-row CTAs (launch.fold_config)
+FOLD = kcfg.SegmentFoldConfig(DIM, "fold", 16)
+# no gradient taken: the lean one-device plan (no prefix maps, no apply_affine)
+INFERENCE = _names(kcfg.ChunkPrepConfig("bfloat16", DIM, 32), kcfg.ChunkScanConfig("bfloat16", DIM, DIM, "summary"),
+                   FOLD, kcfg.ChunkScanConfig("bfloat16", DIM, DIM, "output", 32))
+FORWARD = INFERENCE | _names(kcfg.SegmentFoldConfig(DIM, "apply_affine"))
+# at K = 64 the kernel backward's forward keeps no chunk states (launch.keeps_chunk_states: mode
+# "output_states" gave wrong results there on an H200), so its backward reruns the scan in mode "states"
+assert not kl.keeps_chunk_states(True, DIM)
+STATES_SCAN = _names(kcfg.ChunkScanConfig("bfloat16", DIM, DIM, "states"))
+BACKWARD = STATES_SCAN | _names(kcfg.ChunkGammaConfig("bfloat16", DIM, DIM, 32, "wgmma"),
                   kcfg.ChunkReverseScanConfig("bfloat16", DIM, DIM, 32, 0, "wgmma"),
                   kcfg.ChunkReverseConfig("bfloat16", DIM, DIM, 32),
                   kcfg.ChunkPrepBackwardConfig("bfloat16", DIM, 32))
@@ -87,12 +91,11 @@ def _one_device(backward):
     return loss
 
 
-def test_the_forward_lowers_to_five_kernel_calls_and_nothing_else(hopper):
-    """prep, summary scan, the one fold (every segment's prefix map), apply_affine (the incoming
-    states from those maps), output scan."""
+def test_the_forward_lowers_to_four_kernel_calls_and_nothing_else(hopper):
+    """No gradient: prep, the summary scan, the one fold (every segment's incoming state), the output scan."""
     text = jax.jit(_one_device("jax")).trace(*_arrays([100, 56, 100])).lower(lowering_platforms=("cuda",)).as_text()
     calls = _custom_calls(text)
-    assert len(calls) == 5 and set(calls) == FORWARD, calls
+    assert len(calls) == 4 and set(calls) == INFERENCE, calls
     assert "callback" not in text
 
 
@@ -101,10 +104,10 @@ def test_the_kernel_backward_lowers_to_kernel_calls_only_and_a_new_packing_to_th
     texts = [grad.trace(*_arrays(lengths)).lower(lowering_platforms=("cuda",)).as_text()
              for lengths in ([100, 56, 100], [3, 250, 3])]
     calls = _custom_calls(texts[0])
-    # forward 5 (the output scan keeping the chunk states); backward: prep again, gamma, the descending
-    # fold, the reverse scan, reverse, prep backward (the fold of the leading gamma builds the CP
-    # summary, unused on one device: dropped)
-    assert len(calls) == 11 and set(calls) == FORWARD_KEEPING_STATES | BACKWARD, calls
+    # forward 5; backward: prep again, the states scan, gamma, the descending fold, the reverse scan,
+    # reverse, prep backward (the fold of the leading gamma builds the CP summary, unused on one device:
+    # dropped)
+    assert len(calls) == 12 and set(calls) == FORWARD | BACKWARD, calls
     assert "callback" not in texts[0]
     assert texts[0] == texts[1]
 
@@ -127,7 +130,7 @@ def test_cp_under_shard_map_lowers_to_kernel_calls_and_collectives(hopper):
         seq_idx = jnp.asarray(seq_idx_from_lengths(lengths), jnp.int32)
         texts.append(grad.trace(*arrays, seq_idx).lower(lowering_platforms=("cuda",)).as_text())
     assert set(_custom_calls(texts[0])) - {"Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape"} \
-        == FORWARD_KEEPING_STATES | BACKWARD
+        == FORWARD | BACKWARD
     assert texts[0].count("all_gather") >= 2 and "callback" not in texts[0]
     assert texts[0] == texts[1]
 
@@ -186,8 +189,8 @@ _REGISTRATION_SCRIPT = textwrap.dedent('''
 
 @pytest.mark.timeout(900)
 def test_kernels_compile_and_register_once_per_config_for_the_gpu():
-    """In a fresh process that traces as on a GPU: the five forward configs compile for sm_90a once
-    each (two packings, two traces), register as XLA FFI targets for the GPU platform, and the
+    """In a fresh process that traces as on a GPU: the four configs of a forward that takes no gradient
+    compile for sm_90a once each (two packings, two traces), register as XLA FFI targets for the GPU platform, and the
     lowered program calls exactly those targets."""
     pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (the cuda extra)")
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", CUTE_DSL_ARCH="sm_90a", JAX_PLATFORMS="cpu",
@@ -197,6 +200,6 @@ def test_kernels_compile_and_register_once_per_config_for_the_gpu():
                             timeout=850, env=env, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in result.stdout.splitlines() if " " in line)
-    assert lines["COMPILES"] == "[1, 1, 1, 1, 1] 5", result.stdout
-    assert set(lines["REGISTERED"].split()) == FORWARD, result.stdout
-    assert set(lines["CALLS"].split()) == FORWARD and lines["SAME"] == "True", result.stdout
+    assert lines["COMPILES"] == "[1, 1, 1, 1] 4", result.stdout
+    assert set(lines["REGISTERED"].split()) == INFERENCE, result.stdout
+    assert set(lines["CALLS"].split()) == INFERENCE and lines["SAME"] == "True", result.stdout

@@ -16,6 +16,7 @@ import torch
 
 import torch_api.gdp.cutedsl as cutedsl
 from cp_linear.kernels import launch as kl
+from cp_linear.kernels import configs as kcfg
 from cp_linear.kernels.emulation import run_emulated
 from cp_linear.reference import naive_gated_delta_product
 from tests.cp_linear.gdp_cases import rel_err
@@ -144,6 +145,43 @@ def test_kernel_backward_matches_float64_gradients(emulated, n_h, segment_chunks
         assert rel_err(got, expected.numpy()) < GRAD_LIMIT, name
 
 
+def test_contained_kernel_backward_is_zero_at_poisoned_inputs_and_clean_elsewhere(emulated):
+    """check_inputs=False through the kernels (bf16, qk l2norm): a NaN in k and an Inf in q and g. The
+    gradients are finite, exactly zero at every input of a poisoned (token, head), bad entries included
+    (sanitising passes the gradient through), and elsewhere those of the clean inputs with no gradient
+    through the poisoned outputs (tests/faults/cases.py::contained_gdp_gradients)."""
+    from tests.faults.cases import contained_gdp_gradients, expected_gdp_poison
+    from torch_api import gated_delta_product
+
+    lengths, n_h = [70, 90], 2
+    clean = list(_inputs(lengths, heads=2, key_dim=64, value_dim=64, n_h=n_h, seed=31))
+    dirty = [x.clone() for x in clean]
+    dirty[1][0, 20 * n_h, 1, 3] = float("nan")  # k, token 20 (sequence 0), head 1
+    dirty[0][0, 100, 0, 7] = float("inf")  # q, token 100 (sequence 1), head 0: poisons token 100 alone
+    dirty[3][0, 130, 0] = float("inf")  # g, token 130 (sequence 1), head 0
+    state_poisoned = np.stack([expected_gdp_poison(lengths, [130], 160), expected_gdp_poison(lengths, [20], 160)],
+                              axis=1)  # [T, H]
+    poisoned = state_poisoned.copy()
+    poisoned[100, 0] = True
+    final_bad = np.array([[False, True], [True, False]])  # [sequence, head]
+    cu = torch.tensor(np.cumsum([0] + lengths), dtype=torch.int32)
+    backend = cutedsl.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=2, backward="kernels")
+
+    def run(leaves, check_inputs):
+        return gated_delta_product(*leaves, num_householder=n_h, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
+                                   backend=backend, check_inputs=check_inputs)
+
+    out, _ = run(dirty, False)
+    assert np.array_equal(~torch.isfinite(out[0]).all(-1).numpy(), poisoned)
+    assert out.is_contiguous()  # else the backward copies the output gradient back (cutedsl._flat)
+    dirty_grads, clean_grads, zero = contained_gdp_gradients(run, clean, dirty, poisoned, state_poisoned,
+                                                             final_bad, n_h)
+    for name, mine, reference, must_be_zero in zip(("q", "k", "v", "g", "beta"), dirty_grads, clean_grads, zero):
+        assert torch.isfinite(mine).all(), name
+        assert not mine[0][must_be_zero].any(), name
+        assert rel_err(mine.float().numpy(), reference.float().numpy()) < 1e-3, name
+
+
 def _float64_gradients(q, k, v, g, beta, do, dfinal, initial, lengths, n_h):
     """float64 reference gradients (q, k, v, g, beta, initial state) of the same (rounded) inputs, sequence
     by sequence: [T, H, ...] each, the initial state's [N, H, K, V]."""
@@ -232,7 +270,7 @@ def test_saved_and_recomputed_prep_and_chunk_states_give_identical_gradients(emu
     from torch_api import gated_delta_product
     from torch_api.gdp.types import GDPInputs
 
-    lengths, heads, dim, n_h = [150, 37, 301], 2, 64, 2
+    lengths, heads, dim, n_h = [150, 37, 301], 2, 128, 2  # K = 128: chunk states are kept (keeps_chunk_states)
     q, k, v, g, beta = _inputs(lengths, heads=heads, key_dim=dim, value_dim=dim, n_h=n_h, seed=31)
     cu = torch.tensor(np.cumsum([0] + lengths), dtype=torch.int32)
     do = torch.randn(1, sum(lengths), heads, dim, generator=torch.Generator().manual_seed(6)).bfloat16()
@@ -264,6 +302,24 @@ def test_saved_and_recomputed_prep_and_chunk_states_give_identical_gradients(emu
     prep_bytes = chunks * heads * (2 * 64 * 64 * 2 + 32 * 64 * 2 + 4 * 64 * 4)
     assert (words[(True, True)] - words[(False, True)]) * 4 == prep_bytes
     assert (words[(True, True)] - words[(True, False)]) * 4 == chunks * heads * dim * dim * 2
+
+
+def test_key_dim_64_recomputes_the_chunk_states(emulated):
+    """At K = 64 a training forward keeps no chunk states even with save_chunk_states (mode "output_states"
+    gave wrong results there on an H200): mode "output", and the backward reruns the scan (mode "states")."""
+    from torch_api import gated_delta_product
+
+    lengths, heads, dim, n_h = [70, 37], 2, 64, 2
+    q, k, v, g, beta = _inputs(lengths, heads=heads, key_dim=dim, value_dim=dim, n_h=n_h, seed=32)
+    cu = torch.tensor(np.cumsum([0] + lengths), dtype=torch.int32)
+    backend = cutedsl.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=2, backward="kernels", save_chunk_states=True)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+    with recorded_scan_modes() as modes:
+        o, _ = gated_delta_product(*leaves, num_householder=n_h, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
+                                   backend=backend)
+        o.float().sum().backward()
+    assert modes == ["summary", "output", "states"]
+    assert all(leaf.grad is not None and torch.isfinite(leaf.grad.float()).all() for leaf in leaves)
 
 
 @pytest.mark.parametrize("layout", ["spanning", "packed", "rows"])
@@ -494,12 +550,19 @@ def test_prefix_fold_writes_only_the_trailing_sequences_final_rows(emulated):
 def _poisoned_emulation(launches: list):
     """``_Launch.run`` on the emulation, recording every launch and filling each float output with NaN
     first: a later read of anything a launch does not write shows up in the results (as the JAX
-    emulation's result buffers, and uninitialised memory on the GPU)."""
+    emulation's result buffers, and uninitialised memory on the GPU). The output pass's final states are
+    poisoned only in the rows of sequences with segments: an empty sequence's row is the caller's fill."""
     def run(launch):
         launches.append(launch)
         for name in type(launch).OUTPUTS:
             output = getattr(launch, name)
-            if output.is_floating_point():
+            if not output.is_floating_point():
+                continue
+            if isinstance(launch, kl.ChunkScanLaunch) and name == "state_out" and launch.config.mode in \
+                    kcfg.OUTPUT_MODES:
+                bounds = launch.seq_first_segment
+                output[bounds[1:] > bounds[:-1]] = float("nan")
+            else:
                 output.fill_(float("nan"))
         run_emulated(launch)
     return run
@@ -572,9 +635,11 @@ def test_inference_forward_runs_the_lean_plan(emulated, monkeypatch, layout, wit
     launches = []
     monkeypatch.setattr(kl._Launch, "run", _poisoned_emulation(launches))
     backend.one_device_forward(replace(inputs, save_for_backward=False), initial)
-    assert _plan(launches) == ["ChunkPrepLaunch", "ChunkScanLaunch:summary", "SegmentFoldLaunch:fold",
-                               "ChunkScanLaunch:output"]
-    _, summary, fold, output = launches
+    # a packed shard's tables come from one layout launch; a rows layout's are cached host tables
+    layout_launches = [] if layout == "rows" else ["ForwardLayoutLaunch"]
+    assert _plan(launches) == layout_launches + ["ChunkPrepLaunch", "ChunkScanLaunch:summary",
+                                                 "SegmentFoldLaunch:fold", "ChunkScanLaunch:output"]
+    _, summary, fold, output = launches[len(layout_launches):]
     layout_tables = fold.seq_first_segment
     real = int(layout_tables[-1])
     followed = torch.zeros(summary.seg_flags.shape[0], dtype=torch.int32)
@@ -591,5 +656,29 @@ def test_inference_forward_runs_the_lean_plan(emulated, monkeypatch, layout, wit
     assert output.state_in is fold.incoming
     launches.clear()
     backend.one_device_forward(inputs, initial)
-    assert _plan(launches) == ["ChunkPrepLaunch", "ChunkScanLaunch:summary", "SegmentFoldLaunch:fold",
-                               "SegmentFoldLaunch:apply_affine", "ChunkScanLaunch:output_states"]
+    output_mode = "output_states" if kl.keeps_chunk_states(True, inputs.q.shape[-1]) else "output"
+    assert _plan(launches) == layout_launches + ["ChunkPrepLaunch", "ChunkScanLaunch:summary",
+                                                 "SegmentFoldLaunch:fold", "SegmentFoldLaunch:apply_affine",
+                                                 f"ChunkScanLaunch:{output_mode}"]
+
+
+def test_the_op_without_gradients_runs_the_lean_plan_and_with_them_the_saving_one(emulated, monkeypatch):
+    """``torch_api.gated_delta_product`` hands a forward that no backward follows to the backend's
+    ``one_device_forward`` (the lean plan) and keeps the protocol's plan when inputs require gradients;
+    both give the same outputs and final states (zero start: bitwise)."""
+    from torch_api import gated_delta_product
+
+    inputs, _ = inference_case("packed", 2, False, seed=80)
+    backend = cutedsl.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=2, backward="kernels")
+    launches = []
+    monkeypatch.setattr(kl._Launch, "run", _poisoned_emulation(launches))
+    args = (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)
+    options = dict(num_householder=2, cu_seqlens=inputs.cu_seqlens, use_qk_l2norm_in_kernel=True, backend=backend)
+    o, final = gated_delta_product(*args, **options)
+    assert _plan(launches) == ["ForwardLayoutLaunch", "ChunkPrepLaunch", "ChunkScanLaunch:summary",
+                               "SegmentFoldLaunch:fold", "ChunkScanLaunch:output"]
+    launches.clear()
+    trained = [x.detach().clone().requires_grad_(True) for x in args]
+    o_grad, final_grad = gated_delta_product(*trained, **options)
+    assert "SegmentFoldLaunch:apply_affine" in _plan(launches)
+    assert torch.equal(o, o_grad.detach()) and torch.equal(final, final_grad.detach())

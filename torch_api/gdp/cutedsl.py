@@ -74,8 +74,7 @@ KERNEL_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _SM_COUNT: dict[int, int] = {}
 _KERNEL_BACKWARD = "kernel_backward"  # saved-context flag: the kernel backward's buffer follows the 9 tensors
 # the work layout's device tables, saved by the forward for the backward (ForwardLayout's fields)
-_TABLES = ("chunk_first_step", "chunk_steps", "num_chunks", "seq_first_segment", "seq_segments", "seg_first_chunk",
-           "seg_chunks", "seg_flags", "num_segments", "seg_grad_flags")
+_TABLES = kl.LAYOUT_TABLES
 _PREP = ("ta", "tb", "p", "scalars")
 
 
@@ -334,28 +333,35 @@ class CuTeDSLGatedDeltaProductCPBackend:
             trailing = None
             layout, tables = rows_layout(device, batch, every_segment_summary=cp_summary,
                                          every_segment_grad_summary=kernel_backward, **layout_args)
-        else:
-            cu = self._cu(inputs, device)
-            tables = None
-            # the trailing sequence: the last nonempty one, found on the device (a graph-ready layout pads
-            # cu_seqlens with empty sequences at its end, torch_api.layers.layout), so no host read; a
-            # single sequence is the trailing one (a host int: no device search, no masks). Only the CP
-            # summary reads it
-            trailing = _trailing_sequence(cu) if cp_summary else None
-            layout = kl.forward_layout(cu, summary_sequence=trailing,
-                                       grad_summary_sequence=0 if kernel_backward else None,
-                                       grad_flags=kernel_backward, **layout_args)
-        if layout.max_segments != sizes.max_segments:  # the custom ops' fake kernels read sizes.max_segments
-            raise RuntimeError(f"forward_layout made {layout.max_segments} segments where _sizes predicted "
-                               f"{sizes.max_segments}; keep CuTeDSLGatedDeltaProductCPBackend._sizes in step with it")
         saved = None
         if kernel_backward:
             regions = self._saved_regions(inputs, sizes)
             saved = _carve(torch.empty(_region_offsets(regions)[1] // 4, dtype=torch.float32, device=device), regions)
-            if tables is not None:  # the cached layout's tables: already one tensor in _TABLES order
+        tables_in_saved = False  # the layout kernel writes the saved buffer's table region itself
+        if not rows:
+            cu = self._cu(inputs, device)
+            # the trailing sequence: the last nonempty one, found on the device (a graph-ready layout pads
+            # cu_seqlens with empty sequences at its end, torch_api.layers.layout), so no host read; a
+            # single sequence is the trailing one (a host int: no device search, no masks). Only the CP
+            # summary reads it
+            if kl.ForwardLayoutLaunch.takes(sizes.num_sequences):  # the tables in one launch
+                layout, trailing = self._layout_kernel(inputs, cu, sizes, saved, cp_summary=cp_summary,
+                                                       kernel_backward=kernel_backward)
+                tables_in_saved = saved is not None
+            else:
+                trailing = _trailing_sequence(cu) if cp_summary else None
+                layout = kl.forward_layout(cu, summary_sequence=trailing,
+                                           grad_summary_sequence=0 if kernel_backward else None,
+                                           grad_flags=kernel_backward, **layout_args)
+        if layout.max_segments != sizes.max_segments:  # the custom ops' fake kernels read sizes.max_segments
+            raise RuntimeError(f"forward_layout made {layout.max_segments} segments where _sizes predicted "
+                               f"{sizes.max_segments}; keep CuTeDSLGatedDeltaProductCPBackend._sizes in step with it")
+        if saved is not None and not tables_in_saved:
+            if rows:  # the cached layout's tables: already one tensor in _TABLES order
                 saved["tables"].copy_(tables)
             else:
                 torch.cat([getattr(layout, name) for name in _TABLES], out=saved["tables"])
+        if saved is not None:
             # a custom op's outputs must be deterministic: zero what no kernel writes, the padding and the
             # prep rows of chunk slots past the last real chunk (only slots from T_all // tokens per chunk on
             # can be spare: every sequence's chunks cover its tokens)
@@ -363,7 +369,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             first_spare = total_tokens // kcfg.tokens_per_chunk(inputs.num_householder)
             if self.save_prep:
                 unwritten += [saved[name][first_spare:] for name in _PREP]
-            if self.save_chunk_states:
+            if "chunk_states" in saved:
                 unwritten.append(saved["chunk_states"][first_spare:])
             torch._foreach_zero_(unwritten)  # one op (and one launch) for all of them
         shard = self._new_shard(inputs, layout, saved, trailing, sizes.row_block, summaries=True)
@@ -391,6 +397,33 @@ class CuTeDSLGatedDeltaProductCPBackend:
         if not self.save_prep:
             self._prep(shard)
         return shard
+
+    def _layout_kernel(self, inputs: GDPInputs, cu: torch.Tensor, sizes: _LayoutSizes, saved: dict | None, *,
+                       cp_summary: bool, kernel_backward: bool) -> tuple[kl.ForwardLayout, torch.Tensor | int | None]:
+        """``kl.forward_layout``'s tables from one ``ForwardLayoutLaunch`` (straight into the saved buffer's
+        table region when the kernel backward keeps one) -> (layout, the trailing sequence: int32 [] on the
+        device, the host int 0 of a single sequence, or None without a CP summary)."""
+        layout_sizes = kl.LayoutSizes(kcfg.tokens_per_chunk(inputs.num_householder), sizes.segment_chunks,
+                                      sizes.max_chunks, sizes.max_segments, sizes.num_sequences)
+        table_sizes = layout_sizes.table_sizes()
+        out = saved["tables"] if saved is not None else torch.empty(sum(table_sizes.values()), dtype=torch.int32,
+                                                                      device=cu.device)
+        tables = dict(zip(_TABLES, out.split([table_sizes[name] for name in _TABLES])))
+        trailing = torch.empty(1, dtype=torch.int32, device=cu.device)
+        single = sizes.num_sequences == 1
+        kl.ForwardLayoutLaunch.of(
+            cu, tables, trailing, num_householder=inputs.num_householder, sizes=layout_sizes,
+            summary_sequence=kcfg.TRAILING_SEQUENCE if cp_summary and not single else 0 if cp_summary else None,
+            grad_summary_sequence=0 if kernel_backward else None).run()
+        if not kernel_backward:
+            tables["seg_grad_flags"] = None  # forward_layout(grad_flags=False): no backward reads them
+        layout = kl.ForwardLayout(
+            num_householder=inputs.num_householder, tokens_per_chunk=layout_sizes.tokens_per_chunk,
+            segment_chunks=sizes.segment_chunks, max_chunks=sizes.max_chunks, max_segments=sizes.max_segments,
+            num_sequences=sizes.num_sequences, **tables)
+        if not cp_summary:
+            return layout, None
+        return layout, 0 if single else trailing.view(())
 
     def _new_shard(self, inputs: GDPInputs, layout, saved: dict | None, trailing, row_block: int, *,
                    summaries: bool) -> _Shard:
@@ -443,11 +476,10 @@ class CuTeDSLGatedDeltaProductCPBackend:
             regions += [("ta", inputs.q.dtype, (chunks, heads, 64, 64)), ("tb", inputs.q.dtype, (chunks, heads, 64, 64)),
                         ("p", inputs.q.dtype, (chunks, heads, tile, 64)),
                         ("scalars", torch.float32, (chunks, heads, 4, 64))]
-        if self.save_chunk_states:
+        if kl.keeps_chunk_states(self.save_chunk_states, key_dim):
             regions.append(("chunk_states", inputs.q.dtype, (chunks, heads, value_dim, key_dim)))
-        table_sizes = dict(chunk_first_step=chunks, chunk_steps=chunks, num_chunks=1, seq_first_segment=sequences + 1,
-                           seq_segments=sequences, seg_first_chunk=segments, seg_chunks=segments, seg_flags=segments,
-                           num_segments=1, seg_grad_flags=segments)
+        table_sizes = kl.LayoutSizes(kcfg.tokens_per_chunk(inputs.num_householder), sizes.segment_chunks, chunks,
+                                     segments, sequences).table_sizes()
         return tuple(regions) + tuple((name, torch.int32, (table_sizes[name],)) for name in _TABLES)
 
     def _sizes(self, inputs: GDPInputs) -> _LayoutSizes:
@@ -461,11 +493,10 @@ class CuTeDSLGatedDeltaProductCPBackend:
         scan_rows = kcfg.ChunkScanConfig("bfloat16", key_dim, value_dim, "output", 32, row_block).rows_per_cta
         row_blocks = value_dim // scan_rows
         num_seqs = batch if inputs.cu_seqlens is None else int(inputs.cu_seqlens.shape[0]) - 1
-        max_chunks = max(1, batch * tokens // kcfg.tokens_per_chunk(n_h) + num_seqs)
-        segment_chunks = self.segment_chunks or kl.segment_chunks_for(
-            max_chunks, heads, row_blocks, _sm_count(inputs.q.device), ctas_per_sm=self.ctas_per_sm)
-        return _LayoutSizes(row_block, row_blocks, segment_chunks, max(1, max_chunks // segment_chunks + num_seqs),
-                            max_chunks, num_seqs)
+        sizes = kl.layout_sizes(total_tokens=batch * tokens, num_householder=n_h, num_sequences=num_seqs, heads=heads,
+                                row_blocks=row_blocks, sm_count=_sm_count(inputs.q.device),
+                                segment_chunks=self.segment_chunks, ctas_per_sm=self.ctas_per_sm)
+        return _LayoutSizes(row_block, row_blocks, sizes.segment_chunks, sizes.max_segments, sizes.max_chunks, num_seqs)
 
     def saved_buffer_shape(self, inputs: GDPInputs) -> tuple[int] | None:
         """Shape of the extra tensor the forward saves for the kernel backward: one float32 buffer
@@ -500,8 +531,13 @@ class CuTeDSLGatedDeltaProductCPBackend:
             k=shard.k, v=shard.v, q=shard.q, ta=shard.ta, tb=shard.tb, p=shard.p, scalars=shard.scalars,
             chunk_first_step=layout.chunk_first_step, chunk_steps=layout.chunk_steps,
             seg_first_chunk=layout.seg_first_chunk, seg_chunks=layout.seg_chunks, seg_flags=layout.seg_flags,
-            num_segments=layout.num_segments, state_in=state_in, state_out=state_out, o=o, chunk_states=chunk_states,
+            num_segments=layout.num_segments, seq_first_segment=layout.seq_first_segment, state_in=state_in,
+            state_out=state_out, o=o, chunk_states=chunk_states,
             num_householder=shard.inputs.num_householder).run()
+
+    @staticmethod
+    def _fold_config(shard: _Shard, rows: int) -> kcfg.SegmentFoldConfig:
+        return kl.fold_config(shard.key_dim, shard.layout.num_sequences, shard.heads, rows, _sm_count(shard.q.device))
 
     def _prefix_fold(self, shard: _Shard, final: torch.Tensor) -> torch.Tensor:
         """segment_fold of every sequence from [0 ; I] with V + K rows -> each segment's prefix map
@@ -513,7 +549,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
                                       dtype=torch.float32, device=shard.q.device)
         # placeholders (not views, which would cost an op each): init is not read (init_count = 0)
         kl.SegmentFoldLaunch(
-            kcfg.SegmentFoldConfig(key_dim), summaries=shard.summaries,
+            self._fold_config(shard, value_dim + key_dim), summaries=shard.summaries,
             seq_first_segment=shard.layout.seq_first_segment, init=incoming_affine, incoming=incoming_affine,
             final=final, init_count=0, value_rows=value_dim, identity_row=value_dim, first_sequence=0,
             write_final=kl.FINAL_EVERY if shard.rows else kl.FINAL_TRAILING, descending=0).run()
@@ -531,7 +567,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         # (init_count = 0, identity_row = V: no identity rows) and init / final are placeholders, never read
         init = incoming if initial is None else initial.transpose(-1, -2).contiguous()
         kl.SegmentFoldLaunch(
-            kcfg.SegmentFoldConfig(key_dim), summaries=shard.summaries,
+            self._fold_config(shard, value_dim), summaries=shard.summaries,
             seq_first_segment=shard.layout.seq_first_segment, init=init, incoming=incoming, final=incoming,
             init_count=0 if initial is None else initial.shape[0], value_rows=value_dim, identity_row=value_dim,
             first_sequence=0, write_final=kl.FINAL_NONE, descending=0).run()
@@ -557,16 +593,25 @@ class CuTeDSLGatedDeltaProductCPBackend:
             identity_row=value_dim, first_sequence=0, write_final=kl.FINAL_NONE, descending=0).run()
         return incoming
 
-    def _output(self, shard: _Shard, incoming: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """chunk_scan output -> (o [B, T, H, V], end state of every segment [S_max, H, V, K] float32); mode
-        "output_states" when the saved buffer keeps the chunk states (``save_chunk_states``)."""
+    def _output(self, shard: _Shard, incoming: torch.Tensor, initial: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """chunk_scan output -> (o [B, T, H, V], final state of every sequence [N, H, K, V] float32); mode
+        "output_states" when the saved buffer keeps the chunk states (``save_chunk_states``). The kernel
+        writes the final states from the sequences' last segments; an empty sequence (packed shards only)
+        keeps its ``initial`` state (zero without one), filled in beforehand."""
         o = torch.empty(shard.q.shape[0], shard.heads, shard.value_dim, dtype=shard.q.dtype, device=shard.q.device)
-        state_out = torch.empty_like(incoming)
+        state_shape, device = shard.inputs.state_shape, shard.q.device
+        if shard.rows:  # every row has tokens: every final state is written
+            final_state = torch.empty(state_shape, dtype=torch.float32, device=device)
+        elif initial is None:
+            final_state = torch.zeros(state_shape, dtype=torch.float32, device=device)
+        else:
+            final_state = initial.clone()  # never write into the caller's tensor (_cast may return it)
         chunk_states = None if shard.saved is None else shard.saved.get("chunk_states")
         self._scan(shard, "output" if chunk_states is None else "output_states", state_in=incoming,
-                   state_out=state_out, o=o, chunk_states=chunk_states)
+                   state_out=final_state, o=o, chunk_states=chunk_states)
         batch, tokens = shard.inputs.q.shape[:2]
-        return o.view(batch, tokens, shard.heads, shard.value_dim), state_out
+        return o.view(batch, tokens, shard.heads, shard.value_dim), final_state
 
     # ------------------------------------------------------------------ forward protocol
 
@@ -629,9 +674,9 @@ class CuTeDSLGatedDeltaProductCPBackend:
             init, init_count = None, 0
         # saved for the kernel backward and then an output of the custom ops: deterministic (unused rows zero)
         incoming = self._apply_affine(shard, local_context.incoming_affine, init, init_count)
-        output, state_out = self._output(shard, incoming)
+        output, final_state = self._output(shard, incoming, initial)
         if inputs.output_final_state:
-            output = (output, _final_states(shard, state_out, initial))
+            output = (output, final_state)
         transition = summary[..., value_dim:]
         saved = make_cp_saved_context(inputs, leading_state if shard.rows else leading_state[0],
                                       transition if shard.rows else transition[0])
@@ -743,8 +788,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         instead of through the composed map)."""
         initial = _initial_states(inputs)
         shard = self._shard(inputs, cp_summary=False)
-        output, state_out = self._output(shard, self._incoming_fold(shard, initial))
-        return output, _final_states(shard, state_out, initial)
+        return self._output(shard, self._incoming_fold(shard, initial), initial)
 
     def one_device_backward(self, output_grad, final_state_grad, saved_context: CPSavedContext):
         """-> (GDPInputGradients, dL/d initial state [N, H, K, V] float32 or None) for a
@@ -761,7 +805,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         grad_out = torch.empty(layout.max_segments, heads, value_dim, key_dim, dtype=torch.float32,
                                device=shard.q.device)
         kl.SegmentFoldLaunch(
-            kcfg.SegmentFoldConfig(key_dim), summaries=grad_summaries, seq_first_segment=layout.seq_first_segment,
+            self._fold_config(shard, value_dim), summaries=grad_summaries, seq_first_segment=layout.seq_first_segment,
             init=end_grads, incoming=grad_out, final=grad_out if final is None else final,  # None: FINAL_NONE
             init_count=end_grads.shape[0], value_rows=value_dim, identity_row=value_dim, first_sequence=0,
             write_final=kl.FINAL_NONE if final is None else kl.FINAL_EVERY, descending=1).run()
@@ -791,7 +835,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
         if chunk_states is None:
             chunk_states = torch.empty(chunks, heads, value_dim, key_dim, dtype=shard.q.dtype, device=device)
             # state_out and o are not written
-            self._scan(shard, "states", state_in=incoming, state_out=incoming,
+            self._scan(shard, "states", state_in=incoming,
+                       state_out=_placeholder(device, torch.float32, (1, 1, key_dim, value_dim)),
                        o=_placeholder(device, shard.q.dtype, (1, 1, value_dim)),
                        chunk_states=chunk_states)
         chunk_grads = torch.empty_like(chunk_states)
@@ -968,26 +1013,6 @@ def _initial_states(inputs: GDPInputs) -> torch.Tensor | None:
     if inputs.initial_state is None:
         return None
     return _cast(inputs.initial_state.detach(), torch.float32, inputs.q.device)
-
-
-def _final_states(shard: _Shard, state_out: torch.Tensor, initial: torch.Tensor | None) -> torch.Tensor:
-    """The end state of each sequence's last segment [N, H, K, V]; an empty sequence keeps its
-    ``initial`` state (zero without one)."""
-    layout = shard.layout
-    if shard.rows:
-        # every row has T >= 1 tokens, hence the same nonzero segment count (forward_layout's rounding,
-        # from host ints): the last segments are a strided slice, and no row is empty
-        chunks_per_row = -(-shard.inputs.q.shape[1] // layout.tokens_per_chunk)
-        segments_per_row = -(-chunks_per_row // layout.segment_chunks)
-        last_segments = state_out[segments_per_row - 1:layout.num_sequences * segments_per_row:segments_per_row]
-        return last_segments.transpose(-1, -2).contiguous()
-    start = initial if initial is not None else state_out.new_zeros(shard.inputs.state_shape)
-    # int32 indices as they are: index_select takes them (a cast to int64 would be one more launch; plain
-    # indexing would cast them internally); an empty sequence's row is replaced below
-    last_segment = (layout.seq_first_segment[1:] - 1).clamp(min=0)
-    final_state = state_out.index_select(0, last_segment).transpose(-1, -2)
-    empty = (layout.seq_segments == 0).view(-1, 1, 1, 1)
-    return torch.where(empty, start, final_state).contiguous()
 
 
 def _packed_backward_stack(following) -> torch.Tensor | None:

@@ -49,6 +49,11 @@ class _GatedDeltaProduct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, backend, options, q, k, v, g, beta, initial_state):
         inputs = GDPInputs(q, k, v, g, beta, **options, initial_state=initial_state, output_final_state=True)
+        if not inputs.save_for_backward and hasattr(backend, "one_device_forward"):
+            # no backward follows: the backend's one-device plan (the kernels' leaner inference plan)
+            with float32_region(q.device):
+                output, final_state, _ = backend.one_device_forward(inputs, initial_state)
+            return output, final_state
         with float32_region(q.device):
             summary, local = backend.cp_forward_prepare(inputs)
             (output, final_state), saved = backend.cp_forward_apply(local, _empty_stack(summary))
