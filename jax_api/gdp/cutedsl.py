@@ -593,6 +593,7 @@ def _final_states(shard: _Shard, final_state: jax.Array, start: jax.Array) -> ja
     empty = (shard.layout.seq_segments == 0)[:, None, None, None]
     return jnp.where(empty, start, final_state)
 
+
 def _packed_stack(preceding) -> jax.Array | None:
     """Stacked forward summaries [n, ..., K, V + K] float32 from any summary form (None when absent)."""
     if preceding is None:

@@ -51,7 +51,7 @@ import importlib.util
 import math
 import warnings
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -204,15 +204,13 @@ class _Shard(kl.KernelShard):
 
 
 @dataclass(frozen=True)
-class _LayoutSizes:
-    """Host sizes of a shard's work layout (``CuTeDSLGatedDeltaProductCPBackend._sizes``)."""
+class _LayoutSizes(kl.LayoutSizes):
+    """Host sizes of a shard's work layout (``CuTeDSLGatedDeltaProductCPBackend._sizes``): the layout's
+    bounds (max_chunks C_max: rows of the chunk tables and of the prep results; max_segments S_max: rows of
+    the segment tables and of the saved segment states) and the scan's row blocks."""
 
-    row_block: int  # state rows per scan CTA (0: the config's default)
-    row_blocks: int  # scan CTAs per head along V
-    segment_chunks: int
-    max_segments: int  # S_max: rows of the segment tables and of the saved segment states
-    max_chunks: int  # C_max: rows of the chunk tables and of the prep results
-    num_sequences: int
+    row_block: int = 0  # state rows per scan CTA (0: the config's default)
+    row_blocks: int = 1  # scan CTAs per head along V
 
 
 CuTeDSLForwardContext = kl.KernelForwardContext
@@ -366,7 +364,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             # prep rows of chunk slots past the last real chunk (only slots from T_all // tokens per chunk on
             # can be spare: every sequence's chunks cover its tokens)
             unwritten = [saved["padding"], saved["transitions"]]  # transitions: only summarised segments below
-            first_spare = total_tokens // kcfg.tokens_per_chunk(inputs.num_householder)
+            first_spare = total_tokens // sizes.tokens_per_chunk
             if self.save_prep:
                 unwritten += [saved[name][first_spare:] for name in _PREP]
             if "chunk_states" in saved:
@@ -390,7 +388,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         (``save_prep``) or chunk_prep rerun. No layout build, no host work beyond shapes."""
         n_h = inputs.num_householder
         layout = kl.ForwardLayout(
-            num_householder=n_h, tokens_per_chunk=kcfg.tokens_per_chunk(n_h), segment_chunks=sizes.segment_chunks,
+            num_householder=n_h, tokens_per_chunk=sizes.tokens_per_chunk, segment_chunks=sizes.segment_chunks,
             max_chunks=sizes.max_chunks, max_segments=sizes.max_segments, num_sequences=sizes.num_sequences,
             **{name: saved[name] for name in _TABLES})
         shard = self._new_shard(inputs, layout, saved, None, sizes.row_block, summaries=False)
@@ -403,22 +401,20 @@ class CuTeDSLGatedDeltaProductCPBackend:
         """``kl.forward_layout``'s tables from one ``ForwardLayoutLaunch`` (straight into the saved buffer's
         table region when the kernel backward keeps one) -> (layout, the trailing sequence: int32 [] on the
         device, the host int 0 of a single sequence, or None without a CP summary)."""
-        layout_sizes = kl.LayoutSizes(kcfg.tokens_per_chunk(inputs.num_householder), sizes.segment_chunks,
-                                      sizes.max_chunks, sizes.max_segments, sizes.num_sequences)
-        table_sizes = layout_sizes.table_sizes()
+        table_sizes = sizes.table_sizes()
         out = saved["tables"] if saved is not None else torch.empty(sum(table_sizes.values()), dtype=torch.int32,
                                                                       device=cu.device)
         tables = dict(zip(_TABLES, out.split([table_sizes[name] for name in _TABLES])))
         trailing = torch.empty(1, dtype=torch.int32, device=cu.device)
         single = sizes.num_sequences == 1
         kl.ForwardLayoutLaunch.of(
-            cu, tables, trailing, num_householder=inputs.num_householder, sizes=layout_sizes,
+            cu, tables, trailing, num_householder=inputs.num_householder, sizes=sizes,
             summary_sequence=kcfg.TRAILING_SEQUENCE if cp_summary and not single else 0 if cp_summary else None,
             grad_summary_sequence=0 if kernel_backward else None).run()
         if not kernel_backward:
             tables["seg_grad_flags"] = None  # forward_layout(grad_flags=False): no backward reads them
         layout = kl.ForwardLayout(
-            num_householder=inputs.num_householder, tokens_per_chunk=layout_sizes.tokens_per_chunk,
+            num_householder=inputs.num_householder, tokens_per_chunk=sizes.tokens_per_chunk,
             segment_chunks=sizes.segment_chunks, max_chunks=sizes.max_chunks, max_segments=sizes.max_segments,
             num_sequences=sizes.num_sequences, **tables)
         if not cp_summary:
@@ -468,7 +464,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         (``save_chunk_states``), then the layout tables."""
         sizes = sizes or self._sizes(inputs)
         heads, key_dim, value_dim = int(inputs.q.shape[2]), int(inputs.q.shape[3]), int(inputs.v.shape[-1])
-        chunks, segments, sequences = sizes.max_chunks, sizes.max_segments, sizes.num_sequences
+        chunks, segments = sizes.max_chunks, sizes.max_segments
         regions = [("states", torch.float32, (segments, heads, value_dim, key_dim)),
                    ("transitions", torch.float32, (segments, heads, key_dim, key_dim))]
         if self.save_prep:
@@ -478,8 +474,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
                         ("scalars", torch.float32, (chunks, heads, 4, 64))]
         if kl.keeps_chunk_states(self.save_chunk_states, key_dim):
             regions.append(("chunk_states", inputs.q.dtype, (chunks, heads, value_dim, key_dim)))
-        table_sizes = kl.LayoutSizes(kcfg.tokens_per_chunk(inputs.num_householder), sizes.segment_chunks, chunks,
-                                     segments, sequences).table_sizes()
+        table_sizes = sizes.table_sizes()
         return tuple(regions) + tuple((name, torch.int32, (table_sizes[name],)) for name in _TABLES)
 
     def _sizes(self, inputs: GDPInputs) -> _LayoutSizes:
@@ -496,7 +491,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         sizes = kl.layout_sizes(total_tokens=batch * tokens, num_householder=n_h, num_sequences=num_seqs, heads=heads,
                                 row_blocks=row_blocks, sm_count=_sm_count(inputs.q.device),
                                 segment_chunks=self.segment_chunks, ctas_per_sm=self.ctas_per_sm)
-        return _LayoutSizes(row_block, row_blocks, sizes.segment_chunks, sizes.max_segments, sizes.max_chunks, num_seqs)
+        return _LayoutSizes(**asdict(sizes), row_block=row_block, row_blocks=row_blocks)
 
     def saved_buffer_shape(self, inputs: GDPInputs) -> tuple[int] | None:
         """Shape of the extra tensor the forward saves for the kernel backward: one float32 buffer
