@@ -206,7 +206,7 @@ class ChunkScanKernel:
                 scalar_next[j] = scalars[first_chunk, head, index // C, index % C]
             if cutlass.const_expr(self.output_states):  # chunk 0's start state, staged in stage 1 (loaded later)
                 if chunk_count > 0:
-                    self.store_chunk_state(s2g, tidx, state_mma, state, s_out, s_k_all, 1,
+                    self.store_chunk_state(s2g, tidx, state_mma, state, state_coords, s_out, s_k_all, 1,
                                            chunk_states, first_chunk, head, row_block)
             for it in range(chunk_count):
                 stage = it % STAGES
@@ -242,7 +242,7 @@ class ChunkScanKernel:
                 if cutlass.const_expr(self.output_states):
                     if it + 1 < chunk_count:
                         cute.arch.sync_threads()  # every warp is done with this stage's tiles
-                        self.store_chunk_state(s2g, tidx, state_mma, state, s_out, s_k_all, stage,
+                        self.store_chunk_state(s2g, tidx, state_mma, state, state_coords, s_out, s_k_all, stage,
                                                chunk_states, chunk + 1, head, row_block)
                         # the next loads into this stage are issued after the next iteration's sync
 
@@ -279,16 +279,22 @@ class ChunkScanKernel:
         return cute.make_tensor(rows.iterator, cute.make_layout((R, K), stride=(K, 1)))
 
     @cute.jit
-    def store_chunk_state(self, s2g, tidx, state_mma, state, s_out, s_k_all, stage, chunk_states, chunk, head,
-                          row_block):
-        """Mode "output_states": stage the state (rounded to the input dtype; ``stmatrix`` over the C layout
-        of ``state_mma``) in ``s_out``, or, without one (R = 64 rows: R x K is the size of a k tile), in the
-        k tile of ``stage`` (unused until the next sync), then store it as chunk ``chunk``'s start state."""
+    def store_chunk_state(self, s2g, tidx, state_mma, state, state_coords, s_out, s_k_all, stage, chunk_states,
+                          chunk, head, row_block):
+        """Mode "output_states": stage the state (rounded to the input dtype) in ``s_out``, or, without one
+        (R = 64 rows: R x K is the size of a k tile), in the k tile of ``stage`` (unused until the next
+        sync), then store it as chunk ``chunk``'s start state. At K = 128 the staging runs ``stmatrix``
+        over the C layout of ``state_mma``; at K = 64 one store per element: there the ``stmatrix``
+        staging in this loop gave wrong outputs and states on an H200, and faults, with NQ = 32
+        (n_h >= 2; 2026-12-04, benchmarks/NOTES.md; cause not found), the per-element stores did not."""
         staging = s_out
         if cutlass.const_expr(s_out is None):
             base = cute.recast_ptr(s_k_all[None, None, stage].iterator, dtype=self.dtype)  # plain, 1024-aligned
             staging = cute.make_tensor(base, _mma.smem_tile_layout(self.rows, self.key_dim))
-        _mma.stage_accumulator_stmatrix(state_mma, tidx, state, staging)
+        if cutlass.const_expr(self.key_dim == 128):
+            _mma.stage_accumulator_stmatrix(state_mma, tidx, state, staging)
+        else:
+            _mma.stage_accumulator(state, state_coords, staging)
         cute.arch.sync_threads()
         _mma.copy_tile_s2g(s2g, tidx, staging, self.chunk_state_rows(chunk_states, chunk, head, row_block))
 

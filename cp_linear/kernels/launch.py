@@ -369,15 +369,6 @@ def scan_row_block(key_dim: int, value_dim: int, num_householder: int) -> int:
     return 0
 
 
-def keeps_chunk_states(requested: bool, key_dim: int) -> bool:
-    """Whether a saving forward's output pass keeps every chunk's start state for the kernel backward
-    (chunk_scan mode "output_states"): ``requested`` (the backends' ``save_chunk_states``) at K = 128 only.
-    At K = 64 with n_h >= 2 that mode gave wrong outputs, chunk states and end states on an H200
-    (2026-12-04, not deterministic from run to run; benchmarks/NOTES.md), so there the forward runs mode
-    "output" and the backward recomputes the chunk states (mode "states"), as with ``save_chunk_states=False``."""
-    return requested and key_dim == 128
-
-
 def scan_mma(requested: str, dtype: str, key_dim: int, value_dim: int) -> str:
     """The scan's MMA kind (``ChunkScanConfig.mma``): ``requested`` unless it is "auto", which picks
     the warpgroup-MMA scan where it is compiled (bf16, K = V = 128), as measured on an H200 at

@@ -319,8 +319,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         """chunk_scan output -> (o [B, T, H, V], final state of every sequence [N, H, K, V] float32 (an empty
         sequence's row unwritten: ``_final_states`` fills it), the chunk states [C_max, H, V, K] in the input
         dtype when the kernel backward keeps them, else None)."""
-        keep = (self.backward == "kernels" and kl.keeps_chunk_states(self.save_chunk_states, shard.key_dim)
-                and shard.inputs.save_for_backward)
+        keep = self.backward == "kernels" and self.save_chunk_states and shard.inputs.save_for_backward
         out = self._scan(shard, "output_states" if keep else "output", state_in=incoming,
                          o_shape=(shard.q.shape[0], shard.heads, shard.value_dim))
         batch, tokens = shard.inputs.q.shape[:2]

@@ -29,7 +29,6 @@ import jax_api.gdp.cutedsl as jcd  # noqa: E402
 if jax.default_backend() != "cpu":  # these run the CPU path on purpose (tests/jax_api/test_cutedsl_gpu.py: the GPU)
     pytest.skip("CPU-only tests of the kernel bridge", allow_module_level=True)
 from cp_linear.kernels import configs as kcfg  # noqa: E402
-from cp_linear.kernels import launch as kl  # noqa: E402
 from jax_api.gdp import kernel_calls  # noqa: E402
 from jax_api.gdp.cp import gdp_chunkwise_context_parallel  # noqa: E402
 from jax_api.gdp.ops import gated_delta_product  # noqa: E402
@@ -49,11 +48,11 @@ FOLD = kcfg.SegmentFoldConfig(DIM, "fold", 16)
 INFERENCE = _names(kcfg.ChunkPrepConfig("bfloat16", DIM, 32), kcfg.ChunkScanConfig("bfloat16", DIM, DIM, "summary"),
                    FOLD, kcfg.ChunkScanConfig("bfloat16", DIM, DIM, "output", 32))
 FORWARD = INFERENCE | _names(kcfg.SegmentFoldConfig(DIM, "apply_affine"))
-# at K = 64 the kernel backward's forward keeps no chunk states (launch.keeps_chunk_states: mode
-# "output_states" gave wrong results there on an H200), so its backward reruns the scan in mode "states"
-assert not kl.keeps_chunk_states(True, DIM)
-STATES_SCAN = _names(kcfg.ChunkScanConfig("bfloat16", DIM, DIM, "states"))
-BACKWARD = STATES_SCAN | _names(kcfg.ChunkGammaConfig("bfloat16", DIM, DIM, 32, "wgmma"),
+# the kernel backward's forward keeps the chunk states (mode "output_states"), so its backward runs no
+# states scan (mode "states": only with save_chunk_states=False)
+FORWARD_KEEPING_STATES = FORWARD - _names(kcfg.ChunkScanConfig("bfloat16", DIM, DIM, "output", 32)) | _names(
+    kcfg.ChunkScanConfig("bfloat16", DIM, DIM, "output_states", 32))
+BACKWARD = _names(kcfg.ChunkGammaConfig("bfloat16", DIM, DIM, 32, "wgmma"),
                   kcfg.ChunkReverseScanConfig("bfloat16", DIM, DIM, 32, 0, "wgmma"),
                   kcfg.ChunkReverseConfig("bfloat16", DIM, DIM, 32),
                   kcfg.ChunkPrepBackwardConfig("bfloat16", DIM, 32))
@@ -104,10 +103,10 @@ def test_the_kernel_backward_lowers_to_kernel_calls_only_and_a_new_packing_to_th
     texts = [grad.trace(*_arrays(lengths)).lower(lowering_platforms=("cuda",)).as_text()
              for lengths in ([100, 56, 100], [3, 250, 3])]
     calls = _custom_calls(texts[0])
-    # forward 5; backward: prep again, the states scan, gamma, the descending fold, the reverse scan,
-    # reverse, prep backward (the fold of the leading gamma builds the CP summary, unused on one device:
-    # dropped)
-    assert len(calls) == 12 and set(calls) == FORWARD | BACKWARD, calls
+    # forward 5 (the output scan keeping the chunk states); backward: prep again, gamma, the descending
+    # fold, the reverse scan, reverse, prep backward (the fold of the leading gamma builds the CP
+    # summary, unused on one device: dropped)
+    assert len(calls) == 11 and set(calls) == FORWARD_KEEPING_STATES | BACKWARD, calls
     assert "callback" not in texts[0]
     assert texts[0] == texts[1]
 
@@ -130,7 +129,7 @@ def test_cp_under_shard_map_lowers_to_kernel_calls_and_collectives(hopper):
         seq_idx = jnp.asarray(seq_idx_from_lengths(lengths), jnp.int32)
         texts.append(grad.trace(*arrays, seq_idx).lower(lowering_platforms=("cuda",)).as_text())
     assert set(_custom_calls(texts[0])) - {"Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape"} \
-        == FORWARD | BACKWARD
+        == FORWARD_KEEPING_STATES | BACKWARD
     assert texts[0].count("all_gather") >= 2 and "callback" not in texts[0]
     assert texts[0] == texts[1]
 

@@ -128,7 +128,7 @@ def test_cutedsl_forward_without_gradients_keeps_nothing_for_the_backward(emulat
     without the chunk states (mode "output"); with gradients it keeps them (mode "output_states").
     The outputs are bitwise the same, and opcheck passes with the flag off (the fake agrees: [0])."""
     backend = cutedsl.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=2)
-    n_h, dim, lengths = 2, 128, [70, 37]  # K = 128: a training forward keeps the chunk states (keeps_chunk_states)
+    n_h, dim, lengths = 2, 128, [70, 37]
     q, k, v, g, beta = emulation_inputs(lengths, heads=2, key_dim=dim, value_dim=dim, n_h=n_h, seed=5)
     cu = torch.tensor(np.cumsum([0] + lengths), dtype=torch.int32)
     options = dict(scale=dim ** -0.5, num_householder=n_h, use_qk_l2norm_in_kernel=True)

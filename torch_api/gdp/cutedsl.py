@@ -472,7 +472,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             regions += [("ta", inputs.q.dtype, (chunks, heads, 64, 64)), ("tb", inputs.q.dtype, (chunks, heads, 64, 64)),
                         ("p", inputs.q.dtype, (chunks, heads, tile, 64)),
                         ("scalars", torch.float32, (chunks, heads, 4, 64))]
-        if kl.keeps_chunk_states(self.save_chunk_states, key_dim):
+        if self.save_chunk_states:
             regions.append(("chunk_states", inputs.q.dtype, (chunks, heads, value_dim, key_dim)))
         table_sizes = sizes.table_sizes()
         return tuple(regions) + tuple((name, torch.int32, (table_sizes[name],)) for name in _TABLES)
