@@ -7,7 +7,9 @@ On the CPU: its emulation against ``cp_linear.validation.gdp_bad_tokens`` and ``
 (16-byte loads and stores, three shuffles, no atomics, no spills); and
 ``torch_api.gdp.isolation.contained_inputs`` with the launch carried out by the emulation (the torch path's
 flags, copies and pass-through gradients; the torch path where the kernel cannot read the inputs; the opaque
-op under ``torch.compile``). On a GPU (marked ``gpu``): the kernel against the torch path, bit for bit.
+op under ``torch.compile``). On a GPU (marked ``gpu``): the kernel against the torch path, bit for bit;
+``contained_inputs`` eager and compiled (one launch, gradients passed through); and the contained GDP op
+end to end with the kernel and with the torch ops.
 """
 
 from __future__ import annotations
@@ -362,3 +364,47 @@ def test_contained_inputs_on_gpu_run_one_kernel_and_pass_gradients(monkeypatch, 
     assert_same(got, reference(*tensors, 2))
     for grad, weight in zip(grads, weights):
         assert torch.equal(grad, weight)
+
+
+@pytest.mark.gpu
+def test_contained_gdp_on_gpu_through_the_kernel_equals_the_torch_containment(monkeypatch):
+    """check_inputs=False end to end (CuTeDSL backend, bf16, K = V = 128, n_h = 2, three sequences): with the
+    token-checks kernel (one launch) and with the torch ops, the same poisoned outputs and final states, and
+    the same finite gradients, as the kernels see bit-identical sanitised inputs."""
+    _kernel_gpu()
+    import numpy as np
+
+    from tests.cutedsl_inputs import emulation_inputs
+    from torch_api import gated_delta_product
+
+    lengths, n_h, heads = [700, 300, 1048], 2, 4
+    dirty = [x.cuda() for x in emulation_inputs(lengths, heads, 128, 128, n_h, seed=5)]
+    dirty[1][0, 100 * n_h + 1, 1, 7] = float("nan")  # k, token 100 (sequence 0), head 1
+    dirty[0][0, 500, 0, 3] = float("inf")  # q, token 500: that output alone
+    dirty[3][0, 1500, 2] = -float("inf")  # g, token 1500 (sequence 2), head 2
+    dirty[4][0, 1800 * n_h + 1, 3] = float("nan")  # beta, token 1800, head 3
+    dirty[2][0, 900 * n_h, 0, 0] = float("nan")  # v, token 900 (sequence 1), head 0
+    cu = torch.tensor(np.cumsum([0] + lengths), dtype=torch.int32, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    do = torch.randn(1, sum(lengths), heads, 128, device="cuda", generator=gen).bfloat16()
+    launches = []
+    original = kl._Launch.run
+    monkeypatch.setattr(kl._Launch, "run", lambda launch: (launches.append(type(launch)), original(launch)))
+    results = {}
+    for path in ("kernel", "torch-ops"):
+        if path == "torch-ops":
+            monkeypatch.setattr(isolation, "_kernel_reads", lambda *tensors: False)
+        launches.clear()
+        leaves = [x.clone().requires_grad_() for x in dirty]
+        out, final = gated_delta_product(*leaves, num_householder=n_h, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
+                                         backend="cutedsl", check_inputs=False)
+        torch.where(out.isfinite(), out.float() * do.float(), 0).sum().backward()
+        results[path] = [out, final, *(x.grad for x in leaves)]
+        assert launches.count(kl.TokenChecksLaunch) == (path == "kernel"), launches
+    for name, got, want in zip(("o", "final", "dq", "dk", "dv", "dg", "dbeta"), results["kernel"],
+                               results["torch-ops"]):
+        assert torch.equal(got.isnan(), want.isnan()), name
+        torch.testing.assert_close(got, want, equal_nan=True, msg=name)
+    out = results["kernel"][0]
+    assert out.isnan().any() and not out[0, :100].isnan().any()
+    assert all(torch.isfinite(grad).all() for grad in results["kernel"][2:])
