@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from bench_gdp_fwd import time_ms
+from bench_gdp_fwd import make_inputs as gdp_inputs, time_ms
 from cp_linear.validation import gdp_bad_tokens
 from torch_api.gdp import isolation
 
@@ -28,17 +28,13 @@ SPECIALS = (float("nan"), float("inf"), -float("inf"))
 
 
 def make_inputs(tokens: int, heads: int, dim: int, nh: int, seed: int = 0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    rand = lambda *shape: torch.randn(*shape, device="cuda", generator=gen)  # noqa: E731
-    q = rand(1, tokens, heads, dim).bfloat16()
-    k = rand(1, tokens * nh, heads, dim).bfloat16()
-    v = rand(1, tokens * nh, heads, dim).bfloat16()
-    g = torch.nn.functional.logsigmoid(rand(1, tokens, heads) + 3.0)
-    beta = torch.sigmoid(rand(1, tokens * nh, heads))
-    for index, x in enumerate((q, k, v, g, beta)):
+    """``bench_gdp_fwd``'s inputs (one sequence of ``tokens``) with 8 NaN / ±Inf planted in each."""
+    *inputs, _ = gdp_inputs(1, tokens, heads, dim, nh, seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    for index, x in enumerate(inputs):
         places = torch.randint(x.numel(), (8,), device="cuda", generator=gen)
         x.view(-1)[places] = SPECIALS[index % 3]
-    return q, k, v, g, beta
+    return tuple(inputs)
 
 
 def same_as_torch(inputs, nh: int, config) -> bool:

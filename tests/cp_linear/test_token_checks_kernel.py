@@ -196,20 +196,6 @@ def test_kernel_compiles_for_sm90a_with_vector_loads_and_stores_and_no_spills(tm
 # --------------------------------------------------------------------------- the torch integration (emulated)
 
 
-@pytest.fixture
-def emulated_launches(monkeypatch):
-    """The kernel path on CPU tensors: the platform gate passes, launches are emulated and recorded."""
-    launches = []
-
-    def run(launch):
-        launches.append(launch)
-        run_emulated(launch)
-
-    monkeypatch.setattr(validation, "_kernel_platform_ready", lambda device: True)
-    monkeypatch.setattr(kl._Launch, "run", run)
-    return launches
-
-
 def _pass_through_gradients(contained, tensors, n_h):
     """``contained`` on leaves; backward of sum(w_i · clean_i) -> (result, leaf gradients, the w_i)."""
     leaves = [x.detach().requires_grad_() for x in tensors]  # the same storage: offsets and strides kept
