@@ -8,6 +8,7 @@ Kernels (one module each, a kernel class per module; ``docs/kernels.md`` has the
                  mode "output" writes outputs and end states
   segment_fold   float32 fold of segment summaries into each segment's incoming state
   value_checks   the inputs' value checks (NaN/Inf, g > 0, beta range) in one launch: int32 flags
+  token_checks   the containment's per-token flags and sanitised input copies in one pass
 
 ``configs`` holds one frozen config dataclass per kernel (the compile-cache key); ``launch``
 the typed launches (from which compile-time arguments are derived) and the device work layout;

@@ -27,6 +27,10 @@ SUMMARY_FLAG = 1  # seg_flags / seg_grad_flags bit 0: build this segment's (back
 FORWARD_TRANSITION_FLAG = 2
 VALUE_CHECKS_THREADS = 256  # threads per value-checks CTA
 VALUE_CHECKS_UNROLL = 4  # 16-byte vectors a thread loads per grid-stride step, all in flight before any is tested
+TOKEN_CHECKS_THREADS = 256  # threads per token-checks CTA
+TOKEN_CHECKS_LANES = 8  # lanes per (token, head): they own its q row and its steps' k and v rows and beta entries
+TOKEN_CHECKS_VECTOR = 8  # 16-bit values per 16-byte vector
+TOKEN_CHECKS_HOUSEHOLDERS = (1, 2, 3)  # n_h of the token-checks configs (kernel_support.AUTO_HOUSEHOLDERS)
 
 TENSOR_CORE_DTYPES = ("bfloat16", "float16")
 QUERY_TILES = (32, 64)
@@ -238,6 +242,39 @@ class ValueChecksConfig:
         _check_tensor_core_dtype(self.dtype)
 
 
+@dataclass(frozen=True)
+class TokenChecksConfig:
+    """The containment of non-finite GDP inputs in one pass (``token_checks``): per (token, head) whether a
+    state input (a k or v row or beta entry of one of its n_h steps, or its g) or its q row is non-finite,
+    and copies of q, k, v (``dtype``), g and beta (float32) with NaN / ±Inf replaced by 0. n_h is
+    static: every row a (token, head) owns is loaded before any is tested."""
+
+    dtype: str
+    key_dim: int
+    value_dim: int
+    num_householder: int
+
+    @property
+    def vector(self) -> int:
+        return TOKEN_CHECKS_VECTOR
+
+    @property
+    def key_vectors(self) -> int:
+        return self.key_dim // TOKEN_CHECKS_VECTOR
+
+    @property
+    def value_vectors(self) -> int:
+        return self.value_dim // TOKEN_CHECKS_VECTOR
+
+    def validate(self) -> None:
+        _check_tensor_core_dtype(self.dtype)
+        _check_head_dim("key_dim", self.key_dim)
+        _check_head_dim("value_dim", self.value_dim)
+        if self.num_householder not in TOKEN_CHECKS_HOUSEHOLDERS:
+            raise ValueError(f"num_householder must be one of {TOKEN_CHECKS_HOUSEHOLDERS}; received "
+                             f"{self.num_householder}")
+
+
 SHORT_CONV_WIDTHS = (2, 3, 4)  # conv_size values the short-conv kernels take (FLA's default is 4)
 SHORT_CONV_VECTOR = 8  # channels per thread: one 16-byte vector of 16-bit values (so C % 8 == 0)
 SHORT_CONV_THREADS = 128  # threads per short-conv CTA, along the channels
@@ -332,7 +369,7 @@ class ForwardLayoutConfig:
 
 
 KERNEL_CONFIGS = (ChunkPrepConfig, ChunkScanConfig, SegmentFoldConfig, ChunkGammaConfig, ChunkReverseScanConfig,
-                  ChunkReverseConfig, ChunkPrepBackwardConfig, ValueChecksConfig, ShortConvConfig,
+                  ChunkReverseConfig, ChunkPrepBackwardConfig, ValueChecksConfig, TokenChecksConfig, ShortConvConfig,
                   ShortConvBackwardConfig, ColumnSumConfig, GatedRMSNormConfig, GatedRMSNormBackwardConfig,
                   ForwardLayoutConfig)
 
@@ -387,10 +424,16 @@ def backward_configs() -> list:
 
 
 def all_configs() -> list:
-    """Every kernel config (forward and backward, and the value checks), for ahead-of-time compilation
-    (the CLI and CI)."""
+    """Every kernel config (forward and backward, the value checks and the containment checks), for
+    ahead-of-time compilation (the CLI and CI)."""
     return (tensor_core_configs() + backward_configs() + [ValueChecksConfig(dtype) for dtype in TENSOR_CORE_DTYPES]
-            + short_conv_configs() + [ForwardLayoutConfig()])
+            + token_checks_configs() + short_conv_configs() + [ForwardLayoutConfig()])
+
+
+def token_checks_configs() -> list:
+    """The containment checks per dtype, K, V and n_h."""
+    return [TokenChecksConfig(dtype, key_dim, value_dim, n_h) for dtype in TENSOR_CORE_DTYPES for key_dim in HEAD_DIMS
+            for value_dim in HEAD_DIMS for n_h in TOKEN_CHECKS_HOUSEHOLDERS]
 
 
 def short_conv_configs() -> list:
@@ -428,6 +471,6 @@ def ci_configs() -> list:
 def describe(config) -> str:
     """Short human-readable form, e.g. ``ChunkScanConfig(bfloat16, K=128, V=64, output, NQ=32, R=0)``."""
     labels = {"dtype": "", "key_dim": "K=", "value_dim": "V=", "threads": "threads=", "query_tile": "NQ=", "row_block": "R=", "mma": "",
-              "mode": ""}
+              "mode": "", "num_householder": "n_h="}
     parts = [f"{labels.get(f.name, f.name + '=')}{getattr(config, f.name)}" for f in fields(config)]
     return f"{type(config).__name__}({', '.join(parts)})"

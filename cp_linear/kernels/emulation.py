@@ -215,7 +215,8 @@ def run_emulated(launch) -> None:
                   kl.ChunkReverseScanLaunch: eb.emulate_chunk_reverse_scan,
                   kl.ChunkReverseLaunch: eb.emulate_chunk_reverse,
                   kl.ChunkPrepBackwardLaunch: eb.emulate_chunk_prep_backward,
-                  kl.ValueChecksLaunch: emulate_value_checks, kl.ShortConvLaunch: emulate_short_conv,
+                  kl.ValueChecksLaunch: emulate_value_checks, kl.TokenChecksLaunch: emulate_token_checks,
+                  kl.ShortConvLaunch: emulate_short_conv,
                   kl.ShortConvBackwardLaunch: emulate_short_conv_backward, kl.ColumnSumLaunch: emulate_column_sum,
                   kl.GatedRMSNormLaunch: emulate_gated_rms_norm,
                   kl.GatedRMSNormBackwardLaunch: emulate_gated_rms_norm_backward,
@@ -237,6 +238,26 @@ def emulate_value_checks(launch) -> None:
     g, beta = tensors[3], tensors[4]
     failed = torch.stack(nonfinite + [(g > 0).any(), ((beta < 0) | (beta > BETA_MAX)).any()])
     launch.flags |= failed.to(launch.flags.dtype)
+
+
+def emulate_token_checks(launch) -> None:
+    """``token_checks``: per (token, head) the state / read flags (bool as uint8 [B·T, H]) and the inputs
+    with every non-finite value replaced by +0 (the rest bit for bit), by rows as the kernel owns them."""
+    import torch
+
+    n_h = launch.config.num_householder
+    heads = launch.g.shape[1]
+
+    def rows_bad(x):  # [rows, D/8, 8] -> bool [rows]
+        return ~torch.isfinite(x.float()).flatten(1).all(1)
+
+    steps = (rows_bad(launch.k) | rows_bad(launch.v)).reshape(-1, heads) | ~torch.isfinite(launch.beta)
+    state = steps.reshape(-1, n_h, heads).any(1) | ~torch.isfinite(launch.g)
+    launch.state_bad.copy_(state.to(launch.state_bad.dtype))
+    launch.read_bad.copy_(rows_bad(launch.q).reshape(-1, heads).to(launch.read_bad.dtype))
+    for name in ("q", "k", "v", "g", "beta"):
+        x = getattr(launch, name)
+        getattr(launch, name + "_out").copy_(torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype)))
 
 
 def _short_conv_pre(launch):

@@ -41,7 +41,7 @@ FINAL_NONE, FINAL_EVERY, FINAL_TRAILING = 0, 1, 2
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """dtype: "input" (the config's dtype), "float32" or "int32"; shape entries: an int, a config
+    """dtype: "input" (the config's dtype), "float32", "int32" or "uint8"; shape entries: an int, a config
     attribute name (static), or None (symbolic); align: the base alignment in bytes the kernel
     relies on (16 for tensors it copies with 16-byte vectors; None: one element)."""
 
@@ -333,7 +333,7 @@ def fake_arguments(config) -> tuple:
 
     from cp_linear.kernels._common import cutlass_dtype
 
-    types = {"float32": cutlass.Float32, "int32": cutlass.Int32}
+    types = {"float32": cutlass.Float32, "int32": cutlass.Int32, "uint8": cutlass.Uint8}
     out = []
     for _, spec in LAUNCHES[type(config)].argument_specs():
         dtype = cutlass_dtype(config.dtype) if spec.dtype == "input" else types[spec.dtype]
@@ -772,6 +772,38 @@ class ValueChecksLaunch(_Launch):
 
 
 LAUNCHES[cfg.ValueChecksConfig] = ValueChecksLaunch
+
+
+# ---------------------------------------------------------------------------------------------- token checks
+
+
+@dataclass
+class TokenChecksLaunch(_Launch):
+    """The containment of non-finite GDP inputs in one pass (``token_checks``), on row views of the
+    contiguous [B, T, H, K] / [B, T·n_h, H, K] inputs: R = B·T·H (token, head) pairs, row r = b·T·H + t·H + h
+    of q; step j of that token is row (b·T·n_h + t·n_h + j)·H + h of k and v. Writes
+    ``state_bad`` / ``read_bad`` (bool as uint8 [B·T, H]; ``cp_linear.validation.gdp_bad_tokens``) and the
+    inputs with NaN / ±Inf replaced by 0 (``torch.nan_to_num(x, 0.0, 0.0, 0.0)``, bit for bit) into the
+    ``*_out`` tensors, shaped as their inputs."""
+
+    KERNEL: ClassVar[str] = "cp_linear.kernels.token_checks:TokenChecksKernel"
+    OUTPUTS: ClassVar[tuple[str, ...]] = ("state_bad", "read_bad", "q_out", "k_out", "v_out", "g_out", "beta_out")
+    config: cfg.TokenChecksConfig
+    q: Any = _spec(None, "key_vectors", "vector", align=16)  # [B·T·H, K/8, 8]: read and written by 16-byte vectors
+    k: Any = _spec(None, "key_vectors", "vector", align=16)  # [B·T·n_h·H, K/8, 8]
+    v: Any = _spec(None, "value_vectors", "vector", align=16)  # [B·T·n_h·H, V/8, 8]
+    g: Any = _spec(None, None, dtype="float32")  # [B·T, H]: gives H
+    beta: Any = _spec(None, None, dtype="float32")  # [B·T·n_h, H]
+    state_bad: Any = _spec(None, None, dtype="uint8")  # [B·T, H]
+    read_bad: Any = _spec(None, None, dtype="uint8")
+    q_out: Any = _spec(None, "key_vectors", "vector", align=16)
+    k_out: Any = _spec(None, "key_vectors", "vector", align=16)
+    v_out: Any = _spec(None, "value_vectors", "vector", align=16)
+    g_out: Any = _spec(None, None, dtype="float32")
+    beta_out: Any = _spec(None, None, dtype="float32")
+
+
+LAUNCHES[cfg.TokenChecksConfig] = TokenChecksLaunch
 
 
 # ---------------------------------------------------------------------------------------------- short conv

@@ -157,23 +157,6 @@ def test_kernel_compiles_for_sm90a_with_vector_loads_and_or_reductions(tmp_path)
 # --------------------------------------------------------------------------- the torch integration (emulated)
 
 
-@pytest.fixture
-def emulated_launches(monkeypatch):
-    """Runs the kernel path on CPU tensors: the platform gate passes, launches are emulated and counted."""
-    import torch_api.gdp.cutedsl as cutedsl
-
-    launches = []
-
-    def run(launch):
-        launches.append(launch)
-        run_emulated(launch)
-
-    monkeypatch.setattr(validation, "_kernel_platform_ready", lambda device: True)
-    monkeypatch.setattr(kl._Launch, "run", run)
-    monkeypatch.setattr(cutedsl, "_sm_count", lambda device: 132)
-    return launches
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name, value, expected", PLANTED)
 def test_gdp_value_flags_through_the_kernel_match_the_torch_path(emulated_launches, dtype, name, value, expected):

@@ -145,13 +145,21 @@ def test_kernel_backward_matches_float64_gradients(emulated, n_h, segment_chunks
         assert rel_err(got, expected.numpy()) < GRAD_LIMIT, name
 
 
-def test_contained_kernel_backward_is_zero_at_poisoned_inputs_and_clean_elsewhere(emulated):
+@pytest.mark.parametrize("containment", ["torch-ops", "token-checks-kernel"])
+def test_contained_kernel_backward_is_zero_at_poisoned_inputs_and_clean_elsewhere(emulated, monkeypatch, containment):
     """check_inputs=False through the kernels (bf16, qk l2norm): a NaN in k and an Inf in q and g. The
     gradients are finite, exactly zero at every input of a poisoned (token, head), bad entries included
     (sanitising passes the gradient through), and elsewhere those of the clean inputs with no gradient
-    through the poisoned outputs (tests/faults/cases.py::contained_gdp_gradients)."""
+    through the poisoned outputs (tests/faults/cases.py::contained_gdp_gradients). The flags and sanitised
+    copies come from the torch ops, or from the token-checks kernel (``isolation.contained_inputs``)."""
     from tests.faults.cases import contained_gdp_gradients, expected_gdp_poison
     from torch_api import gated_delta_product
+    from torch_api.gdp import validation
+
+    launched = []
+    if containment == "token-checks-kernel":
+        monkeypatch.setattr(validation, "_kernel_platform_ready", lambda device: True)
+    monkeypatch.setattr(kl._Launch, "run", lambda launch: (launched.append(type(launch)), run_emulated(launch)))
 
     lengths, n_h = [70, 90], 2
     clean = list(_inputs(lengths, heads=2, key_dim=64, value_dim=64, n_h=n_h, seed=31))
@@ -174,6 +182,7 @@ def test_contained_kernel_backward_is_zero_at_poisoned_inputs_and_clean_elsewher
     out, _ = run(dirty, False)
     assert np.array_equal(~torch.isfinite(out[0]).all(-1).numpy(), poisoned)
     assert out.is_contiguous()  # else the backward copies the output gradient back (cutedsl._flat)
+    assert launched.count(kl.TokenChecksLaunch) == (containment == "token-checks-kernel")
     dirty_grads, clean_grads, zero = contained_gdp_gradients(run, clean, dirty, poisoned, state_poisoned,
                                                              final_bad, n_h)
     for name, mine, reference, must_be_zero in zip(("q", "k", "v", "g", "beta"), dirty_grads, clean_grads, zero):

@@ -52,10 +52,9 @@ from torch_api._dist import agree_or_raise, all_gather_single, group_rank_and_si
 from cp_linear.summary_exchange import ScanSchedule, resolve_summary_exchange, scan_schedule
 from torch_api.gdp.summary_exchange import scan_exchange
 from torch_api.gdp.isolation import (
-    bad_tokens,
+    contained_inputs,
     incoming_bad_and_clean,
     poison_summary,
-    sanitized,
     sequence_start_index,
     token_poison,
     trailing_bad,
@@ -412,10 +411,9 @@ def run_cp_op(q, k, v, g, beta, *, cu_seqlens, rank_range, group_name: str, back
     from torch_api.gdp.library import backend_name
 
     if contain:
-        state_bad, read_bad = bad_tokens(q, k, v, g, beta, num_householder)
+        state_bad, read_bad, (q, k, v, g, beta) = contained_inputs(q, k, v, g, beta, num_householder)
         start = sequence_start_index(q.shape[1], cu_seqlens, q.device)
         trailing = trailing_bad(state_bad, start)
-        q, k, v, g, beta = sanitized(q, k, v, g, beta)
     else:
         trailing = torch.zeros(0, dtype=torch.bool, device=q.device)
     save_for_backward = needs_backward(q, k, v, g, beta)
@@ -642,10 +640,9 @@ def context_parallel_gdp(q, k, v, g, beta, *, cp_group, global_seq_idx=None, met
     contain = error is None and not check_inputs
     trailing = None
     if contain:
-        state_bad, read_bad = bad_tokens(q, k, v, g, beta, num_householder)
+        state_bad, read_bad, (q, k, v, g, beta) = contained_inputs(q, k, v, g, beta, num_householder)
         start = sequence_start_index(q.shape[1], cu_seqlens, q.device)
         trailing = trailing_bad(state_bad, start)
-        q, k, v, g, beta = sanitized(q, k, v, g, beta)
     g = g if gate_given else g.detach()
     output, local_final, incoming_bad = _ContextParallelGDP.apply(call, trailing, q, k, v, g, beta, local_initial)
     if contain:

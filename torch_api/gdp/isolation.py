@@ -17,8 +17,10 @@ of its first sequence (and a zero state).
 Gradients flow only from finite outputs (a poisoned output passes no gradient); sanitising passes the
 gradient through unchanged (``sanitized``), which is zero at every replaced entry for that reason.
 
-Cost per step, outside the kernels: one reduction (``aminmax`` per row) and one ``nan_to_num`` pass over
-q, k, v, one select over the output and one over its gradient; the rest works on bool [B, T, H].
+Cost per step, outside the kernels: one pass over the inputs that finds the bad tokens and writes their
+sanitised copies (``contained_inputs``: the token-checks kernel, ``cp_linear.kernels.token_checks``, where
+it takes the inputs; else one reduction, ``aminmax`` per row, and one ``nan_to_num`` pass), one select over
+the output and one over its gradient; the rest works on bool [B, T, H].
 """
 
 from __future__ import annotations
@@ -83,6 +85,134 @@ def sanitized(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(_Sanitize.apply(x) for x in tensors)
 
 
+# --------------------------------------------------------------------------- flags and copies in one pass
+
+_INT32_ELEMENTS = 2**31  # the kernel indexes its row views with int32
+
+
+def contained_inputs(q, k, v, g, beta, num_householder: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """(state_bad, read_bad, (q, k, v, g, beta) sanitised): ``bad_tokens`` and ``sanitized`` (the gradient
+    passes through unchanged) in one launch where the token-checks kernel takes the inputs
+    (``_token_checks_config``, ``_kernel_reads``), else those two. Under ``torch.compile`` the kernel path
+    is the opaque op ``cp_linear::gdp_contained_inputs``, which checks at run time what it cannot while
+    tracing (the platform, contiguity, alignment) and runs the torch ops where the kernel cannot."""
+    config = _token_checks_config(q, k, v, g, beta, num_householder)
+    if torch.compiler.is_compiling():
+        if config is not None and _compiled_kernel_device(q.device):
+            *clean, state_bad, read_bad = torch.ops.cp_linear.gdp_contained_inputs(q, k, v, g, beta, num_householder)
+            return state_bad, read_bad, tuple(clean)
+    elif config is not None and _kernel_reads(q, k, v, g, beta):
+        state_bad, read_bad, *clean = _KernelContainedInputs.apply(config, q, k, v, g, beta)
+        return state_bad, read_bad, tuple(clean)
+    state_bad, read_bad = bad_tokens(q, k, v, g, beta, num_householder)
+    return state_bad, read_bad, sanitized(q, k, v, g, beta)
+
+
+def _token_checks_config(q, k, v, g, beta, num_householder: int):
+    """The kernel's ``TokenChecksConfig`` when it takes these dtypes and sizes: q, k, v of one kernel dtype
+    (bf16 / fp16) with K, V in ``HEAD_DIMS``, float32 g and beta, n_h in ``TOKEN_CHECKS_HOUSEHOLDERS``, one
+    device, non-empty and indexable with int32; else None. Host values only (also while tracing)."""
+    from cp_linear.kernels import configs as kcfg
+
+    dtype = str(q.dtype).removeprefix("torch.")
+    if not q.dtype == k.dtype == v.dtype or dtype not in kcfg.TENSOR_CORE_DTYPES:
+        return None
+    if g.dtype != torch.float32 or beta.dtype != torch.float32 or q.dim() != 4:
+        return None
+    key_dim, value_dim = q.shape[-1], v.shape[-1]
+    if key_dim not in kcfg.HEAD_DIMS or value_dim not in kcfg.HEAD_DIMS:
+        return None
+    if num_householder not in kcfg.TOKEN_CHECKS_HOUSEHOLDERS:
+        return None
+    tensors = (q, k, v, g, beta)
+    if any(x.device != q.device for x in tensors) or not all(0 < x.numel() < _INT32_ELEMENTS for x in tensors):
+        return None
+    return kcfg.TokenChecksConfig(dtype, key_dim, value_dim, num_householder)
+
+
+def _compiled_kernel_device(device: torch.device) -> bool:
+    """While tracing: whether the compiled graph takes the opaque kernel op (CUDA inputs; the op checks the
+    platform when it runs)."""
+    return device.type == "cuda"
+
+
+def _kernel_reads(q, k, v, g, beta) -> bool:
+    """The kernel runs on this device (``validation._kernel_platform_ready``: a Hopper GPU, the DSL, no
+    tracing) and can read these tensors: contiguous (its row views), q, k, v 16-byte aligned (it reads
+    16-byte vectors; a view into a larger tensor may not be)."""
+    from torch_api.gdp import validation
+
+    return (validation._kernel_platform_ready(q.device) and all(x.is_contiguous() for x in (q, k, v, g, beta))
+            and all(x.data_ptr() % 16 == 0 for x in (q, k, v)))
+
+
+def _kernel_contained_inputs(config, q, k, v, g, beta) -> tuple[torch.Tensor, ...]:
+    """One ``TokenChecksLaunch`` on fresh outputs -> (state_bad, read_bad, q, k, v, g, beta sanitised); the
+    inputs contiguous (detached here: DLPack exports no tensor that requires grad)."""
+    from cp_linear.kernels import launch as kl
+
+    heads = q.shape[2]
+    state_bad, read_bad = (torch.empty(q.shape[:3], dtype=torch.uint8, device=q.device) for _ in range(2))
+    clean = [torch.empty_like(x) for x in (q, k, v, g, beta)]
+
+    def rows(x):  # [rows, D/8, 8]
+        return x.detach().view(-1, x.shape[-1] // config.vector, config.vector)
+
+    def by_head(x):  # [rows, H]
+        return x.detach().view(-1, heads)
+
+    kl.TokenChecksLaunch(config, rows(q), rows(k), rows(v), by_head(g), by_head(beta), by_head(state_bad),
+                         by_head(read_bad), *(rows(x) for x in clean[:3]), by_head(clean[3]),
+                         by_head(clean[4])).run()
+    return (state_bad.view(torch.bool), read_bad.view(torch.bool), *clean)
+
+
+class _KernelContainedInputs(torch.autograd.Function):
+    """The token-checks kernel in eager mode (the custom op's dispatch layers cost host time); the gradient
+    passes through the sanitising unchanged, as ``_Sanitize``'s."""
+
+    @staticmethod
+    def forward(ctx, config, q, k, v, g, beta):
+        state_bad, read_bad, *clean = _kernel_contained_inputs(config, q, k, v, g, beta)
+        ctx.mark_non_differentiable(state_bad, read_bad)
+        return state_bad, read_bad, *clean
+
+    @staticmethod
+    def backward(ctx, d_state_bad, d_read_bad, dq, dk, dv, dg, dbeta):
+        return None, dq, dk, dv, dg, dbeta
+
+
+@torch.library.custom_op("cp_linear::gdp_contained_inputs", mutates_args=())
+def contained_inputs_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        num_householder: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                       torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k, v, g, beta sanitised, state_bad, read_bad) as one op Inductor does not look into: the
+    token-checks kernel where it takes the inputs, else ``gdp_bad_tokens`` and ``sanitize``. The
+    differentiable outputs come first (opcheck's autograd test sums the outputs in order, which fails
+    for a bool sum followed by a float one)."""
+    config = _token_checks_config(q, k, v, g, beta, num_householder)
+    if config is not None and _kernel_reads(q, k, v, g, beta):
+        state_bad, read_bad, *clean = _kernel_contained_inputs(config, q, k, v, g, beta)
+    else:
+        state_bad, read_bad = gdp_bad_tokens(q, k, v, g, beta, num_householder)
+        clean = [sanitize(x) for x in (q, k, v, g, beta)]
+    return (*clean, state_bad, read_bad)
+
+
+@contained_inputs_op.register_fake
+def _(q, k, v, g, beta, num_householder):
+    return (*(torch.empty_like(x) for x in (q, k, v, g, beta)), g.new_empty(g.shape, dtype=torch.bool),
+            q.new_empty(q.shape[:3], dtype=torch.bool))
+
+
+def _contained_inputs_backward(ctx, dq, dk, dv, dg, dbeta, d_state_bad, d_read_bad):
+    return dq, dk, dv, dg, dbeta, None  # sanitising passes the gradient through (``_Sanitize``)
+
+
+contained_inputs_op.register_autograd(_contained_inputs_backward)
+
+
 def sequence_start_index(tokens: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
     """int64 [T]: index of the first token of each token's sequence (0 for every token of a row)."""
     if cu_seqlens is None:
@@ -142,5 +272,5 @@ def incoming_bad_and_clean(stacked) -> tuple[torch.Tensor, object]:
     return bad, stacked
 
 
-__all__ = ["bad_tokens", "bad_tokens_op", "incoming_bad_and_clean", "poison_summary", "sanitized", "sequence_bad",
-           "sequence_start_index", "token_poison", "trailing_bad"]
+__all__ = ["bad_tokens", "bad_tokens_op", "contained_inputs", "contained_inputs_op", "incoming_bad_and_clean",
+           "poison_summary", "sanitized", "sequence_bad", "sequence_start_index", "token_poison", "trailing_bad"]

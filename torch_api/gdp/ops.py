@@ -21,7 +21,7 @@ from cp_linear.gdp import GDPInputs, cu_seqlens_error
 from cp_linear.protocol import CPSavedContext
 from cp_linear.summary import as_packed_array
 from cp_linear.validation import GDP_VALUE_CHECKS, NONFINITE, nonfinite_rows, poison
-from torch_api.gdp.isolation import bad_tokens, sanitized, sequence_bad, sequence_start_index, token_poison
+from torch_api.gdp.isolation import contained_inputs, sanitized, sequence_bad, sequence_start_index, token_poison
 from torch_api.gdp.types import float32_region, needs_backward
 from torch_api.gdp.validation import (
     PendingValueChecks,
@@ -139,7 +139,7 @@ def run_gated_delta_product(q, k, v, g, beta, *, backend, scale: float, num_hous
     if not contain:
         return _run(backend, q, k, v, g, beta, initial_state, scale=scale, num_householder=num_householder,
                     cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    state_bad, read_bad = bad_tokens(q, k, v, g, beta, num_householder)
+    state_bad, read_bad, clean = contained_inputs(q, k, v, g, beta, num_householder)
     start = None if cu_seqlens is None else sequence_start_index(q.shape[1], cu_seqlens, q.device)  # None: rows
     mask = token_poison(state_bad, read_bad, start)
     final_bad = sequence_bad(state_bad, cu_seqlens)
@@ -152,7 +152,7 @@ def run_gated_delta_product(q, k, v, g, beta, *, backend, scale: float, num_hous
             sequence = bounds_after_first(cu_seqlens.to(torch.int64), torch.arange(q.shape[1], device=q.device))
             mask = mask | initial_bad[sequence][None]
         (initial_state,) = sanitized(initial_state)
-    output, final_state = _run(backend, *sanitized(q, k, v, g, beta), initial_state, scale=scale,
+    output, final_state = _run(backend, *clean, initial_state, scale=scale,
                                num_householder=num_householder, cu_seqlens=cu_seqlens,
                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     return poison(output, mask[..., None]), poison(final_state, final_bad[..., None, None])
