@@ -200,7 +200,7 @@ def _pass_through_gradients(contained, tensors, n_h):
     """``contained`` on leaves; backward of sum(w_i · clean_i) -> (result, leaf gradients, the w_i)."""
     leaves = [x.detach().requires_grad_() for x in tensors]  # the same storage: offsets and strides kept
     state, read, clean = contained(*leaves, n_h)
-    weights = [torch.randn(x.shape, generator=torch.Generator().manual_seed(i)).to(x.dtype)
+    weights = [torch.randn(x.shape, generator=torch.Generator().manual_seed(i)).to(x.device, x.dtype)
                for i, x in enumerate(tensors)]
     sum(((c * w).float().sum() for c, w in zip(clean, weights))).backward()
     return (state, read, [c.detach() for c in clean]), [x.grad for x in leaves], weights
