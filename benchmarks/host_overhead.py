@@ -20,7 +20,8 @@ launches). Paths (the problem of bench_gdp_fwd.py / bench_gdp_train.py: H = 16, 
 
 Prints per path: host microseconds per call (median and fastest of ``--calls``), the aten ops the call
 dispatches (counted below autograd with a ``TorchDispatchMode``: every op, views included) and the kernel
-launches. ``--ops`` lists the ops per path by name; ``--trace`` lists them in order with the line of
+launches. ``--ops`` lists the ops and the launches per path by name (the unchecked paths take the token-checks
+kernel, ``TokenChecksLaunch``, as on a GPU); ``--trace`` lists them in order with the line of
 the project that dispatched each; ``--cprofile PATH`` prints the functions with the most own time on
 that path; ``--profile`` prints each path's aten ops by self CPU time with their input shapes.
 """
@@ -207,6 +208,7 @@ def main() -> None:
               flush=True)
         if args.ops:
             print("    " + ", ".join(f"{name} {n}" for name, n in ops.most_common()))
+            print("    launches: " + ", ".join(f"{name} {n}" for name, n in launches.most_common()))
         for name, site in counter.trace or ():
             print(f"    {name:<18} {site}")
         if args.profile:

@@ -1,11 +1,14 @@
 """Where a GDP training step's time goes beyond the kernels: aten ops by GPU time, host syncs with
 the Python line that caused them, and wall vs kernel time with and without ``check_inputs``.
 
-    python benchmarks/profile_gdp_step.py [--tokens 8192 32768] [--out DIR] [--host]
+    python benchmarks/profile_gdp_step.py [--tokens 8192 32768] [--out DIR] [--host [--unchecked]] [--sync-debug]
 
 ``--host``: the host's time per step split by phase (perf_counter around the backend's four
-functions, the value checks and every kernel launch: its Python preparation and the TVM-FFI call),
-without the profiler, whose own per-event cost distorts host time.
+functions, the value checks, the containment's parts and every kernel launch: its Python preparation and
+the TVM-FFI call, by kernel), without the profiler, whose own per-event cost distorts host time;
+``--unchecked`` adds the contained step (``check_inputs=False``). ``--sync-debug``: one step of each
+variant under ``torch.cuda.set_sync_debug_mode("warn")``, printing every synchronising call torch sees
+with the project's lines on its stack (the checked step reads its flags once, by design).
 
 Same step as bench_gdp_train.py (one sequence, H = 16, K = V = 128, n_h = 2, bf16, l2norm, loss
 <o, dO> + <S_T, dS>) on the CuTeDSL backend. Writes a Chrome trace per size to DIR.
@@ -103,12 +106,17 @@ def host_split(step, repeat: int = 20) -> None:
         spent["launch: prepare arguments"] += called - started
         spent["launch: TVM-FFI call"] += time.perf_counter() - called
         counts["launch: TVM-FFI call"] += 1
+        label = f"  TVM-FFI call: {type(launch).__name__}"
+        spent[label] += time.perf_counter() - called
+        counts[label] += 1
 
     backend_cls = CuTeDSLGatedDeltaProductCPBackend
     for name in ("cp_forward_prepare", "cp_forward_apply", "cp_backward_prepare", "cp_backward_apply", "_shard",
                  "_saved_shard", "_reverse"):
         wrap(backend_cls, name, f"backend.{name}")
     wrap(ops, "gdp_value_flags", "value checks (flags)")
+    for name in ("contained_inputs", "token_poison", "sequence_bad", "poison"):  # check_inputs=False only
+        wrap(ops, name, f"containment: {name}")
     restore.append((kl._Launch, "run", kl._Launch.run))
     kl._Launch.run = run
     try:
@@ -131,6 +139,36 @@ def host_split(step, repeat: int = 20) -> None:
         print(f"  {label:<36} {1e3 * seconds / repeat:7.3f} ms  ({counts[label] // repeat} calls)")
 
 
+def sync_calls(step) -> None:
+    """One step (after a warm-up) under ``torch.cuda.set_sync_debug_mode("warn")``: each synchronising call
+    torch reports (a host read, a blocking copy, a synchronize), with the project's lines on its stack."""
+    import traceback
+    import warnings
+
+    found = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):  # the stack at the warning: the Python lines that made the call
+            stack = [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in traceback.extract_stack()
+                     if any(part in f.filename for part in ("cp_linear", "torch_api", "benchmarks"))]
+            found.append(f"{str(message)[:80]}  <- {' <- '.join(reversed(stack[:-1]))[:400]}")
+
+    step()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    for line in found:
+        print(f"  {line}")
+    print(f"  {len(found)} synchronising call(s)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
@@ -138,12 +176,21 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--out", default="out/profile_gdp_step")
     parser.add_argument("--host", action="store_true", help="only the host time split by phase (no profiler)")
+    parser.add_argument("--unchecked", action="store_true", help="--host: also the contained step (check_inputs=False)")
+    parser.add_argument("--sync-debug", action="store_true",
+                        help="only the synchronising calls of one step per variant (torch.cuda.set_sync_debug_mode)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     for tokens in args.tokens:
+        if args.sync_debug:
+            for check in (True, False):
+                print(f"== T={tokens}, check_inputs={check}: synchronising calls")
+                sync_calls(make_step(tokens, args.nh, args.heads, check))
+            continue
         if args.host:
-            print(f"== T={tokens}, check_inputs=True")
-            host_split(make_step(tokens, args.nh, args.heads, True))
+            for check in (True, False) if args.unchecked else (True,):
+                print(f"== T={tokens}, check_inputs={check}")
+                host_split(make_step(tokens, args.nh, args.heads, check))
             continue
         for check in (True, False):
             step = make_step(tokens, args.nh, args.heads, check)

@@ -259,12 +259,14 @@ def gdp_token_poison(state_bad: Array, read_bad: Array, start: Array | None, inc
     ``start`` None: every token's sequence starts at 0 (rows), so the ranges are prefixes: one prefix
     sum, no gathers (the same values as ``start`` all zero)."""
     xp = array_api_compat.array_namespace(state_bad)
+    # read_bad first: torch lays a result out like its first operand whose strides decide, so the mask comes
+    # out in [B, T, H] order (the scans' results are [B, H, T] in memory), and ``poison`` needs no copy of it
     if start is None:
         last = xp.moveaxis(xp.astype(state_bad, xp.int32), 1, -1)  # prefix sums along the last axis (above)
-        poisoned = xp.moveaxis(xp.cumulative_sum(last, axis=-1) > 0, -1, 1) | read_bad
+        poisoned = read_bad | xp.moveaxis(xp.cumulative_sum(last, axis=-1) > 0, -1, 1)
         return poisoned if incoming_bad is None else poisoned | incoming_bad[:, None, :]
     stop = xp.arange(1, state_bad.shape[1] + 1, dtype=start.dtype, **_placed_like(start))
-    poisoned = any_in_ranges(state_bad, start, stop) | read_bad
+    poisoned = read_bad | any_in_ranges(state_bad, start, stop)
     if incoming_bad is not None:
         poisoned = poisoned | (incoming_bad[:, None, :] & (start == 0)[None, :, None])
     return poisoned

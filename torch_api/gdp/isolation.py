@@ -149,7 +149,8 @@ def _kernel_reads(q, k, v, g, beta) -> bool:
 
 def _kernel_contained_inputs(config, q, k, v, g, beta) -> tuple[torch.Tensor, ...]:
     """One ``TokenChecksLaunch`` on fresh outputs -> (state_bad, read_bad, q, k, v, g, beta sanitised); the
-    inputs contiguous (detached here: DLPack exports no tensor that requires grad)."""
+    inputs contiguous. DLPack exports no tensor that requires grad: the inputs are detached (a view made
+    under no_grad still requires grad); the fresh outputs need no detach (one op less each)."""
     from cp_linear.kernels import launch as kl
 
     heads = q.shape[2]
@@ -157,11 +158,12 @@ def _kernel_contained_inputs(config, q, k, v, g, beta) -> tuple[torch.Tensor, ..
     clean = [torch.empty_like(x) for x in (q, k, v, g, beta)]
 
     def rows(x):  # [rows, D/8, 8]
-        return x.detach().view(-1, x.shape[-1] // config.vector, config.vector)
+        return x.view(-1, x.shape[-1] // config.vector, config.vector)
 
     def by_head(x):  # [rows, H]
-        return x.detach().view(-1, heads)
+        return x.view(-1, heads)
 
+    q, k, v, g, beta = (x.detach() for x in (q, k, v, g, beta))
     kl.TokenChecksLaunch(config, rows(q), rows(k), rows(v), by_head(g), by_head(beta), by_head(state_bad),
                          by_head(read_bad), *(rows(x) for x in clean[:3]), by_head(clean[3]),
                          by_head(clean[4])).run()
@@ -170,12 +172,15 @@ def _kernel_contained_inputs(config, q, k, v, g, beta) -> tuple[torch.Tensor, ..
 
 class _KernelContainedInputs(torch.autograd.Function):
     """The token-checks kernel in eager mode (the custom op's dispatch layers cost host time); the gradient
-    passes through the sanitising unchanged, as ``_Sanitize``'s."""
+    passes through the sanitising unchanged, as ``_Sanitize``'s. Gradients are not materialised: autograd
+    would otherwise fill zeros for the two bool flags' gradients every backward (two allocations and two
+    fill launches for nothing) and for a clean input that gets no gradient (passed on as None instead)."""
 
     @staticmethod
     def forward(ctx, config, q, k, v, g, beta):
         state_bad, read_bad, *clean = _kernel_contained_inputs(config, q, k, v, g, beta)
         ctx.mark_non_differentiable(state_bad, read_bad)
+        ctx.set_materialize_grads(False)
         return state_bad, read_bad, *clean
 
     @staticmethod

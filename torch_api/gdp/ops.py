@@ -155,7 +155,8 @@ def run_gated_delta_product(q, k, v, g, beta, *, backend, scale: float, num_hous
     output, final_state = _run(backend, *clean, initial_state, scale=scale,
                                num_householder=num_householder, cu_seqlens=cu_seqlens,
                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    return poison(output, mask[..., None]), poison(final_state, final_bad[..., None, None])
+    # [N, H, 1, 1] by one view (indexing with two Nones dispatches two unsqueezes)
+    return poison(output, mask[..., None]), poison(final_state, final_bad.view(*final_bad.shape, 1, 1))
 
 
 def _run(backend, q, k, v, g, beta, initial_state, *, scale, num_householder, cu_seqlens, use_qk_l2norm_in_kernel):
