@@ -461,37 +461,19 @@ class CuTeDSLGatedDeltaProductCPBackend:
         """The kernel backward's saved buffer region by region (name, dtype, shape), from shapes only:
         the segments' incoming states, the transition rows of the forward's segment summaries (in the
         backward's orientation, M_b = M^T), the prep results (``save_prep``), the chunk states
-        (``save_chunk_states``), then the layout tables."""
-        sizes = sizes or self._sizes(inputs)
-        heads, key_dim, value_dim = int(inputs.q.shape[2]), int(inputs.q.shape[3]), int(inputs.v.shape[-1])
-        chunks, segments = sizes.max_chunks, sizes.max_segments
-        regions = [("states", torch.float32, (segments, heads, value_dim, key_dim)),
-                   ("transitions", torch.float32, (segments, heads, key_dim, key_dim))]
-        if self.save_prep:
-            tile = kcfg.query_tile(inputs.num_householder)
-            regions += [("ta", inputs.q.dtype, (chunks, heads, 64, 64)), ("tb", inputs.q.dtype, (chunks, heads, 64, 64)),
-                        ("p", inputs.q.dtype, (chunks, heads, tile, 64)),
-                        ("scalars", torch.float32, (chunks, heads, 4, 64))]
-        if self.save_chunk_states:
-            regions.append(("chunk_states", inputs.q.dtype, (chunks, heads, value_dim, key_dim)))
-        table_sizes = sizes.table_sizes()
-        return tuple(regions) + tuple((name, torch.int32, (table_sizes[name],)) for name in _TABLES)
+        (``save_chunk_states``), then the layout tables (``_regions_of``, cached: the same tuple each call)."""
+        return _regions_of(sizes or self._sizes(inputs), int(inputs.q.shape[2]), int(inputs.q.shape[3]),
+                           int(inputs.v.shape[-1]), inputs.q.dtype, inputs.num_householder, self.save_prep,
+                           self.save_chunk_states)
 
     def _sizes(self, inputs: GDPInputs) -> _LayoutSizes:
-        """The work layout's host sizes for ``inputs``, from shapes only (``kl.forward_layout`` builds the
-        tables; its segment count is ``max(1, max_chunks // segment_chunks + N)``, repeated here so that
-        the saved segment states have a shape known before the forward runs)."""
+        """The work layout's host sizes for ``inputs``, from shapes only (``_layout_sizes_of``, cached on
+        the host ints it reads: forward and backward each ask once per step)."""
         batch, tokens, heads, key_dim = (int(size) for size in inputs.q.shape)
-        value_dim, n_h = int(inputs.v.shape[-1]), inputs.num_householder
-        row_block = self.row_block or kl.scan_row_block(key_dim, value_dim, n_h)
-        row_block = row_block if row_block <= min(key_dim, value_dim) else 0
-        scan_rows = kcfg.ChunkScanConfig("bfloat16", key_dim, value_dim, "output", 32, row_block).rows_per_cta
-        row_blocks = value_dim // scan_rows
         num_seqs = batch if inputs.cu_seqlens is None else int(inputs.cu_seqlens.shape[0]) - 1
-        sizes = kl.layout_sizes(total_tokens=batch * tokens, num_householder=n_h, num_sequences=num_seqs, heads=heads,
-                                row_blocks=row_blocks, sm_count=_sm_count(inputs.q.device),
-                                segment_chunks=self.segment_chunks, ctas_per_sm=self.ctas_per_sm)
-        return _LayoutSizes(**asdict(sizes), row_block=row_block, row_blocks=row_blocks)
+        return _layout_sizes_of(batch, tokens, heads, key_dim, int(inputs.v.shape[-1]), inputs.num_householder,
+                                num_seqs, _sm_count(inputs.q.device), self.row_block, self.segment_chunks,
+                                self.ctas_per_sm)
 
     def saved_buffer_shape(self, inputs: GDPInputs) -> tuple[int] | None:
         """Shape of the extra tensor the forward saves for the kernel backward: one float32 buffer
@@ -873,6 +855,39 @@ class CuTeDSLGatedDeltaProductCPBackend:
         return grads, grad_in
 
 
+@functools.lru_cache(maxsize=64)
+def _layout_sizes_of(batch: int, tokens: int, heads: int, key_dim: int, value_dim: int, n_h: int, num_seqs: int,
+                     sm_count: int, row_block: int, segment_chunks: int | None, ctas_per_sm: float) -> _LayoutSizes:
+    """``CuTeDSLGatedDeltaProductCPBackend._sizes`` from host ints (``kl.forward_layout`` builds the tables;
+    its segment count is ``max(1, max_chunks // segment_chunks + N)``, repeated here so that the saved
+    segment states have a shape known before the forward runs). Cached: frozen, shapes and config only."""
+    row_block = row_block or kl.scan_row_block(key_dim, value_dim, n_h)
+    row_block = row_block if row_block <= min(key_dim, value_dim) else 0
+    scan_rows = kcfg.ChunkScanConfig("bfloat16", key_dim, value_dim, "output", 32, row_block).rows_per_cta
+    row_blocks = value_dim // scan_rows
+    sizes = kl.layout_sizes(total_tokens=batch * tokens, num_householder=n_h, num_sequences=num_seqs, heads=heads,
+                            row_blocks=row_blocks, sm_count=sm_count, segment_chunks=segment_chunks,
+                            ctas_per_sm=ctas_per_sm)
+    return _LayoutSizes(**asdict(sizes), row_block=row_block, row_blocks=row_blocks)
+
+
+@functools.lru_cache(maxsize=64)
+def _regions_of(sizes: _LayoutSizes, heads: int, key_dim: int, value_dim: int, dtype: torch.dtype, n_h: int,
+                save_prep: bool, save_chunk_states: bool) -> tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]:
+    """``CuTeDSLGatedDeltaProductCPBackend._saved_regions`` from host values (cached: one tuple per key)."""
+    chunks, segments = sizes.max_chunks, sizes.max_segments
+    regions = [("states", torch.float32, (segments, heads, value_dim, key_dim)),
+               ("transitions", torch.float32, (segments, heads, key_dim, key_dim))]
+    if save_prep:
+        tile = kcfg.query_tile(n_h)
+        regions += [("ta", dtype, (chunks, heads, 64, 64)), ("tb", dtype, (chunks, heads, 64, 64)),
+                    ("p", dtype, (chunks, heads, tile, 64)), ("scalars", torch.float32, (chunks, heads, 4, 64))]
+    if save_chunk_states:
+        regions.append(("chunk_states", dtype, (chunks, heads, value_dim, key_dim)))
+    table_sizes = sizes.table_sizes()
+    return tuple(regions) + tuple((name, torch.int32, (table_sizes[name],)) for name in _TABLES)
+
+
 def kernel_saved_of(saved: CPSavedContext) -> torch.Tensor | None:
     """The buffer a kernel-backward forward saved after ``make_cp_saved_context``'s nine tensors
     (float32 [words]: ``CuTeDSLGatedDeltaProductCPBackend._saved_regions``), None when it has none."""
@@ -901,7 +916,6 @@ def _region_offsets(regions) -> tuple[dict[str, int], int]:
     return offsets, -(-offset // 16) * 16
 
 
-@functools.lru_cache(maxsize=256)
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, stride = [], 1
     for size in reversed(shape):
@@ -910,31 +924,39 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+@functools.lru_cache(maxsize=64)
+def _carve_plan(regions) -> tuple[int, tuple, tuple[str, ...], tuple[int, ...], int, int]:
+    """What ``_carve`` needs of ``regions``, from shapes only (cached: forward and backward carve the same
+    regions each step) -> (total bytes, (name, dtype, shape, strides, byte offset) of each region before the
+    tables, the table names, their sizes, the tables' first int32 word, their words)."""
+    offsets, total = _region_offsets(regions)
+    views = tuple((name, dtype, shape, _contiguous_strides(shape), offsets[name])
+                  for name, dtype, shape in regions if name not in _TABLES)
+    tables = tuple((name, math.prod(shape)) for name, _, shape in regions if name in _TABLES)
+    sizes = tuple(size for _, size in tables)
+    return total, views, tuple(name for name, _ in tables), sizes, offsets[_TABLES[0]] // 4, sum(sizes)
+
+
 def _carve(buffer: torch.Tensor, regions) -> dict:
     """Typed views of the saved buffer by region name, plus "tables" (every table, one int32 span) and
     "buffer" itself. Few view ops (the forward and the backward each carve once per step): one view
     of the buffer per dtype, one ``as_strided`` per region, one split for the tables."""
-    offsets, total = _region_offsets(regions)
+    total, regions_before, table_names, table_sizes, first, words = _carve_plan(regions)
     if buffer.numel() * 4 != total:
         raise ValueError(f"the saved kernel buffer holds {buffer.numel() * 4} bytes; its regions need {total}")
     as_dtype = {torch.float32: buffer}
     views = {"buffer": buffer}
     base = buffer.storage_offset() * 4  # as_strided offsets count from the storage's start
-    for name, dtype, shape in regions:
-        if name in _TABLES:
-            continue
+    for name, dtype, shape, strides, offset in regions_before:
         if dtype not in as_dtype:
             as_dtype[dtype] = buffer.view(dtype)
         # one as_strided per region (regions start 16-byte aligned) instead of a slice and a view
-        views[name] = as_dtype[dtype].as_strided(shape, _contiguous_strides(shape),
-                                                 (base + offsets[name]) // dtype.itemsize)
-    table_sizes = [math.prod(shape) for name, _, shape in regions if name in _TABLES]
-    first, words = offsets[_TABLES[0]] // 4, sum(table_sizes)
+        views[name] = as_dtype[dtype].as_strided(shape, strides, (base + offset) // dtype.itemsize)
     # one int32 view split into what precedes the tables, the tables and the padding after them (up to
     # three words: the total is 16-byte aligned): one op where a slice per span and a uint8 view took five
     spans = [first, words, buffer.numel() - first - words]
     _, views["tables"], views["padding"] = buffer.view(torch.int32).split(spans)
-    views.update(zip(_TABLES, views["tables"].split(table_sizes)))
+    views.update(zip(table_names, views["tables"].split(table_sizes)))
     return views
 
 
