@@ -668,6 +668,11 @@ class CuTeDSLGatedDeltaProductCPBackend:
         backward summaries of its segments folded last to first, from dL/d final state when the
         forward returned one). Runs on the backward kernels when the forward saved the segment
         states (``backward="kernels"``), else ``TorchGDPBackend.cp_backward_prepare``."""
+        return self._backward_prepare(output_grad, saved_context, summary=True)
+
+    def _backward_prepare(self, output_grad, saved_context: CPSavedContext, *, summary: bool):
+        """``cp_backward_prepare``; without ``summary`` (one device: no rank to send it to) the packed
+        summary is not built and None stands in its place (kernel backward only)."""
         if not saved_context.metadata.get(_KERNEL_BACKWARD, False):
             return self._fallback.cp_backward_prepare(output_grad, saved_context)
         inputs, _, transition = read_cp_saved_context(CPSavedContext(saved_context.tensors[:9],
@@ -686,9 +691,11 @@ class CuTeDSLGatedDeltaProductCPBackend:
             if tuple(output_grad.shape) != expected:
                 raise ValueError(f"output_grad must have shape {expected}; received {tuple(output_grad.shape)}")
             do = _flat(_cast(output_grad, shard.q.dtype))
-        end_grads = torch.zeros(layout.num_sequences, heads, value_dim, key_dim, dtype=torch.float32, device=device)
-        if final_grad is not None:
-            end_grads += _cast(final_grad, torch.float32, device).transpose(-1, -2)
+        end_grads = torch.empty(layout.num_sequences, heads, value_dim, key_dim, dtype=torch.float32, device=device)
+        if final_grad is None:
+            end_grads.zero_()
+        else:  # x + 0 (what zeros += x computed, -0 to +0 included) in one op, into the contiguous rows
+            torch.add(_cast(final_grad, torch.float32, device).transpose(-1, -2), 0.0, out=end_grads)
         grad_summaries = torch.empty(layout.max_segments, heads, value_dim + key_dim, key_dim, dtype=torch.float32,
                                      device=device)
         # the forward's transitions first; ChunkGamma writes the gamma rows, and the transition rows of the
@@ -697,11 +704,13 @@ class CuTeDSLGatedDeltaProductCPBackend:
         self._gamma(shard, do, grad_summaries)
         gamma_rows = torch.empty_like(end_grads)
         grad_out = self._descending_fold(shard, grad_summaries, end_grads, final=gamma_rows)
-        gamma = gamma_rows.transpose(-1, -2) if shard.rows else gamma_rows[0].transpose(-1, -2)
-        summary = torch.cat([gamma, transition.transpose(-1, -2)], dim=-1)  # a new contiguous tensor
         context = CuTeDSLBackwardContext(shard, do, grad_summaries, incoming, end_grads, grad_out,
                                          saved.get("chunk_states"))
-        return CPBackwardPackedSummary(summary), context
+        if not summary:
+            return None, context
+        gamma = gamma_rows.transpose(-1, -2) if shard.rows else gamma_rows[0].transpose(-1, -2)
+        packed = torch.cat([gamma, transition.transpose(-1, -2)], dim=-1)  # a new contiguous tensor
+        return CPBackwardPackedSummary(packed), context
 
     def cp_backward_apply(self, backward_context, following):
         """Input gradients: the outgoing gradient of the trailing sequence (every row) is the fold of
@@ -769,8 +778,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
 
     def one_device_backward(self, output_grad, final_state_grad, saved_context: CPSavedContext):
         """-> (GDPInputGradients, dL/d initial state [N, H, K, V] float32 or None) for a
-        ``one_device_forward`` context."""
-        _, context = self.cp_backward_prepare((output_grad, final_state_grad), saved_context)
+        ``one_device_forward`` context (no neighbour: the backward summary is not built)."""
+        _, context = self._backward_prepare((output_grad, final_state_grad), saved_context, summary=False)
         grads = self.cp_backward_apply(context, None)
         return grads._replace(dinitial_state=None), grads.dinitial_state
 

@@ -240,10 +240,11 @@ def gdp_backward(do: torch.Tensor | None, d_final_state: torch.Tensor | None, q:
     inputs = _inputs(q, k, v, g, beta, cu_seqlens, scale, num_householder, use_qk_l2norm_in_kernel,
                      initial_state, True)
     saved = _saved_context(inputs, incoming, transition, segment_states)
+    from torch_api.gdp.ops import one_device_backward
+
     with float32_region(q.device), _autograd_inside():
-        summary, context = impl.cp_backward_prepare((do, d_final_state), saved)
-        grads = impl.cp_backward_apply(context, _empty_stack(summary))
-    d_initial = q.new_empty(0, dtype=torch.float32) if initial_state is None else grads.dinitial_state.float()
+        grads, d_initial = one_device_backward(impl, do, d_final_state, saved)
+    d_initial = q.new_empty(0, dtype=torch.float32) if initial_state is None else d_initial.float()
     return _unaliased((*_grads(grads, q, k, v, g, beta), _fresh(d_initial)),
                       (do, d_final_state, q, k, v, g, beta, cu_seqlens, initial_state, incoming, transition,
                        segment_states))

@@ -38,6 +38,17 @@ def _empty_stack(summary) -> torch.Tensor:
     return packed.new_empty((0, *packed.shape))
 
 
+def one_device_backward(backend, output_grad, final_state_grad, saved: CPSavedContext):
+    """-> (input gradients, dL/d initial state or None) with no neighbour: the backend's
+    ``one_device_backward`` where it has one (it skips the backward summary no rank receives), else
+    ``cp_backward_prepare`` and ``cp_backward_apply`` with an empty stack."""
+    if hasattr(backend, "one_device_backward"):
+        return backend.one_device_backward(output_grad, final_state_grad, saved)
+    summary, context = backend.cp_backward_prepare((output_grad, final_state_grad), saved)
+    grads = backend.cp_backward_apply(context, _empty_stack(summary))
+    return grads._replace(dinitial_state=None), grads.dinitial_state
+
+
 def gate_or_zeros(g, q: torch.Tensor) -> torch.Tensor:
     """``g`` as given, or zeros [B, T, H] float32 for no gate (``g=None``, as in flash-linear-attention)."""
     if g is None and isinstance(q, torch.Tensor) and q.dim() == 4:
@@ -71,9 +82,8 @@ class _GatedDeltaProduct(torch.autograd.Function):
         saved = CPSavedContext(tuple(ctx.saved_tensors), ctx.saved_metadata)
         device = (output_grad if output_grad is not None else final_state_grad).device
         with float32_region(device):
-            summary, context = ctx.backend.cp_backward_prepare((output_grad, final_state_grad), saved)
-            grads = ctx.backend.cp_backward_apply(context, _empty_stack(summary))
-        initial_grad = None if ctx.initial_dtype is None else grads.dinitial_state.to(ctx.initial_dtype)
+            grads, d_initial = one_device_backward(ctx.backend, output_grad, final_state_grad, saved)
+        initial_grad = None if ctx.initial_dtype is None else d_initial.to(ctx.initial_dtype)
         return None, None, grads.dq, grads.dk, grads.dv, grads.dg, grads.dbeta, initial_grad
 
 
