@@ -404,7 +404,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         table_sizes = sizes.table_sizes()
         out = saved["tables"] if saved is not None else torch.empty(sum(table_sizes.values()), dtype=torch.int32,
                                                                       device=cu.device)
-        tables = dict(zip(_TABLES, out.split([table_sizes[name] for name in _TABLES])))
+        tables = dict(zip(_TABLES, out.split_with_sizes([table_sizes[name] for name in _TABLES])))
         trailing = torch.empty(1, dtype=torch.int32, device=cu.device)
         single = sizes.num_sequences == 1
         kl.ForwardLayoutLaunch.of(
@@ -964,8 +964,9 @@ def _carve(buffer: torch.Tensor, regions) -> dict:
     # one int32 view split into what precedes the tables, the tables and the padding after them (up to
     # three words: the total is 16-byte aligned): one op where a slice per span and a uint8 view took five
     spans = [first, words, buffer.numel() - first - words]
-    _, views["tables"], views["padding"] = buffer.view(torch.int32).split(spans)
-    views.update(zip(table_names, views["tables"].split(table_sizes)))
+    # (split_with_sizes: the op Tensor.split dispatches to, without its Python wrapper)
+    _, views["tables"], views["padding"] = buffer.view(torch.int32).split_with_sizes(spans)
+    views.update(zip(table_names, views["tables"].split_with_sizes(table_sizes)))
     return views
 
 
