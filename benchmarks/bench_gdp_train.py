@@ -2,7 +2,7 @@
 
     python benchmarks/bench_gdp_train.py [--out DIR] [--tokens 8192 32768 131072] [--nh 2]
 
-One sequence of T tokens, H = 16, K = V = 128, bf16, qk l2norm; the loss is <o, dO> + <S_T, dS>,
+One sequence of T tokens, H = 16, K = V = 128 (``--dim``), bf16, qk l2norm; the loss is <o, dO> + <S_T, dS>,
 so both the output and the final state carry gradients. Variants: ``ours`` (the forward and the
 backward kernels, ``backward="kernels"``), ``ours-torch-bwd`` (kernel forward, TorchGDPBackend
 backward; 8k only, it is slow), and FLA's ``chunk_gated_delta_product`` (its gated backward
@@ -155,6 +155,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 131072])
     parser.add_argument("--nh", type=int, default=2)
     parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--dim", type=int, default=128, help="K = V (64 or 128)")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--out", default="out/bench_gdp_train")
     parser.add_argument("--no-torch-backward", action="store_true", help="skip the torch-backward variant")
@@ -169,7 +170,7 @@ def main() -> None:
                         help="also time ours (check_inputs=False) captured in a CUDA graph and replayed")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    nh, heads, dim = args.nh, args.heads, 128
+    nh, heads, dim = args.nh, args.heads, args.dim
     fla_step = None if args.no_fla else _fla_step(nh)
     rows = []
     print(f"GDP fwd+bwd, H={heads}, K=V={dim}, n_h={nh}, bf16, l2norm; ms per step (median of {args.repeat})")
