@@ -45,7 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from cp_linear.validation import any_in_ranges, digest, nonfinite_rows, poison, sanitize
+from cp_linear.validation import any_in_ranges, digest, nonfinite_rows, sanitize
+from torch_api._poison import poison
 
 KERNELS = ("sdpa", "flex", "varlen")
 KERNEL_CHOICES = ("auto", *KERNELS)

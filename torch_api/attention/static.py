@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cp_linear.validation import any_in_ranges, nonfinite_rows, poison, sanitize
+from cp_linear.validation import any_in_ranges, nonfinite_rows, sanitize
+from torch_api._poison import poison
 from torch_api.gdp.library import _autograd_inside, _functorch_inside
 
 QUERY_BLOCK = 1024  # queries per SDPA call of the "sdpa" kernel: bounds the dense mask to QUERY_BLOCK x T

@@ -47,7 +47,8 @@ from cp_linear.summary import (
     CPForwardUnpackedSummary,
     validate_packed_summary,
 )
-from cp_linear.validation import GDP_VALUE_CHECKS, NONFINITE, poison
+from cp_linear.validation import GDP_VALUE_CHECKS, NONFINITE
+from torch_api._poison import poison
 from torch_api._dist import agree_or_raise, all_gather_single, group_rank_and_size, resolve_group
 from cp_linear.summary_exchange import ScanSchedule, resolve_summary_exchange, scan_schedule
 from torch_api.gdp.summary_exchange import scan_exchange

@@ -33,10 +33,10 @@ from cp_linear.validation import (
     gdp_token_poison,
     gdp_trailing_bad,
     nonfinite_rows,
-    poison,
     sanitize,
 )
 from cp_linear.validation import sequence_start_index as core_sequence_start_index
+from torch_api._poison import poison
 
 
 def bad_tokens(q, k, v, g, beta, num_householder: int) -> tuple[torch.Tensor, torch.Tensor]:

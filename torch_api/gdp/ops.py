@@ -20,7 +20,8 @@ from cp_linear.chunking import bounds_after_first
 from cp_linear.gdp import GDPInputs, cu_seqlens_error
 from cp_linear.protocol import CPSavedContext
 from cp_linear.summary import as_packed_array
-from cp_linear.validation import GDP_VALUE_CHECKS, NONFINITE, nonfinite_rows, poison
+from cp_linear.validation import GDP_VALUE_CHECKS, NONFINITE, nonfinite_rows
+from torch_api._poison import poison
 from torch_api.gdp.isolation import contained_inputs, sanitized, sequence_bad, sequence_start_index, token_poison
 from torch_api.gdp.types import float32_region, needs_backward
 from torch_api.gdp.validation import (
