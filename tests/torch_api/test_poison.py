@@ -52,3 +52,15 @@ def test_other_layouts_fall_back_to_the_plain_where(layout):
         mask = mask.flatten()[:8 * 3].view(8, 3, 1)
     assert not _poison._word_selectable(x, mask)
     assert torch.equal(_bits(poison(x, mask)), _bits(poison_by_where(x, mask)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_word_selection_on_the_gpu_is_bitwise_the_plain_where(dtype):
+    x, mask = (t.cuda() for t in _case(dtype, shape=(1, 4096, 16, 128)))
+    grad = torch.randn(x.shape, device="cuda").to(dtype)
+    fast, plain = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_fast, out_plain = poison(fast, mask), poison_by_where(plain, mask)
+    out_fast.backward(grad)
+    out_plain.backward(grad)
+    assert torch.equal(_bits(out_fast), _bits(out_plain)) and torch.equal(_bits(fast.grad), _bits(plain.grad))
