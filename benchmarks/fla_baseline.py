@@ -7,8 +7,15 @@ gradients (dk, dg) come out wrong there. The GPU machines run Triton 3.6, and th
 FLA's backward as a *time* reference: the work is the same, and no benchmark uses those gradients.
 The guard reads the module flag ``IS_NVIDIA_HOPPER`` at call time, so clearing that flag lets the
 backward run (the flag's import-time uses, such as the autotune warp lists, keep their Hopper values).
-bench_gdp_train.py (the GDP op alone) and bench_train.py (the model) both call
+bench_gdp_train.py (the GDP op alone), bench_train.py (the model) and cp_gdp_nccl.py (FLA's CP) call
 ``bypass_fla_hopper_guard``.
+
+FLA's context parallelism (FLA 0.6, ``fla.ops.cp``): ``fla_cp_context`` builds a rank's
+``FLACPContext`` from the GLOBAL cu_seqlens and the process group (contiguous layout: rank r holds
+tokens [r*L, (r+1)*L), as ours), and ``fla_cp_context_mismatches`` compares it with our
+``PackedSequenceCPMetadata`` of the same rank. ``chunk_gated_delta_product(..., cp_context=context)``
+then takes the rank's local tensors (q [1, L, H, K], k / v [1, L*n_h, H, K], g [1, L, H], beta
+[1, L*n_h, H]) and reads the local cu_seqlens from the context.
 
 The FLA decoder (``fla_decoder``): our ``HybridDecoder`` with its mixers swapped, the rest (embedding,
 RMSNorms, SwiGLU MLPs, head, initialisation) our modules as they are::
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -45,6 +53,59 @@ def bypass_fla_hopper_guard() -> bool:
     if hasattr(chunk_o, "IS_NVIDIA_HOPPER"):
         chunk_o.IS_NVIDIA_HOPPER = False
     return hopper and bool(refused_triton)
+
+
+def fla_available() -> str | None:
+    """None when FLA's CP GDP imports (``fla.ops.cp``, ``fla.ops.gated_delta_product``), else why not."""
+    try:
+        import fla.ops.cp  # noqa: F401
+        import fla.ops.gated_delta_product  # noqa: F401
+    except Exception as err:  # ImportError, or FLA failing at import (no Triton)
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def fla_cp_context(cu_seqlens: torch.Tensor, group):
+    """FLA's ``FLACPContext`` for this rank of ``group`` (contiguous layout) from the GLOBAL document
+    boundaries ``cu_seqlens`` int [N + 1], the same on every rank (FLA derives the local view)."""
+    from fla.ops.cp import build_cp_context
+
+    return build_cp_context(cu_seqlens.long(), group=group)
+
+
+def fla_cp_context_mismatches(context, meta) -> list[str]:
+    """Where FLA's context disagrees with our ``PackedSequenceCPMetadata`` of the same rank; [] when both
+    give the rank the same documents and the same document spans over ranks. FLA's fields in ours::
+
+        cu_seqlens (local)          local_cu_seqlens
+        pre_num_ranks               cp_rank - preceding_rank_start
+        post_num_ranks              following_rank_stop - 1 - cp_rank
+        is_first_rank, is_last_rank starts_new_sequence, ends_sequence
+        pre_num_conv_tokens         tokens of the rank's first document on earlier ranks
+    """
+    ids = np.asarray(meta.global_seq_idx).reshape(-1)
+    first_token = meta.cp_rank * meta.local_len
+    first_document_start = int(np.count_nonzero(ids < meta.local_seq_idx[0, 0]))
+    expected = dict(
+        layout="contiguous",
+        cu_seqlens=np.asarray(meta.local_cu_seqlens).tolist(),
+        pre_num_ranks=meta.cp_rank - meta.preceding_rank_start,
+        post_num_ranks=meta.following_rank_stop - 1 - meta.cp_rank,
+        is_first_rank=meta.starts_new_sequence,
+        is_last_rank=meta.ends_sequence,
+        pre_num_conv_tokens=first_token - first_document_start,
+    )
+    received = dict(
+        layout=context.layout,
+        cu_seqlens=context.cu_seqlens.tolist() if context.cu_seqlens is not None else None,
+        pre_num_ranks=context.pre_num_ranks,
+        post_num_ranks=context.post_num_ranks,
+        is_first_rank=context.is_first_rank,
+        is_last_rank=context.is_last_rank,
+        pre_num_conv_tokens=context.pre_num_conv_tokens,
+    )
+    return [f"{name}: FLA {received[name]} vs ours {want}" for name, want in expected.items()
+            if received[name] != want]
 
 
 class FlexLayout:
@@ -160,4 +221,5 @@ def fla_decoder(config: DecoderConfig) -> HybridDecoder:
     return model
 
 
-__all__ = ["FLAGatedDeltaProduct", "FlexDocAttention", "FlexLayout", "bypass_fla_hopper_guard", "fla_decoder"]
+__all__ = ["FLAGatedDeltaProduct", "FlexDocAttention", "FlexLayout", "bypass_fla_hopper_guard", "fla_available",
+           "fla_cp_context", "fla_cp_context_mismatches", "fla_decoder"]
