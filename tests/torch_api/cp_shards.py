@@ -46,8 +46,8 @@ class CPBackwardCase:
                 f"-nh{self.num_householder}{'-l2' if self.l2norm else ''}")
 
 
-# (a) one document spanning both ranks, at K = V = 128 (the warpgroup-MMA scan on the GPU); (b) the 500-token document spans all three ranks (shards of 256);
-# (c) packed documents, the 200-token one crossing the boundary at token 256
+# (a) one document spanning both ranks, at K = V = 128 (the warpgroup-MMA scan on the GPU); (b) the 500-token
+# document spans all three ranks (shards of 256); (c) packed documents, the 200-token one crossing token 256
 CP_BACKWARD_CASES = [
     CPBackwardCase(cp_size=2, lengths=(512,), num_householder=2, l2norm=True, key_dim=128, value_dim=128),
     CPBackwardCase(cp_size=3, lengths=(100, 500, 168), num_householder=3, l2norm=True),
