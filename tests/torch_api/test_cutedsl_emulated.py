@@ -384,6 +384,24 @@ def test_kernel_cp_backward_over_shards_matches_float64(emulated, monkeypatch, c
         assert rel_err(mine.numpy(), want.numpy()) < FLOAT32_CP_LIMIT, name
 
 
+# the issue's bf16 budget, which the GPU test (test_cutedsl_backend.py) holds the kernels to; the
+# emulation measures 2.6-3.8e-3 on these inputs
+BF16_CP_BUDGET = {"output": 5e-3, "dq": 5e-3, "dk": 5e-3, "dv": 5e-3, "dg": 1e-2, "dbeta": 5e-3}
+
+
+@pytest.mark.parametrize("case", CP_BACKWARD_CASES, ids=lambda case: case.id)
+def test_kernel_cp_backward_over_shards_meets_the_bf16_budget(emulated, case):
+    """The GPU test's composition and inputs (same seeds) on the emulation: the blocked algorithm with
+    bf16 operands fits the budget the kernels are held to, so a GPU failure points at the kernels."""
+    q, k, v, g, beta, do = case_inputs(case, dtype=torch.bfloat16, device="cpu", seed=40 + case.cp_size)
+    backend = cutedsl.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=2, backward="kernels")
+    options = dict(num_householder=case.num_householder, l2norm=case.l2norm)
+    got = cp_forward_backward(backend, q, k, v, g, beta, do, case.lengths, case.cp_size, **options)
+    expected = float64_reference(q, k, v, g, beta, do, case.lengths, **options)
+    for name, mine, want in zip(got._fields, got, expected):
+        assert rel_err(mine.float().numpy(), want.numpy()) <= BF16_CP_BUDGET[name], name
+
+
 def test_op_with_empty_sequences_matches_the_torch_backend(emulated):
     """Sequence states through the four functions: an empty sequence keeps its initial state and
     passes dL/d final state to dL/d initial state; gradients as TorchGDPBackend's."""
