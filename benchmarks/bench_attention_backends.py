@@ -26,7 +26,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_gdp_fwd import time_ms  # noqa: E402
+from _bench_common import time_ms  # noqa: E402
 from bench_train import _doc_ids  # noqa: E402
 from torch_api.attention.kernel import DocCausalLayout, doc_causal_attention  # noqa: E402
 

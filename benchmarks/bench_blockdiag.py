@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _bench_common import time_ms  # noqa: E402
 from cp_linear import build_blockdiag_plan, exchange_bytes  # noqa: E402
 from torch_api.attention.kernel import DocCausalLayout, attention_flops, doc_causal_attention  # noqa: E402
 
@@ -73,23 +74,17 @@ def doc_layout(kind: str, tokens: int, local_len: int, seed: int = 0) -> np.ndar
 
 
 def median_ms(fn, device: torch.device, warmup: int, iters: int) -> float:
+    """CUDA events on a GPU (``_bench_common.time_ms``), the wall clock on the CPU."""
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            return time_ms(fn, iters, warmup)
     for _ in range(warmup):
         fn()
     times = []
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        for _ in range(iters):
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            times.append(start.elapsed_time(stop))
-    else:
-        for _ in range(iters):
-            begin = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - begin))
+    for _ in range(iters):
+        begin = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - begin))
     return statistics.median(times)
 
 

@@ -145,7 +145,7 @@ def _rank_phases(backend, shards, output_grad, repeat: int, warmup: int) -> list
 
 
 def _layout_row(name, lengths, args, q, k, v, g, beta, output_grad):
-    from bench_gdp_train import _time
+    from _bench_common import time_ms
     from torch_api import GDPInputs
     from torch_api.gdp.cutedsl import CuTeDSLGatedDeltaProductCPBackend
     from tests.torch_api.cp_shards import split_into_shards
@@ -158,11 +158,11 @@ def _layout_row(name, lengths, args, q, k, v, g, beta, output_grad):
     errors = _check(backend, shards, full, output_grad)
     phases = _rank_phases(backend, shards, output_grad, args.repeat, args.warmup)
     with torch.no_grad():
-        one_forward = _time(lambda: backend.one_device_forward(full), args.repeat, args.warmup)
-        one_step = _time(lambda: _one_device(backend, full, output_grad), args.repeat, args.warmup)
+        one_forward = time_ms(lambda: backend.one_device_forward(full), args.repeat, args.warmup)
+        one_step = time_ms(lambda: _one_device(backend, full, output_grad), args.repeat, args.warmup)
         part, part_grad = shards[0].inputs, output_grad[:, shards[0].tokens].contiguous()
-        part_forward = _time(lambda: backend.one_device_forward(part), args.repeat, args.warmup)
-        part_step = _time(lambda: _one_device(backend, part, part_grad), args.repeat, args.warmup)
+        part_forward = time_ms(lambda: backend.one_device_forward(part), args.repeat, args.warmup)
+        part_step = time_ms(lambda: _one_device(backend, part, part_grad), args.repeat, args.warmup)
         forward_summary, local = backend.cp_forward_prepare(shards[0].inputs)
         saved = backend.cp_forward_apply(local, None).saved_context
         backward_summary, _ = backend.cp_backward_prepare(part_grad, saved)

@@ -21,10 +21,10 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import statistics
 
 import torch
 
+from _bench_common import kernel_times, make_inputs, parse_case, time_ms
 from torch_api.gdp.cutedsl import CuTeDSLGatedDeltaProductCPBackend
 from torch_api.gdp.types import GDPInputs
 
@@ -46,52 +46,6 @@ def min_bytes(tokens: int, heads: int, key_dim: int, value_dim: int, nh: int, it
     steps = tokens * nh
     return (tokens * heads * key_dim + steps * heads * (key_dim + value_dim) + tokens * heads * value_dim) * itemsize \
         + (tokens + steps) * heads * 4
-
-
-def time_ms(fn, repeat: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
-
-
-def make_inputs(docs: int, doc_tokens: int, heads: int, dim: int, nh: int, seed: int = 0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    rand = lambda *shape: torch.randn(*shape, device="cuda", generator=gen)  # noqa: E731
-    tokens = docs * doc_tokens
-    q = rand(1, tokens, heads, dim).bfloat16()
-    k = rand(1, tokens * nh, heads, dim).bfloat16()
-    v = rand(1, tokens * nh, heads, dim).bfloat16()
-    g = torch.nn.functional.logsigmoid(rand(1, tokens, heads) + 3.0).float()
-    beta = torch.sigmoid(rand(1, tokens * nh, heads)).float()
-    cu = torch.arange(0, tokens + 1, doc_tokens, dtype=torch.int32, device="cuda")
-    return q, k, v, g, beta, cu
-
-
-def kernel_times(fn, repeat: int) -> dict[str, float]:
-    """GPU time per call of every kernel ``fn`` launches (ms, from torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(repeat):
-            fn()
-        torch.cuda.synchronize()
-    out: dict[str, float] = {}
-    for event in prof.key_averages():
-        device_us = getattr(event, "self_device_time_total", 0) or getattr(event, "self_cuda_time_total", 0)
-        if device_us > 0:
-            out[event.key[:60]] = device_us / repeat / 1e3
-    return out
 
 
 def make_backend(variant: str) -> CuTeDSLGatedDeltaProductCPBackend:
@@ -133,9 +87,7 @@ def main() -> None:
           f"{'x wall':>7} {'x kern':>7} {'TFLOP/s':>8} {'rel diff':>9}", flush=True)
     rows, breakdowns = [], []
     for case in args.cases:
-        shape, nh = case.split(":")
-        docs, doc_tokens = (int(x) for x in shape.split("x"))
-        nh = int(nh)
+        docs, doc_tokens, nh = parse_case(case)
         q, k, v, g, beta, cu = make_inputs(docs, doc_tokens, args.heads, args.dim, nh)
         tokens = docs * doc_tokens
         inputs = GDPInputs(q, k, v, g, beta, args.dim ** -0.5, nh, True, cu, save_for_backward=False)  # inference
@@ -172,7 +124,7 @@ def main() -> None:
     print("\nper-kernel GPU time per call (ms, torch.profiler), largest first")
     for case, who, kernels in breakdowns:
         top = sorted(kernels.items(), key=lambda item: -item[1])[:8]
-        print(f"{case:>12} {who:>9}: " + "  ".join(f"{name} {ms:.3f}" for name, ms in top), flush=True)
+        print(f"{case:>12} {who:>9}: " + "  ".join(f"{name[:60]} {ms:.3f}" for name, ms in top), flush=True)
     with open(os.path.join(args.out, "bench_gdp_fwd.csv"), "w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(header)

@@ -23,32 +23,17 @@ import contextlib
 import csv
 import os
 import re
-import statistics
 
 import torch
 
+from _bench_common import kernel_times, time_ms
 from torch_api import gated_delta_product
 from torch_api.gdp.cutedsl import CuTeDSLGatedDeltaProductCPBackend
 
 
-def _time(fn, repeat: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
-
-
 def _back_to_back_ms(fn, steps: int = 10) -> float:
     """ms per step over ``steps`` steps queued back to back (one sync at the end), as a training loop
-    runs them: a host sync inside a step drains the queue here, unlike in ``_time``."""
+    runs them: a host sync inside a step drains the queue here, unlike in ``time_ms``."""
     fn()
     torch.cuda.synchronize()
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -100,16 +85,7 @@ def _graphed(step):
 
 def _kernel_ms(fn, repeat: int) -> tuple[float, list[tuple[str, float]]]:
     """GPU kernel time per call (ms) and the ten largest kernels (name, ms per call)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(repeat):
-            fn()
-        torch.cuda.synchronize()
-    events = [(e.key, (getattr(e, "self_device_time_total", 0) or 0) / repeat / 1e3) for e in prof.key_averages()]
-    events = sorted((item for item in events if item[1] > 0), key=lambda item: -item[1])
+    events = sorted(kernel_times(fn, repeat).items(), key=lambda item: -item[1])
     return sum(ms for _, ms in events), events[:10]
 
 
@@ -206,7 +182,7 @@ def main() -> None:
             try:
                 if name == "ours-graph":
                     step = _graphed(step)
-                wall_ms = _time(step, args.repeat)
+                wall_ms = time_ms(step, args.repeat, warmup=2)
                 kernel_ms, largest = _kernel_ms(step, args.repeat)
                 row = [tokens, name, wall_ms, kernel_ms, _peak_mb(step), _back_to_back_ms(step)]
             except Exception as err:  # report and keep measuring the others
@@ -221,7 +197,7 @@ def main() -> None:
                 leaves = [x.detach().requires_grad_() for x in (q, k, v, g, beta)]
                 fla_step(leaves, do, dfinal)
             try:
-                wall_ms = _time(fla, args.repeat)
+                wall_ms = time_ms(fla, args.repeat, warmup=2)
                 kernel_ms, largest = _kernel_ms(fla, args.repeat)
                 row = [tokens, "FLA", wall_ms, kernel_ms, _peak_mb(fla), _back_to_back_ms(fla)]
                 rows.append(row)

@@ -35,6 +35,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
 
+from _bench_common import make_inputs as gdp_inputs, parse_case  # noqa: E402
+
 DEFAULT_CASES = ["1x8192:2", "1x32768:2", "1x131072:2", "1x32768:1", "32x1024:2"]
 
 
@@ -74,16 +76,10 @@ def same_bits(a: torch.Tensor, b: jax.Array) -> bool:
 
 
 def make_inputs(docs: int, doc_tokens: int, heads: int, dim: int, nh: int, seed: int = 0):
+    """bench_gdp_fwd.py's inputs and an output gradient dO (bf16), drawn after them from the same generator."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    rand = lambda *shape: torch.randn(*shape, device="cuda", generator=gen)  # noqa: E731
-    tokens = docs * doc_tokens
-    q = rand(1, tokens, heads, dim).bfloat16()
-    k = rand(1, tokens * nh, heads, dim).bfloat16()
-    v = rand(1, tokens * nh, heads, dim).bfloat16()
-    g = torch.nn.functional.logsigmoid(rand(1, tokens, heads) + 3.0).float()
-    beta = torch.sigmoid(rand(1, tokens * nh, heads)).float()
-    cu = torch.arange(0, tokens + 1, doc_tokens, dtype=torch.int32, device="cuda")
-    do = rand(1, tokens, heads, dim).bfloat16()
+    q, k, v, g, beta, cu = gdp_inputs(docs, doc_tokens, heads, dim, nh, generator=gen)
+    do = torch.randn(1, docs * doc_tokens, heads, dim, device="cuda", generator=gen).bfloat16()
     return q, k, v, g, beta, cu, do
 
 
@@ -93,9 +89,7 @@ def one_device_case(case: str, heads: int, dim: int, repeat: int) -> dict:
     import torch_api
     import torch_api.gdp.cutedsl as tcd
 
-    shape, nh = case.split(":")
-    docs, doc_tokens = (int(x) for x in shape.split("x"))
-    nh = int(nh)
+    docs, doc_tokens, nh = parse_case(case)
     q, k, v, g, beta, cu, do = make_inputs(docs, doc_tokens, heads, dim, nh)
     options = dict(num_householder=nh, use_qk_l2norm_in_kernel=True)
     row = {"case": case, "tokens": docs * doc_tokens, "nh": nh}

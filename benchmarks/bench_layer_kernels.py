@@ -26,7 +26,7 @@ import os
 
 import torch
 
-from bench_gdp_fwd import time_ms
+from _bench_common import time_ms
 from cp_linear.kernels import configs as cfg
 from cp_linear.kernels import launch as kl
 from cp_linear.kernels.emulation import run_three_ways

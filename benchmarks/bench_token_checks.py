@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from bench_gdp_fwd import make_inputs as gdp_inputs, time_ms
+from _bench_common import make_inputs as gdp_inputs, time_ms
 from cp_linear.validation import gdp_bad_tokens
 from torch_api.gdp import isolation
 

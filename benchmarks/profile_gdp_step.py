@@ -22,7 +22,7 @@ import time
 from collections import defaultdict
 
 import torch
-from bench_gdp_train import _time as wall_ms  # the same timer (benchmarks/ is the script's directory)
+from _bench_common import time_ms  # the benchmarks' timer (benchmarks/ is the script's directory)
 from torch.profiler import ProfilerActivity, profile
 
 from torch_api import gated_delta_product
@@ -194,7 +194,7 @@ def main() -> None:
             continue
         for check in (True, False):
             step = make_step(tokens, args.nh, args.heads, check)
-            print(f"T={tokens} check_inputs={check}: wall {wall_ms(step, 10):.3f} ms per fwd+bwd", flush=True)
+            print(f"T={tokens} check_inputs={check}: wall {time_ms(step, 10, warmup=2):.3f} ms per fwd+bwd", flush=True)
         profile_step(make_step(tokens, args.nh, args.heads, True), tokens, args.out)
         torch.cuda.empty_cache()
 

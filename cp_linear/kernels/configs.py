@@ -217,18 +217,10 @@ class ChunkReverseConfig:
 
 
 @dataclass(frozen=True)
-class ChunkPrepBackwardConfig:
+class ChunkPrepBackwardConfig(ChunkPrepConfig):
     """The backward of ``chunk_prep`` per chunk (``chunk_prep_backward``): dq, dk, dg, dbeta from the
-    gradients of Ta, Tb, P and the scalars, plus the scan's parts of dq and dk."""
-
-    dtype: str
-    key_dim: int
-    query_tile: int
-
-    def validate(self) -> None:
-        _check_tensor_core_dtype(self.dtype)
-        _check_head_dim("key_dim", self.key_dim)
-        _check_query_tile(self.query_tile)
+    gradients of Ta, Tb, P and the scalars, plus the scan's parts of dq and dk. Fields and checks as
+    ``ChunkPrepConfig``."""
 
 
 @dataclass(frozen=True)

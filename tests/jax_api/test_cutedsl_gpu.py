@@ -28,6 +28,7 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 from tests.cp_linear.gdp_cases import rel_err, seq_idx_from_lengths  # noqa: E402
+from tests.cutedsl_inputs import emulation_inputs  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta")
@@ -51,18 +52,6 @@ def kernels_here():
     sm_torch = torch.cuda.get_device_properties(0).multi_processor_count
     # segments are sized from the SM count: both frameworks must see the same one
     assert sm_jax == sm_torch, f"JAX sees {sm_jax} SMs, torch {sm_torch}"
-
-
-def _inputs(lengths, heads, key_dim, value_dim, n_h, dtype, seed, rows=1):
-    gen = torch.Generator().manual_seed(seed)
-    tokens = sum(lengths)
-    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    q = r(rows, tokens, heads, key_dim).to(dtype)
-    k = r(rows, tokens * n_h, heads, key_dim).to(dtype)
-    v = r(rows, tokens * n_h, heads, value_dim).to(dtype)
-    g = torch.nn.functional.logsigmoid(r(rows, tokens, heads) + 3.0)
-    beta = torch.sigmoid(r(rows, tokens * n_h, heads))
-    return q, k, v, g, beta
 
 
 def _jax(t: torch.Tensor, device=None) -> jax.Array:
@@ -103,7 +92,8 @@ def test_one_device_op_matches_torch_bit_for_bit(kernels_here, lengths, rows, he
     import torch_api.gdp.cutedsl as tcd
 
     packed = rows == 1 and len(lengths) > 1
-    q, k, v, g, beta = _inputs(lengths, heads, key_dim, value_dim, n_h, dtype, seed=len(lengths) + n_h, rows=rows)
+    q, k, v, g, beta = emulation_inputs(lengths, heads, key_dim, value_dim, n_h, seed=len(lengths) + n_h, rows=rows,
+                                       dtype=dtype)
     count = len(lengths) if packed else rows
     gen = torch.Generator().manual_seed(11)
     initial = torch.randn(count, heads, key_dim, value_dim, generator=gen) * 0.1
@@ -153,7 +143,7 @@ def test_new_packings_reuse_the_program_and_the_kernels(kernels_here):
     from cp_linear.kernels import cache
 
     n_h, heads, dim = 2, 4, 128
-    q, k, v, g, beta = (_jax(x) for x in _inputs([4096], heads, dim, dim, n_h, torch.bfloat16, seed=3))
+    q, k, v, g, beta = (_jax(x) for x in emulation_inputs([4096], heads, dim, dim, n_h, seed=3))
     backend = jcd.CuTeDSLGatedDeltaProductCPBackend(backward="kernels")
     traces = []
 
@@ -281,7 +271,7 @@ def test_cp_over_two_gpus_matches_torch_bit_for_bit(kernels_here):
 
     n_h, heads, dim = 2, 4, 128
     lengths = [1000, 5000, 2192]  # shards of 4096: [1000, 3096] | [1904, 2192]; the middle one spans both
-    q, k, v, g, beta = _inputs(lengths, heads, dim, dim, n_h, torch.bfloat16, seed=21)
+    q, k, v, g, beta = emulation_inputs(lengths, heads, dim, dim, n_h, seed=21)
     do = torch.randn(1, sum(lengths), heads, dim, generator=torch.Generator().manual_seed(22)).bfloat16()
     half = sum(lengths) // 2
     cu_local = [[0, 1000, half], [0, 6000 - half, half]]

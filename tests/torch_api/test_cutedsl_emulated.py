@@ -84,6 +84,19 @@ def test_one_device_rows_forward_matches_float64(emulated, with_initial):
             assert rel_err(final[one].numpy(), final_ref) < STATE_LIMIT
 
 
+def _two_shards(q, k, v, g, beta, n_h, cu_local):
+    """Rank 0's and rank 1's GDPInputs: the first and the second half of the tokens (and of their n_h steps),
+    with the ranks' local cu_seqlens (or None for rows)."""
+    half = q.shape[1] // 2
+    shards = []
+    for rank in range(2):
+        tok = slice(rank * half, (rank + 1) * half)
+        step = slice(rank * half * n_h, (rank + 1) * half * n_h)
+        shards.append(GDPInputs(q[:, tok], k[:, step], v[:, step], g[:, tok], beta[:, step], scale=q.shape[-1] ** -0.5,
+                                num_householder=n_h, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_local[rank]))
+    return shards
+
+
 @pytest.mark.parametrize("layout", ["spanning", "packed", "rows"])
 def test_cp_prepare_apply_over_two_shards_matches_one_device(emulated, layout):
     n_h, heads, dim = 2, 2, 64
@@ -101,14 +114,7 @@ def test_cp_prepare_apply_over_two_shards_matches_one_device(emulated, layout):
         cu_local = [torch.tensor([0, 128] if layout == "spanning" else [0, 60, 128], dtype=torch.int32),
                     torch.tensor([0, 128] if layout == "spanning" else [0, 82, 128], dtype=torch.int32)]
         o_ref = _reference(q, k, v, g, beta, n_h, cu_global)[0]
-    half = q.shape[1] // 2
-    shards = []
-    for rank in range(2):
-        tok = slice(rank * half, (rank + 1) * half)
-        step = slice(rank * half * n_h, (rank + 1) * half * n_h)
-        shards.append(GDPInputs(q[:, tok], k[:, step], v[:, step], g[:, tok], beta[:, step], scale=dim ** -0.5,
-                                num_householder=n_h, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_local[rank]))
-    prepared = [backend.cp_forward_prepare(shard) for shard in shards]
+    prepared = [backend.cp_forward_prepare(shard) for shard in _two_shards(q, k, v, g, beta, n_h, cu_local)]
     out0 = backend.cp_forward_apply(prepared[0][1], None).output
     preceding = prepared[0][0].packed[None]
     out1 = backend.cp_forward_apply(prepared[1][1], preceding).output
@@ -328,13 +334,7 @@ def test_kernel_cp_backward_over_two_shards_matches_float64(emulated, layout):
         else [torch.tensor([0, 60, 128], dtype=torch.int32), torch.tensor([0, 82, 128], dtype=torch.int32)])
     do = torch.randn(rows, sum(lengths), heads, dim, generator=torch.Generator().manual_seed(8)).bfloat16()
     half = q.shape[1] // 2
-    shards = []
-    for rank in range(2):
-        tok = slice(rank * half, (rank + 1) * half)
-        step = slice(rank * half * n_h, (rank + 1) * half * n_h)
-        shards.append(GDPInputs(q[:, tok], k[:, step], v[:, step], g[:, tok], beta[:, step], scale=dim ** -0.5,
-                                num_householder=n_h, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_local[rank]))
-    prepared = [backend.cp_forward_prepare(shard) for shard in shards]
+    prepared = [backend.cp_forward_prepare(shard) for shard in _two_shards(q, k, v, g, beta, n_h, cu_local)]
     saved = [backend.cp_forward_apply(prepared[0][1], None).saved_context,
              backend.cp_forward_apply(prepared[1][1], prepared[0][0].packed[None]).saved_context]
     backward = [backend.cp_backward_prepare(do[:, r * half:(r + 1) * half], saved[r]) for r in range(2)]
@@ -544,11 +544,7 @@ def test_cp_apply_saved_segment_states_continue_from_the_preceding_summaries(emu
             cu_local = [torch.tensor([0, 60, 128], dtype=torch.int32), torch.tensor([0, 82, 128], dtype=torch.int32)]
             pieces = [[(0, 0, 0, 60, None), (0, 60, 60, 68, None)], [(0, 60, 128, 82, None), (0, 210, 210, 46, None)]]
     g = g * 0.05  # the preceding state still matters on rank 1
-    shards = [GDPInputs(q[:, rank * half:(rank + 1) * half], k[:, rank * half * n_h:(rank + 1) * half * n_h],
-                        v[:, rank * half * n_h:(rank + 1) * half * n_h], g[:, rank * half:(rank + 1) * half],
-                        beta[:, rank * half * n_h:(rank + 1) * half * n_h], scale=dim ** -0.5, num_householder=n_h,
-                        use_qk_l2norm_in_kernel=True, cu_seqlens=cu_local[rank]) for rank in range(2)]
-    prepared = [backend.cp_forward_prepare(shard) for shard in shards]
+    prepared = [backend.cp_forward_prepare(shard) for shard in _two_shards(q, k, v, g, beta, n_h, cu_local)]
     results = [backend.cp_forward_apply(prepared[0][1], None),
                backend.cp_forward_apply(prepared[1][1], prepared[0][0].packed[None])]
     segment_tokens = segment_chunks * (64 // n_h)
