@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import os
 import statistics
 import sys
@@ -159,6 +160,9 @@ def _layout_row(name, lengths, args, q, k, v, g, beta, output_grad):
     phases = _rank_phases(backend, shards, output_grad, args.repeat, args.warmup)
     with torch.no_grad():
         one_forward = time_ms(lambda: backend.one_device_forward(full), args.repeat, args.warmup)
+        # the lean forward (no backward follows: four launches, a fold of V rows; docs of _inference_forward)
+        lean = dataclasses.replace(full, save_for_backward=False)
+        one_lean_forward = time_ms(lambda: backend.one_device_forward(lean), args.repeat, args.warmup)
         one_step = time_ms(lambda: _one_device(backend, full, output_grad), args.repeat, args.warmup)
         part, part_grad = shards[0].inputs, output_grad[:, shards[0].tokens].contiguous()
         part_forward = time_ms(lambda: backend.one_device_forward(part), args.repeat, args.warmup)
@@ -173,7 +177,8 @@ def _layout_row(name, lengths, args, q, k, v, g, beta, output_grad):
     cp_step_ms = cp_forward_ms + worst[2] + exchange["backward"] + worst[3]
     return dict(layout=name, documents=len(lengths), world=world, tokens=args.tokens, phases=phases,
                 summary_bytes=sent, exchange_ms=exchange, cp_forward_ms=cp_forward_ms, cp_step_ms=cp_step_ms,
-                one_forward_ms=one_forward, one_step_ms=one_step, part_forward_ms=part_forward,
+                one_forward_ms=one_forward, one_lean_forward_ms=one_lean_forward, one_step_ms=one_step,
+                part_forward_ms=part_forward,
                 part_step_ms=part_step, forward_ratio=cp_forward_ms / one_forward, step_speedup=one_step / cp_step_ms,
                 errors=errors)
 
@@ -188,7 +193,8 @@ def _print(row) -> None:
     sent, exchange = row["summary_bytes"], row["exchange_ms"]
     print(f"exchange estimate: forward {sent['forward'] / 2**20:.2f} MiB -> {exchange['forward'] * 1e3:.1f} us, "
           f"backward {sent['backward'] / 2**20:.2f} MiB -> {exchange['backward'] * 1e3:.1f} us per rank")
-    print(f"one device: fwd {row['one_forward_ms']:.3f} ms, fwd+bwd {row['one_step_ms']:.3f} ms at T; "
+    print(f"one device: fwd {row['one_forward_ms']:.3f} ms (lean, no backward: {row['one_lean_forward_ms']:.3f}), "
+          f"fwd+bwd {row['one_step_ms']:.3f} ms at T; "
           f"fwd {row['part_forward_ms']:.3f} ms, fwd+bwd {row['part_step_ms']:.3f} ms at T/{world}")
     forward_target = FORWARD_RATIO_TARGET[layout]
     step_met = row["step_speedup"] >= STEP_SPEEDUP_TARGET
