@@ -25,6 +25,20 @@ def time_ms(fn, repeat: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def back_to_back_ms(fn, steps: int = 10) -> float:
+    """ms per step over ``steps`` steps queued back to back (one sync at the end), as a training loop
+    runs them: a host sync inside a step drains the queue here, unlike in ``time_ms``."""
+    fn()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        fn()
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop) / steps
+
+
 def kernel_times(fn, repeat: int) -> dict[str, float]:
     """GPU time per call (ms, from torch.profiler) of every kernel ``fn`` launches, by the kernel's full name."""
     from torch.profiler import ProfilerActivity, profile

@@ -55,25 +55,27 @@ def _packed_lengths(tokens: int, seed: int, low: int = 1024, high: int = 8192) -
 
 def _phase_ms(step, phases: int, repeat: int, warmup: int) -> list[float]:
     """Median ms of each phase of ``step(mark)``, which calls ``mark()`` after each of its ``phases``
-    phases: CUDA events on the current stream, so each phase's time is what it keeps the GPU busy
-    (host launch gaps included where the host falls behind)."""
+    phases: CUDA events on the current stream, ``repeat`` steps queued back to back with one sync at the
+    end, as a training loop runs them (the host runs ahead; a synchronised start would add the host's
+    launch latency to the first phase, which a one-device step timed the same way pays only once)."""
     for _ in range(warmup):
         step(lambda: None)
     torch.cuda.synchronize()
-    samples = []
+    marks = []
     for _ in range(repeat):
         events = [torch.cuda.Event(enable_timing=True)]
         events[0].record()
 
-        def mark():
+        def mark(events=events):
             events.append(torch.cuda.Event(enable_timing=True))
             events[-1].record()
 
         step(mark)
         if len(events) != phases + 1:
             raise RuntimeError(f"the step marked {len(events) - 1} phases; expected {phases}")
-        events[-1].synchronize()
-        samples.append([a.elapsed_time(b) for a, b in zip(events[:-1], events[1:])])
+        marks.append(events)
+    torch.cuda.synchronize()
+    samples = [[a.elapsed_time(b) for a, b in zip(events[:-1], events[1:])] for events in marks]
     return [statistics.median(column) for column in zip(*samples)]
 
 
@@ -146,7 +148,7 @@ def _rank_phases(backend, shards, output_grad, repeat: int, warmup: int) -> list
 
 
 def _layout_row(name, lengths, args, q, k, v, g, beta, output_grad):
-    from _bench_common import time_ms
+    from _bench_common import back_to_back_ms
     from torch_api import GDPInputs
     from torch_api.gdp.cutedsl import CuTeDSLGatedDeltaProductCPBackend
     from tests.torch_api.cp_shards import split_into_shards
@@ -159,14 +161,14 @@ def _layout_row(name, lengths, args, q, k, v, g, beta, output_grad):
     errors = _check(backend, shards, full, output_grad)
     phases = _rank_phases(backend, shards, output_grad, args.repeat, args.warmup)
     with torch.no_grad():
-        one_forward = time_ms(lambda: backend.one_device_forward(full), args.repeat, args.warmup)
+        one_forward = back_to_back_ms(lambda: backend.one_device_forward(full), args.repeat)
         # the lean forward (no backward follows: four launches, a fold of V rows; docs of _inference_forward)
         lean = dataclasses.replace(full, save_for_backward=False)
-        one_lean_forward = time_ms(lambda: backend.one_device_forward(lean), args.repeat, args.warmup)
-        one_step = time_ms(lambda: _one_device(backend, full, output_grad), args.repeat, args.warmup)
+        one_lean_forward = back_to_back_ms(lambda: backend.one_device_forward(lean), args.repeat)
+        one_step = back_to_back_ms(lambda: _one_device(backend, full, output_grad), args.repeat)
         part, part_grad = shards[0].inputs, output_grad[:, shards[0].tokens].contiguous()
-        part_forward = time_ms(lambda: backend.one_device_forward(part), args.repeat, args.warmup)
-        part_step = time_ms(lambda: _one_device(backend, part, part_grad), args.repeat, args.warmup)
+        part_forward = back_to_back_ms(lambda: backend.one_device_forward(part), args.repeat)
+        part_step = back_to_back_ms(lambda: _one_device(backend, part, part_grad), args.repeat)
         forward_summary, local = backend.cp_forward_prepare(shards[0].inputs)
         saved = backend.cp_forward_apply(local, None).saved_context
         backward_summary, _ = backend.cp_backward_prepare(part_grad, saved)

@@ -26,23 +26,9 @@ import re
 
 import torch
 
-from _bench_common import kernel_times, time_ms
+from _bench_common import back_to_back_ms, kernel_times, time_ms
 from torch_api import gated_delta_product
 from torch_api.gdp.cutedsl import CuTeDSLGatedDeltaProductCPBackend
-
-
-def _back_to_back_ms(fn, steps: int = 10) -> float:
-    """ms per step over ``steps`` steps queued back to back (one sync at the end), as a training loop
-    runs them: a host sync inside a step drains the queue here, unlike in ``time_ms``."""
-    fn()
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(steps):
-        fn()
-    stop.record()
-    stop.synchronize()
-    return start.elapsed_time(stop) / steps
 
 
 class _ChecksReadFirst:
@@ -184,7 +170,7 @@ def main() -> None:
                     step = _graphed(step)
                 wall_ms = time_ms(step, args.repeat, warmup=2)
                 kernel_ms, largest = _kernel_ms(step, args.repeat)
-                row = [tokens, name, wall_ms, kernel_ms, _peak_mb(step), _back_to_back_ms(step)]
+                row = [tokens, name, wall_ms, kernel_ms, _peak_mb(step), back_to_back_ms(step)]
             except Exception as err:  # report and keep measuring the others
                 print(f"{tokens:>8} {name:>15} failed: {type(err).__name__}: {err}", flush=True)
                 continue
@@ -199,7 +185,7 @@ def main() -> None:
             try:
                 wall_ms = time_ms(fla, args.repeat, warmup=2)
                 kernel_ms, largest = _kernel_ms(fla, args.repeat)
-                row = [tokens, "FLA", wall_ms, kernel_ms, _peak_mb(fla), _back_to_back_ms(fla)]
+                row = [tokens, "FLA", wall_ms, kernel_ms, _peak_mb(fla), back_to_back_ms(fla)]
                 rows.append(row)
                 print(f"{row[0]:>8} {row[1]:>15} {row[2]:>9.3f} {row[3]:>10.3f} {row[4]:>9.0f} {row[5]:>9.3f}", flush=True)
                 if args.kernels:

@@ -30,8 +30,9 @@ def _word_selectable(x: torch.Tensor, mask: torch.Tensor) -> bool:
 
 
 def _select_words(mask: torch.Tensor, word: int, x: torch.Tensor) -> torch.Tensor:
-    fill = torch.tensor(word, dtype=torch.int64, device=x.device)
-    return torch.where(mask.contiguous(), fill, x.view(torch.int64)).view(x.dtype)
+    # the word as a Python scalar (a kernel argument): a tensor of it would be a host-to-device copy per
+    # call, which CUDA graph capture refuses
+    return torch.where(mask.contiguous(), word, x.view(torch.int64)).view(x.dtype)
 
 
 class _PoisonWords(torch.autograd.Function):
