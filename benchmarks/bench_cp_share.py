@@ -153,7 +153,7 @@ def _layout_row(name, lengths, args, q, k, v, g, beta, output_grad):
     from torch_api.gdp.cutedsl import CuTeDSLGatedDeltaProductCPBackend
     from tests.torch_api.cp_shards import split_into_shards
 
-    backend = CuTeDSLGatedDeltaProductCPBackend(backward="kernels")
+    backend = CuTeDSLGatedDeltaProductCPBackend(backward="kernels", ctas_per_sm=args.ctas_per_sm)
     world, nh, scale = args.world, args.nh, args.dim ** -0.5
     shards = split_into_shards(q, k, v, g, beta, lengths, world, num_householder=nh, l2norm=True)
     cu = torch.tensor(np.cumsum([0, *lengths]), dtype=torch.int32).to(q.device)
@@ -239,6 +239,8 @@ def main(argv=None) -> int:
     parser.add_argument("--link-gbps", type=float, default=300.0, help="link bandwidth, GB/s (bytes)")
     parser.add_argument("--link-latency-us", type=float, default=15.0, help="latency per hop, us")
     parser.add_argument("--layouts", nargs="+", choices=("spanning", "packed"), default=["spanning", "packed"])
+    parser.add_argument("--ctas-per-sm", type=float, default=2.0,
+                        help="the backend's segment sizing (output-pass CTAs per SM for one long sequence)")
     parser.add_argument("--out", default="benchmarks/results/")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
