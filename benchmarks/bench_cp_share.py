@@ -147,6 +147,49 @@ def _rank_phases(backend, shards, output_grad, repeat: int, warmup: int) -> list
     return per_rank
 
 
+def _rank_kernels(backend, shards, output_grad, repeat: int) -> list[list[dict[str, float]]]:
+    """Per rank and phase (as ``_rank_phases``): GPU ms per call of every kernel it launches (torch.profiler);
+    each phase is profiled alone, its inputs prepared once beforehand."""
+    from _bench_common import kernel_times
+    from torch_api.gdp.cp import _slice_summary
+    from tests.torch_api.cp_shards import cp_backward, cp_forward, following_ranks, preceding_ranks
+
+    with torch.no_grad():
+        forward = cp_forward(backend, shards)
+        backward = cp_backward(backend, shards, output_grad, forward.saved_contexts)
+        per_rank = []
+        for rank, shard in enumerate(shards):
+            preceding = _slice_summary(forward.gathered, preceding_ranks(shard, rank))
+            following = _slice_summary(backward.gathered, following_ranks(shard, rank))
+            rank_grad = output_grad[:, shard.tokens].contiguous()
+            _, local = backend.cp_forward_prepare(shard.inputs)
+            saved = backend.cp_forward_apply(local, preceding).saved_context
+            _, backward_local = backend.cp_backward_prepare(rank_grad, saved)
+            per_rank.append([
+                kernel_times(lambda: backend.cp_forward_prepare(shard.inputs), repeat),
+                kernel_times(lambda: backend.cp_forward_apply(local, preceding), repeat),
+                kernel_times(lambda: backend.cp_backward_prepare(rank_grad, saved), repeat),
+                kernel_times(lambda: backend.cp_backward_apply(backward_local, following), repeat)])
+    return per_rank
+
+
+def _print_kernels(per_rank, shards) -> None:
+    """Each phase's kernels (ms per call) side by side for the ranks, largest first."""
+    names = ("fwd prepare", "fwd apply", "bwd prepare", "bwd apply")
+    for rank, shard in enumerate(shards):
+        cu = shard.inputs.cu_seqlens
+        lengths = [shard.inputs.q.shape[1]] if cu is None else torch.diff(cu).tolist()
+        print(f"rank {rank}: {len(lengths)} local sequence(s) of {lengths} tokens")
+    for phase, name in enumerate(names):
+        kernels = sorted({k for rank in per_rank for k in rank[phase]},
+                         key=lambda k: -max(rank[phase].get(k, 0.0) for rank in per_rank))
+        totals = " / ".join(f"{sum(rank[phase].values()):.3f}" for rank in per_rank)
+        print(f"  {name} (kernel ms per rank: {totals})")
+        for kernel in kernels[:8]:
+            times = " / ".join(f"{rank[phase].get(kernel, 0.0):.3f}" for rank in per_rank)
+            print(f"    {times}  {kernel[:90]}")
+
+
 def _layout_row(name, lengths, args, q, k, v, g, beta, output_grad):
     from _bench_common import back_to_back_ms
     from torch_api import GDPInputs
@@ -160,6 +203,8 @@ def _layout_row(name, lengths, args, q, k, v, g, beta, output_grad):
     full = GDPInputs(q, k, v, g, beta, scale, nh, True, cu)
     errors = _check(backend, shards, full, output_grad)
     phases = _rank_phases(backend, shards, output_grad, args.repeat, args.warmup)
+    if args.kernels:
+        _print_kernels(_rank_kernels(backend, shards, output_grad, args.repeat), shards)
     with torch.no_grad():
         one_forward = back_to_back_ms(lambda: backend.one_device_forward(full), args.repeat)
         # the lean forward (no backward follows: four launches, a fold of V rows; docs of _inference_forward)
@@ -241,6 +286,8 @@ def main(argv=None) -> int:
     parser.add_argument("--layouts", nargs="+", choices=("spanning", "packed"), default=["spanning", "packed"])
     parser.add_argument("--ctas-per-sm", type=float, default=2.0,
                         help="the backend's segment sizing (output-pass CTAs per SM for one long sequence)")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also profile each rank's phases and print their kernels (torch.profiler)")
     parser.add_argument("--out", default="benchmarks/results/")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
