@@ -174,6 +174,7 @@ def layout_cases(seed: int = 0) -> None:
         summary = [None, kcfg.TRAILING_SEQUENCE, 0][index % 3]
         grad = [None, 0][(index // 3) % 2]
         every, every_grad = index % 7 == 3, index % 11 == 5
+        values_only = [None, 1, 0][(index // 2) % 3]
         sizes = kl.layout_sizes(total_tokens=max(total_tokens, 1), num_householder=n_h, num_sequences=sequences,
                                 heads=16, row_blocks=2, sm_count=132, segment_chunks=segment_chunks)
         tables = {name: torch.full((size,), -7, dtype=torch.int32, device="cuda")
@@ -181,19 +182,21 @@ def layout_cases(seed: int = 0) -> None:
         trailing = torch.full((1,), -7, dtype=torch.int32, device="cuda")
         kl.ForwardLayoutLaunch.of(cu, tables, trailing, num_householder=n_h, sizes=sizes, summary_sequence=summary,
                                   grad_summary_sequence=grad, every_segment_summary=every,
-                                  every_segment_grad_summary=every_grad).run()
+                                  every_segment_grad_summary=every_grad, values_only_from=values_only).run()
         nonempty = torch.nonzero(cu[1:] > cu[:-1]).flatten()
         last = int(nonempty[-1]) if nonempty.numel() else 0
         expected = kl.forward_layout(
             cu, total_tokens=max(total_tokens, 1), num_householder=n_h, heads=16, row_blocks=2, sm_count=132,
             segment_chunks=sizes.segment_chunks,
             summary_sequence=last if summary == kcfg.TRAILING_SEQUENCE else summary,
-            grad_summary_sequence=grad, every_segment_summary=every, every_segment_grad_summary=every_grad)
+            grad_summary_sequence=grad, every_segment_summary=every, every_segment_grad_summary=every_grad,
+            values_only_from=values_only)
         differ = [name for name in kl.LAYOUT_TABLES if not torch.equal(tables[name], getattr(expected, name))]
         if int(trailing[0]) != last:
             differ.append("trailing")
         check(f"layout kernel [N{sequences} nh{n_h} seg{sizes.segment_chunks} summary {summary} grad {grad} every "
-              f"{int(every)}{int(every_grad)} T{total_tokens}] tables equal forward_layout's (differ: {differ})",
+              f"{int(every)}{int(every_grad)} values-only {values_only} T{total_tokens}] tables equal "
+              f"forward_layout's (differ: {differ})",
               float(len(differ)), 0.0)
 
 

@@ -17,7 +17,8 @@ scalars), with rounding to the input dtype wherever a value becomes an MMA opera
 Four modes (compile-time):
 * "summary": rows are the segment's [E^T ; M^T] (V value rows, then K transition rows that see
   zero values), starting from [0 ; I]; the end rows go to ``summary`` [S, H, V + K, K]. Only
-  segments whose flag has bit 0 set run.
+  segments whose flag has bit 0 set run; a row block of transition rows only, in a segment flagged
+  ``VALUES_ONLY_FLAG``, writes zeros and scans nothing (its sequence starts from zero rows there).
 * "output": rows are S^T from ``state_in`` [S, H, V, K] (the folded incoming state of each
   segment); outputs go to ``o``. A sequence's last segment writes its end state, the sequence's
   final state, to ``state_out`` [N, H, K, V] (S, not S^T: the layout the frontends return), so no
@@ -42,7 +43,7 @@ from cutlass import Float32, Int32
 
 from cp_linear.kernels import _mma
 from cp_linear.kernels._common import cutlass_dtype
-from cp_linear.kernels.configs import CHUNK_SIZE, SUMMARY_FLAG, ChunkScanConfig
+from cp_linear.kernels.configs import CHUNK_SIZE, SUMMARY_FLAG, VALUES_ONLY_FLAG, ChunkScanConfig
 
 C = CHUNK_SIZE
 STAGES = 2
@@ -163,7 +164,15 @@ class ChunkScanKernel:
 
         run = segment < num_segments[0]
         if cutlass.const_expr(self.summary):
-            run = run & ((seg_flags[cutlass.min(segment, seg_flags.shape[0] - 1)] & SUMMARY_FLAG) != 0)
+            flags = seg_flags[cutlass.min(segment, seg_flags.shape[0] - 1)]
+            run = run & ((flags & SUMMARY_FLAG) != 0)
+            # transition rows nobody reads (VALUES_ONLY_FLAG): zeros, so the fold's X M^T stays finite
+            unneeded = run & ((flags & VALUES_ONLY_FLAG) != 0) & (row_block * R >= V)
+            if unneeded:
+                for i in cutlass.range(R * K // self.threads, unroll=8):
+                    flat = i * self.threads + tidx
+                    state_out[segment, head, row_block * R + flat // K, flat % K] = Float32(0.0)
+            run = run & (((flags & VALUES_ONLY_FLAG) == 0) | (row_block * R < V))
         if run:
             row0 = row_block * R
             is_value_rows = row0 < V

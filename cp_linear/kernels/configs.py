@@ -25,6 +25,9 @@ SUMMARY_FLAG = 1  # seg_flags / seg_grad_flags bit 0: build this segment's (back
 # seg_grad_flags bit 1: the forward summarised this segment too; its backward transition rows M_b are
 # the forward's transition rows transposed (kept by the forward), so ChunkGamma skips them
 FORWARD_TRANSITION_FLAG = 2
+# seg_flags bit 1: the summary's transition rows M are not needed (the first segment of a sequence that starts
+# from zero rows, whose prefix maps nobody applies): the summary pass writes them as zeros without a scan
+VALUES_ONLY_FLAG = 2
 VALUE_CHECKS_THREADS = 256  # threads per value-checks CTA
 VALUE_CHECKS_UNROLL = 4  # 16-byte vectors a thread loads per grid-stride step, all in flight before any is tested
 TOKEN_CHECKS_THREADS = 256  # threads per token-checks CTA

@@ -22,6 +22,7 @@ and, with the state held transposed as rows X = S^T [R, K] (value rows see v, tr
 from __future__ import annotations
 
 from cp_linear.gdp import L2NORM_EPS
+from cp_linear.kernels import configs as cfg
 
 
 def _rounder(dtype):
@@ -117,6 +118,11 @@ def emulate_chunk_scan(launch) -> None:
                 launch.o[first // n_h:first // n_h + tokens] = out[:, :, :tokens].permute(2, 0, 1).to(launch.o.dtype)
             X = sc[:, 2, 0, None, None] * X + rnd(D * sc[:, 0, None, :]) @ kc
         if summary:
+            if int(launch.seg_flags[segment]) & cfg.VALUES_ONLY_FLAG:
+                # the kernel writes zeros for its row blocks of transition rows only (not scanned)
+                R = config.rows_per_cta
+                first_zero_row = -(-V // R) * R
+                X[:, first_zero_row:] = 0.0
             launch.state_out[segment] = X
         elif config.mode != "states":  # a sequence's last segment: its final state S = X^T
             bounds = [int(b) for b in launch.seq_first_segment]
@@ -176,7 +182,6 @@ def emulate_forward_layout(launch) -> None:
     """The layout kernel through its reference, the array-API ``forward_layout`` (sizes from the tables')."""
     import torch
 
-    from cp_linear.kernels import configs as cfg
     from cp_linear.kernels import launch as kl
 
     cu = launch.cu_seqlens
@@ -195,7 +200,9 @@ def emulate_forward_layout(launch) -> None:
                                row_blocks=1, sm_count=1, segment_chunks=segment_chunks, summary_sequence=summary,
                                grad_summary_sequence=None if grad < 0 else grad,
                                every_segment_summary=bool(int(launch.every_segment_summary)),
-                               every_segment_grad_summary=bool(int(launch.every_segment_grad_summary)))
+                               every_segment_grad_summary=bool(int(launch.every_segment_grad_summary)),
+                               values_only_from=None if int(launch.values_only_from) < 0
+                               else int(launch.values_only_from))
     for name in kl.LAYOUT_TABLES:
         out, table = getattr(launch, name), getattr(layout, name)
         if out.shape != table.shape:

@@ -11,7 +11,8 @@ shared memory (as ``chunking.bounds_after_first``: entries past the real ones la
 
 ``summary_sequence``: -1 none, ``TRAILING_SEQUENCE`` the last sequence with tokens (found here from the
 first segments, and written to ``trailing``: 0 when no sequence has tokens), else that index.
-``grad_summary_sequence``: -1 none, else that index. The caller folds the single-sequence rules of
+``grad_summary_sequence``: -1 none, else that index. ``values_only_from``: -1 none, else the first sequence
+whose summarised first segment also carries ``VALUES_ONLY_FLAG``. The caller folds the single-sequence rules of
 ``forward_layout`` into ``every_segment_summary`` / ``every_segment_grad_summary``.
 """
 
@@ -21,7 +22,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from cp_linear.kernels.configs import FORWARD_TRANSITION_FLAG, ForwardLayoutConfig
+from cp_linear.kernels.configs import FORWARD_TRANSITION_FLAG, VALUES_ONLY_FLAG, ForwardLayoutConfig
 from cp_linear.kernels.configs import LAYOUT_ENTRIES_PER_THREAD as PER_THREAD
 from cp_linear.kernels.configs import LAYOUT_MAX_SEQUENCES as MAX_SEQUENCES
 from cp_linear.kernels.configs import LAYOUT_THREADS as THREADS
@@ -66,14 +67,14 @@ class ForwardLayoutKernel:
                  trailing: cute.Tensor,  # int32 [1]: the last sequence with tokens
                  num_householder: Int32, tokens_per_chunk: Int32, segment_chunks: Int32, summary_sequence: Int32,
                  grad_summary_sequence: Int32, every_segment_summary: Int32, every_segment_grad_summary: Int32,
-                 stream):
+                 values_only_from: Int32, stream):
         per_cta = THREADS * PER_THREAD
         entries = chunk_first_step.shape[0] + seg_first_chunk.shape[0]
         self.kernel(cu_seqlens, chunk_first_step, chunk_steps, num_chunks, seq_first_segment, seq_segments,
                     seg_first_chunk, seg_chunks, seg_flags, num_segments, seg_grad_flags, trailing, num_householder,
                     tokens_per_chunk, segment_chunks, summary_sequence, grad_summary_sequence, every_segment_summary,
-                    every_segment_grad_summary).launch(grid=((entries + per_cta - 1) // per_cta, 1, 1),
-                                                       block=(THREADS, 1, 1), stream=stream)
+                    every_segment_grad_summary, values_only_from).launch(
+                        grid=((entries + per_cta - 1) // per_cta, 1, 1), block=(THREADS, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, cu_seqlens: cute.Tensor, chunk_first_step: cute.Tensor, chunk_steps: cute.Tensor,
@@ -81,7 +82,8 @@ class ForwardLayoutKernel:
                seg_first_chunk: cute.Tensor, seg_chunks: cute.Tensor, seg_flags: cute.Tensor,
                num_segments: cute.Tensor, seg_grad_flags: cute.Tensor, trailing: cute.Tensor,
                num_householder: Int32, tokens_per_chunk: Int32, segment_chunks: Int32, summary_sequence: Int32,
-               grad_summary_sequence: Int32, every_segment_summary: Int32, every_segment_grad_summary: Int32):
+               grad_summary_sequence: Int32, every_segment_summary: Int32, every_segment_grad_summary: Int32,
+               values_only_from: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         block, _, _ = cute.arch.block_idx()
         warp, lane = tidx // 32, tidx % 32
@@ -175,7 +177,9 @@ class ForwardLayoutKernel:
                                              real & (summarised | (sequence == summarised_sequence)), summarised)
                 summarised = cutlass.select_(every_segment_summary != 0, real, summarised)
                 flag = cutlass.select_(summarised, Int32(1), Int32(0))
-                seg_flags[segment] = flag
+                values_only = (values_only_from >= 0) & (segment_index == 0) & (sequence >= values_only_from)
+                seg_flags[segment] = flag + cutlass.select_(summarised & values_only, Int32(VALUES_ONLY_FLAG),
+                                                            Int32(0))
                 preceded = (segment_index >= 1) | ((grad_summary_sequence >= 0) & (sequence == grad_summary_sequence))
                 grad_summarised = cutlass.select_(every_segment_grad_summary != 0, real, real & preceded)
                 seg_grad_flags[segment] = cutlass.select_(grad_summarised, 1 + FORWARD_TRANSITION_FLAG * flag, Int32(0))

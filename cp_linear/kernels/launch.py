@@ -17,7 +17,8 @@ Two halves, both free of torch and jax imports:
     chunk c:     first_step, steps (0 for c >= the real chunk count)
     segment s:   ``segment_chunks`` consecutive chunks of one sequence (the last may be shorter);
                  flags bit 0 = build its [E | M] summary (every segment but a sequence's last,
-                 and every segment of ``summary_sequence`` for the CP summary); grad flags bit 0 =
+                 and every segment of ``summary_sequence`` for the CP summary), bit 1 = only its
+                 value rows E are needed (``values_only_from``); grad flags bit 0 =
                  build its backward summary, bit 1 = the forward summarised it (its transition
                  rows come from the forward: ChunkGamma writes only the gamma rows)
 """
@@ -34,6 +35,7 @@ from cp_linear.kernels import configs as cfg
 
 SUMMARY_FLAG = cfg.SUMMARY_FLAG  # forward_layout writes flag words as int32 bools: this must stay bit 0
 FORWARD_TRANSITION_FLAG = cfg.FORWARD_TRANSITION_FLAG
+VALUES_ONLY_FLAG = cfg.VALUES_ONLY_FLAG
 # SegmentFoldLaunch.write_final: which sequences write their final rows (the trailing ones: the last
 # sequence with segments and the empty ones after it, whose index may be data)
 FINAL_NONE, FINAL_EVERY, FINAL_TRAILING = 0, 1, 2
@@ -595,6 +597,7 @@ class ForwardLayoutLaunch(_Launch):
     grad_summary_sequence: Any = _scalar("int32")
     every_segment_summary: Any = _scalar("int32")
     every_segment_grad_summary: Any = _scalar("int32")
+    values_only_from: Any = _scalar("int32")  # -1 none (``forward_layout``'s None)
 
     @staticmethod
     def takes(num_sequences: int) -> bool:
@@ -603,7 +606,8 @@ class ForwardLayoutLaunch(_Launch):
     @classmethod
     def of(cls, cu_seqlens, tables: dict, trailing, *, num_householder: int, sizes: LayoutSizes,
            summary_sequence: int | None = None, grad_summary_sequence: int | None = None,
-           every_segment_summary: bool = False, every_segment_grad_summary: bool = False) -> ForwardLayoutLaunch:
+           every_segment_summary: bool = False, every_segment_grad_summary: bool = False,
+           values_only_from: int | None = None) -> ForwardLayoutLaunch:
         """The launch writing ``tables`` (arrays by ``LAYOUT_TABLES`` name, of ``sizes.table_sizes()``) and
         ``trailing`` (int32 [1]); ``summary_sequence`` may be ``cfg.TRAILING_SEQUENCE`` (what a CP summary
         of a packed shard asks: its index is data)."""
@@ -615,17 +619,28 @@ class ForwardLayoutLaunch(_Launch):
                    grad_summary_sequence=-1 if grad_summary_sequence is None else grad_summary_sequence,
                    every_segment_summary=int(every_segment_summary or (single and summary_sequence is not None)),
                    every_segment_grad_summary=int(every_segment_grad_summary
-                                                  or (single and grad_summary_sequence is not None)))
+                                                  or (single and grad_summary_sequence is not None)),
+                   values_only_from=-1 if values_only_from is None else values_only_from)
 
 
 LAUNCHES[cfg.ForwardLayoutConfig] = ForwardLayoutLaunch
+
+
+def values_only_from(*, rows: bool, cp_summary: bool, initial_states: bool) -> int | None:
+    """``forward_layout``'s ``values_only_from`` for a packed forward: the first sequence that starts from
+    zero rows and whose prefix maps nobody applies. With initial states every sequence's maps are applied
+    to its S0 (None); the CP protocol (``cp_summary``) applies sequence 0's to the preceding ranks' state,
+    so from 1; the lean one-device forward applies none (0). Rows are left alone (None)."""
+    if rows or initial_states:
+        return None
+    return 1 if cp_summary else 0
 
 
 def forward_layout(cu_seqlens, *, total_tokens: int, num_householder: int, heads: int, row_blocks: int,
                    sm_count: int, segment_chunks: int | None = None, summary_sequence: int | None = None,
                    ctas_per_sm: float = 2, grad_summary_sequence: int | None = None,
                    every_segment_summary: bool = False, every_segment_grad_summary: bool = False,
-                   grad_flags: bool = True) -> ForwardLayout:
+                   grad_flags: bool = True, values_only_from: int | None = None) -> ForwardLayout:
     """Chunk and segment tables from ``cu_seqlens`` (int [N + 1], on the device; any array namespace).
 
     ``total_tokens`` (T_all) and N = len(cu_seqlens) - 1 are host ints, so every table has a fixed
@@ -639,6 +654,10 @@ def forward_layout(cu_seqlens, *, total_tokens: int, num_householder: int, heads
     ``summary_sequence`` / ``grad_summary_sequence`` of a single sequence (N = 1; it can only be
     sequence 0) flags every segment without an array operation, and N = 1 runs no sequence search.
     ``grad_flags=False``: no ``seg_grad_flags`` (None; a forward without the kernel backward reads none).
+    ``values_only_from``: the summarised first segment of every sequence n >= it also carries
+    ``VALUES_ONLY_FLAG``: those sequences start from zero rows, so X M_0^T vanishes and nobody applies their
+    prefix maps (the caller's promise: no initial states, and under CP not the leading sequence 0). The
+    summary pass then skips the segment's transition rows (half its rows), and the fold reads them as zeros.
 
     Written for few array operations (each is a host dispatch, and on a GPU a launch): gathers by
     plain indexing (array_api_compat's torch ``take`` adds a negative-index ``where``), casts only
@@ -716,6 +735,13 @@ def forward_layout(cu_seqlens, *, total_tokens: int, num_householder: int, heads
             summarized = seg_real & (summarized | (seg_seq == summary_sequence))
     # a flag word with bit 0 set is the bool cast to int32 (SUMMARY_FLAG == 1)
     seg_flags = xp.astype(summarized, i32)
+    values_only = None
+    if values_only_from is not None:
+        first_segment = seg_index == 0
+        values_only = first_segment if single and values_only_from == 0 else (
+            None if single else first_segment & (seg_seq >= values_only_from))
+    if values_only is not None:
+        seg_flags = seg_flags + xp.astype(summarized & values_only, i32) * VALUES_ONLY_FLAG
     seg_grad_flags = None
     if grad_flags:
         if every_segment_grad_summary:
@@ -726,7 +752,7 @@ def forward_layout(cu_seqlens, *, total_tokens: int, num_householder: int, heads
                 preceded = preceded | (seg_seq == grad_summary_sequence)
             grad_summarized = seg_real & preceded
         # bit 0: a backward summary; FORWARD_TRANSITION_FLAG where the forward summarised it too
-        seg_grad_flags = xp.astype(grad_summarized, i32) * (1 + FORWARD_TRANSITION_FLAG * seg_flags)
+        seg_grad_flags = xp.astype(grad_summarized, i32) * (1 + FORWARD_TRANSITION_FLAG * xp.astype(summarized, i32))
     return ForwardLayout(
         num_householder=n_h, tokens_per_chunk=per_chunk, segment_chunks=segment_chunks, max_chunks=max_chunks,
         max_segments=max_segments, num_sequences=num_sequences, chunk_first_step=as32(chunk_first_step),

@@ -242,7 +242,10 @@ class CuTeDSLGatedDeltaProductCPBackend:
                                    segment_chunks=self.segment_chunks, summary_sequence=summary_sequence,
                                    ctas_per_sm=self.ctas_per_sm, grad_summary_sequence=grad_summary_sequence,
                                    every_segment_summary=cp_summary and rows,
-                                   every_segment_grad_summary=grad_summary_sequence is not None and rows)
+                                   every_segment_grad_summary=grad_summary_sequence is not None and rows,
+                                   values_only_from=kl.values_only_from(
+                                       rows=rows, cp_summary=cp_summary,
+                                       initial_states=inputs.initial_state is not None))
         shard = _Shard(inputs=inputs, rows=rows, q=q, k=k, v=v, layout=layout, row_block=row_block, trailing=trailing)
         chunks, tile = layout.max_chunks, shard.query_tile
         prep = self._launch(

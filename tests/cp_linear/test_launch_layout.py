@@ -16,7 +16,7 @@ TABLES = ("chunk_first_step", "chunk_steps", "num_chunks", "seq_first_segment", 
 
 
 def oracle_layout(lengths, n_h, segment_chunks, max_chunks, max_segments, *, summary_sequence=None,
-                  grad_summary_sequence=None, every_segment=False):
+                  grad_summary_sequence=None, every_segment=False, values_only_from=None):
     """The tables sequence by sequence and chunk by chunk, zero-padded to the layout's bounds."""
     per_chunk = kcfg.tokens_per_chunk(n_h)
     first_step, steps, first_chunk, chunks, flags, grad_flags = [], [], [], [], [], []
@@ -28,9 +28,12 @@ def oracle_layout(lengths, n_h, segment_chunks, max_chunks, max_segments, *, sum
             first_chunk.append(len(first_step) + index * segment_chunks)
             chunks.append(min(segment_chunks, seq_chunk_count - index * segment_chunks))
             flags.append(int(every_segment or index < segment_count - 1 or n == summary_sequence))
+            # bit 1: a first segment from zero rows, whose transition rows nobody reads
+            if flags[-1] and index == 0 and values_only_from is not None and n >= values_only_from:
+                flags[-1] += 2
             backward_summary = int(every_segment or index >= 1 or n == grad_summary_sequence)
             # bit 1: the forward summarised it too (the backward takes its transition rows from there)
-            grad_flags.append(backward_summary + 2 * (backward_summary and flags[-1]))
+            grad_flags.append(backward_summary + 2 * (backward_summary and flags[-1] & 1))
         for index in range(seq_chunk_count):
             first_step.append((token + index * per_chunk) * n_h)
             steps.append(min(per_chunk, length - index * per_chunk) * n_h)
@@ -69,16 +72,17 @@ NAMESPACES = {"numpy": lambda cu: np.asarray(cu, dtype=np.int32),
     pytest.param([200, 0, 0], 2, 3, 0, None, id="trailing-empty"),
 ])
 @pytest.mark.parametrize("every_segment", [False, True])
+@pytest.mark.parametrize("values_only_from", [None, 0, 1])
 def test_forward_layout_matches_oracle(namespace, lengths, n_h, segment_chunks, summary_sequence,
-                                       grad_summary_sequence, every_segment):
+                                       grad_summary_sequence, every_segment, values_only_from):
     cu = NAMESPACES[namespace](np.cumsum([0] + lengths).tolist())
     layout = kl.forward_layout(cu, total_tokens=sum(lengths), num_householder=n_h, heads=16, row_blocks=2,
                                sm_count=132, segment_chunks=segment_chunks, summary_sequence=summary_sequence,
                                grad_summary_sequence=grad_summary_sequence, every_segment_summary=every_segment,
-                               every_segment_grad_summary=every_segment)
+                               every_segment_grad_summary=every_segment, values_only_from=values_only_from)
     expected = oracle_layout(lengths, n_h, segment_chunks, layout.max_chunks, layout.max_segments,
                              summary_sequence=summary_sequence, grad_summary_sequence=grad_summary_sequence,
-                             every_segment=every_segment)
+                             every_segment=every_segment, values_only_from=values_only_from)
     for name in TABLES:
         table = getattr(layout, name)
         assert "int32" in str(table.dtype), name

@@ -675,9 +675,14 @@ def test_inference_forward_runs_the_lean_plan(emulated, monkeypatch, layout, wit
     layout_tables = fold.seq_first_segment
     real = int(layout_tables[-1])
     followed = torch.zeros(summary.seg_flags.shape[0], dtype=torch.int32)
+    values_only = torch.zeros_like(followed)  # zero starts: a first segment's transition rows go unread
     for n in range(layout_tables.shape[0] - 1):
         followed[int(layout_tables[n]):max(int(layout_tables[n + 1]) - 1, int(layout_tables[n]))] = 1
-    assert torch.equal(summary.seg_flags, followed) and real > int(followed.sum())
+        if initial is None and layout != "rows":
+            values_only[int(layout_tables[n])] = followed[int(layout_tables[n])]
+    assert torch.equal(summary.seg_flags & 1, followed) and real > int(followed.sum())
+    assert torch.equal(summary.seg_flags >> 1, values_only) and (initial is not None or layout == "rows"
+                                                               or int(values_only.sum()) > 0)
     assert (fold.incoming.shape[2], fold.value_rows, fold.identity_row) == (64, 64, 64)
     assert (fold.write_final, fold.descending, fold.first_sequence) == (kl.FINAL_NONE, 0, 0)
     sequences = layout_tables.shape[0] - 1

@@ -338,18 +338,22 @@ class CuTeDSLGatedDeltaProductCPBackend:
         tables_in_saved = False  # the layout kernel writes the saved buffer's table region itself
         if not rows:
             cu = self._cu(inputs, device)
+            # the summary pass skips the transition rows of first segments that start from zero rows
+            values_only = kl.values_only_from(rows=False, cp_summary=cp_summary,
+                                              initial_states=inputs.initial_state is not None)
             # the trailing sequence: the last nonempty one, found on the device (a graph-ready layout pads
             # cu_seqlens with empty sequences at its end, torch_api.layers.layout), so no host read; a
             # single sequence is the trailing one (a host int: no device search, no masks). Only the CP
             # summary reads it
             if kl.ForwardLayoutLaunch.takes(sizes.num_sequences):  # the tables in one launch
                 layout, trailing = self._layout_kernel(inputs, cu, sizes, saved, cp_summary=cp_summary,
-                                                       kernel_backward=kernel_backward)
+                                                       kernel_backward=kernel_backward, values_only_from=values_only)
                 tables_in_saved = saved is not None
             else:
                 trailing = _trailing_sequence(cu) if cp_summary else None
                 layout = kl.forward_layout(cu, summary_sequence=trailing,
                                            grad_summary_sequence=0 if kernel_backward else None,
+                                           values_only_from=values_only,
                                            grad_flags=kernel_backward, **layout_args)
         if layout.max_segments != sizes.max_segments:  # the custom ops' fake kernels read sizes.max_segments
             raise RuntimeError(f"forward_layout made {layout.max_segments} segments where _sizes predicted "
@@ -397,7 +401,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
         return shard
 
     def _layout_kernel(self, inputs: GDPInputs, cu: torch.Tensor, sizes: _LayoutSizes, saved: dict | None, *,
-                       cp_summary: bool, kernel_backward: bool) -> tuple[kl.ForwardLayout, torch.Tensor | int | None]:
+                       cp_summary: bool, kernel_backward: bool, values_only_from: int | None = None
+                       ) -> tuple[kl.ForwardLayout, torch.Tensor | int | None]:
         """``kl.forward_layout``'s tables from one ``ForwardLayoutLaunch`` (straight into the saved buffer's
         table region when the kernel backward keeps one) -> (layout, the trailing sequence: int32 [] on the
         device, the host int 0 of a single sequence, or None without a CP summary)."""
@@ -410,7 +415,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         kl.ForwardLayoutLaunch.of(
             cu, tables, trailing, num_householder=inputs.num_householder, sizes=sizes,
             summary_sequence=kcfg.TRAILING_SEQUENCE if cp_summary and not single else 0 if cp_summary else None,
-            grad_summary_sequence=0 if kernel_backward else None).run()
+            grad_summary_sequence=0 if kernel_backward else None, values_only_from=values_only_from).run()
         if not kernel_backward:
             tables["seg_grad_flags"] = None  # forward_layout(grad_flags=False): no backward reads them
         layout = kl.ForwardLayout(
