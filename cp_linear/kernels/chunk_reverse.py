@@ -203,26 +203,28 @@ class ChunkGammaKernel(_GradientRowsKernel):
                  p: cute.Tensor,  # [C_max, H, NQ, 64] input dtype
                  scalars: cute.Tensor,  # [C_max, H, 4, 64] float32
                  chunk_first_step: cute.Tensor, chunk_steps: cute.Tensor,  # int32 [C_max]
-                 seg_first_chunk: cute.Tensor, seg_chunks: cute.Tensor, seg_flags: cute.Tensor,  # int32 [S_max]
+                 seg_first_chunk: cute.Tensor, seg_chunks: cute.Tensor,  # int32 [S_max]
+                 seg_order: cute.Tensor, seg_flags: cute.Tensor,  # int32 [S_max]
                  num_segments: cute.Tensor,  # int32 [1]
                  summaries: cute.Tensor,  # [S_max, H, V + K, K] float32 (out): rows [gamma ; M_b]
                  num_householder: Int32, stream):
         tiled_mma = _mma.make_tiled_mma(self.dtype, self.warps)
         g2s = _mma.make_g2s_copy(self.dtype, self.threads)
-        self.kernel(k, q, do, ta, p, scalars, chunk_first_step, chunk_steps, seg_first_chunk, seg_chunks, seg_flags,
-                    num_segments, summaries, num_householder, tiled_mma, g2s).launch(
-            grid=(seg_first_chunk.shape[0], k.shape[1], (self.value_dim + self.key_dim) // self.rows),
+        self.kernel(k, q, do, ta, p, scalars, chunk_first_step, chunk_steps, seg_first_chunk, seg_chunks, seg_order,
+                    seg_flags, num_segments, summaries, num_householder, tiled_mma, g2s).launch(
+            grid=(k.shape[1], seg_first_chunk.shape[0], (self.value_dim + self.key_dim) // self.rows),
             block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, k: cute.Tensor, q: cute.Tensor, do: cute.Tensor, ta: cute.Tensor, p: cute.Tensor,
                scalars: cute.Tensor, chunk_first_step: cute.Tensor, chunk_steps: cute.Tensor,
-               seg_first_chunk: cute.Tensor, seg_chunks: cute.Tensor, seg_flags: cute.Tensor,
-               num_segments: cute.Tensor, summaries: cute.Tensor, num_householder: Int32,
+               seg_first_chunk: cute.Tensor, seg_chunks: cute.Tensor, seg_order: cute.Tensor,
+               seg_flags: cute.Tensor, num_segments: cute.Tensor, summaries: cute.Tensor, num_householder: Int32,
                tiled_mma: cute.TiledMma, g2s: cute.TiledCopy):
         V, R, NQ = self.value_dim, self.rows, self.query_tile
         tidx, _, _ = cute.arch.thread_idx()
-        segment, head, row_block = cute.arch.block_idx()
+        head, slot, row_block = cute.arch.block_idx()  # heads fastest: CTAs start in slot order
+        segment = seg_order[slot]  # longest segments first (forward_layout's seg_order)
         smem = self.allocate(False)
 
         flags = seg_flags[cutlass.min(segment, seg_flags.shape[0] - 1)]
@@ -263,7 +265,7 @@ class ChunkReverseScanKernel(_GradientRowsKernel):
                  k: cute.Tensor, q: cute.Tensor, do: cute.Tensor, ta: cute.Tensor, p: cute.Tensor,
                  scalars: cute.Tensor,  # as in ChunkGammaKernel
                  chunk_first_step: cute.Tensor, chunk_steps: cute.Tensor,  # int32 [C_max]
-                 seg_first_chunk: cute.Tensor, seg_chunks: cute.Tensor,  # int32 [S_max]
+                 seg_first_chunk: cute.Tensor, seg_chunks: cute.Tensor, seg_order: cute.Tensor,  # int32 [S_max]
                  num_segments: cute.Tensor,  # int32 [1]
                  grad_out: cute.Tensor,  # [S_max, H, V, K] float32: each segment's outgoing state gradient
                  chunk_grads: cute.Tensor,  # [C_max, H, V, K] input dtype (out): the gradient at each chunk's end
@@ -272,20 +274,22 @@ class ChunkReverseScanKernel(_GradientRowsKernel):
         tiled_mma = _mma.make_tiled_mma(self.dtype, self.warps)
         g2s = _mma.make_g2s_copy(self.dtype, self.threads)
         s2g = _mma.make_s2g_copy(self.dtype, self.threads)
-        self.kernel(k, q, do, ta, p, scalars, chunk_first_step, chunk_steps, seg_first_chunk, seg_chunks,
+        self.kernel(k, q, do, ta, p, scalars, chunk_first_step, chunk_steps, seg_first_chunk, seg_chunks, seg_order,
                     num_segments, grad_out, chunk_grads, grad_in, num_householder, tiled_mma, g2s, s2g).launch(
-            grid=(seg_first_chunk.shape[0], k.shape[1], self.value_dim // self.rows),
+            grid=(k.shape[1], seg_first_chunk.shape[0], self.value_dim // self.rows),
             block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, k: cute.Tensor, q: cute.Tensor, do: cute.Tensor, ta: cute.Tensor, p: cute.Tensor,
                scalars: cute.Tensor, chunk_first_step: cute.Tensor, chunk_steps: cute.Tensor,
-               seg_first_chunk: cute.Tensor, seg_chunks: cute.Tensor, num_segments: cute.Tensor,
-               grad_out: cute.Tensor, chunk_grads: cute.Tensor, grad_in: cute.Tensor, num_householder: Int32,
+               seg_first_chunk: cute.Tensor, seg_chunks: cute.Tensor, seg_order: cute.Tensor,
+               num_segments: cute.Tensor, grad_out: cute.Tensor, chunk_grads: cute.Tensor, grad_in: cute.Tensor,
+               num_householder: Int32,
                tiled_mma: cute.TiledMma, g2s: cute.TiledCopy, s2g: cute.TiledCopy):
         R = self.rows
         tidx, _, _ = cute.arch.thread_idx()
-        segment, head, row_block = cute.arch.block_idx()
+        head, slot, row_block = cute.arch.block_idx()  # heads fastest: CTAs start in slot order
+        segment = seg_order[slot]  # longest segments first (forward_layout's seg_order)
         smem = self.allocate(True)
         if segment < num_segments[0]:
             row0 = row_block * R

@@ -90,6 +90,7 @@ class ChunkScanKernel:
                  chunk_steps: cute.Tensor,  # int32 [C_max]
                  seg_first_chunk: cute.Tensor,  # int32 [S_max]
                  seg_chunks: cute.Tensor,  # int32 [S_max]
+                 seg_order: cute.Tensor,  # int32 [S_max]: the segment of each grid slot
                  seg_flags: cute.Tensor,  # int32 [S_max] (bit 0: build this segment's summary)
                  num_segments: cute.Tensor,  # int32 [1]
                  seq_first_segment: cute.Tensor,  # int32 [N + 1] (read by the output modes)
@@ -103,9 +104,9 @@ class ChunkScanKernel:
         g2s = _mma.make_g2s_copy(self.dtype, self.threads)
         s2g = _mma.make_s2g_copy(self.dtype, self.threads)  # the chunk states only
         self.kernel(k, v, q, ta, tb, p, scalars, chunk_first_step, chunk_steps, seg_first_chunk, seg_chunks,
-                    seg_flags, num_segments, seq_first_segment, state_in, state_out, o, chunk_states,
+                    seg_order, seg_flags, num_segments, seq_first_segment, state_in, state_out, o, chunk_states,
                     num_householder, tiled_mma, g2s, s2g).launch(
-            grid=(seg_first_chunk.shape[0], k.shape[1], self.row_blocks()), block=(self.threads, 1, 1),
+            grid=(k.shape[1], seg_first_chunk.shape[0], self.row_blocks()), block=(self.threads, 1, 1),
             stream=stream)
 
     @cute.jit
@@ -136,14 +137,15 @@ class ChunkScanKernel:
     @cute.kernel
     def kernel(self, k: cute.Tensor, v: cute.Tensor, q: cute.Tensor, ta: cute.Tensor, tb: cute.Tensor,
                p: cute.Tensor, scalars: cute.Tensor, chunk_first_step: cute.Tensor, chunk_steps: cute.Tensor,
-               seg_first_chunk: cute.Tensor, seg_chunks: cute.Tensor, seg_flags: cute.Tensor,
+               seg_first_chunk: cute.Tensor, seg_chunks: cute.Tensor, seg_order: cute.Tensor, seg_flags: cute.Tensor,
                num_segments: cute.Tensor, seq_first_segment: cute.Tensor, state_in: cute.Tensor,
                state_out: cute.Tensor, o: cute.Tensor,
                chunk_states: cute.Tensor, num_householder: Int32, tiled_mma: cute.TiledMma, g2s: cute.TiledCopy,
                s2g: cute.TiledCopy):
         K, V, R, NQ, NH = self.key_dim, self.value_dim, self.rows, self.query_tile, num_householder
         tidx, _, _ = cute.arch.thread_idx()
-        segment, head, row_block = cute.arch.block_idx()
+        head, slot, row_block = cute.arch.block_idx()  # heads fastest: CTAs start in slot order
+        segment = seg_order[slot]  # longest segments first (forward_layout's seg_order)
         allocator = cutlass.utils.SmemAllocator()
         s_k_all = self._tile(allocator, C, K)
         s_v_all = self._tile(allocator, C, R)

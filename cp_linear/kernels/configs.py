@@ -351,6 +351,9 @@ class GatedRMSNormBackwardConfig(GatedRMSNormConfig):
 LAYOUT_THREADS = 256
 LAYOUT_MAX_SEQUENCES = 2048  # sequences per shard the layout kernel takes (its bounds live in shared memory)
 LAYOUT_ENTRIES_PER_THREAD = 4  # chunk or segment table entries per thread
+# seg_order sorts the sequences' shorter last segments by length up to this many sequences (each one's slot
+# is a count over all of them); beyond, they keep sequence order after the whole segments
+LAYOUT_SORT_SEQUENCES = 256
 TRAILING_SEQUENCE = -2  # ForwardLayoutLaunch.summary_sequence: the last sequence with tokens (found in the kernel)
 
 

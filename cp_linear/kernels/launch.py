@@ -152,6 +152,7 @@ class ChunkScanLaunch(_Launch):
     chunk_steps: Any = _spec(None, dtype="int32")
     seg_first_chunk: Any = _spec(None, dtype="int32")
     seg_chunks: Any = _spec(None, dtype="int32")
+    seg_order: Any = _spec(None, dtype="int32")  # grid slot -> segment (forward_layout: longest first)
     seg_flags: Any = _spec(None, dtype="int32")
     num_segments: Any = _spec(1, dtype="int32")
     seq_first_segment: Any = _spec(None, dtype="int32")
@@ -204,6 +205,7 @@ class ChunkGammaLaunch(_Launch):
     chunk_steps: Any = _spec(None, dtype="int32")
     seg_first_chunk: Any = _spec(None, dtype="int32")
     seg_chunks: Any = _spec(None, dtype="int32")
+    seg_order: Any = _spec(None, dtype="int32")  # grid slot -> segment (forward_layout: longest first)
     seg_flags: Any = _spec(None, dtype="int32")
     num_segments: Any = _spec(1, dtype="int32")
     summaries: Any = _spec(None, None, "gamma_rows", "key_dim", dtype="float32")
@@ -228,6 +230,7 @@ class ChunkReverseScanLaunch(_Launch):
     chunk_steps: Any = _spec(None, dtype="int32")
     seg_first_chunk: Any = _spec(None, dtype="int32")
     seg_chunks: Any = _spec(None, dtype="int32")
+    seg_order: Any = _spec(None, dtype="int32")  # grid slot -> segment (forward_layout: longest first)
     num_segments: Any = _spec(1, dtype="int32")
     grad_out: Any = _spec(None, None, "value_dim", "key_dim", dtype="float32")
     chunk_grads: Any = _spec(None, None, "value_dim", "key_dim", align=16)  # written as 16-byte rows
@@ -440,6 +443,10 @@ class ForwardLayout:
     # int32 [max_segments]: backward summaries (segments after a sequence's first; bit 0), with
     # FORWARD_TRANSITION_FLAG where seg_flags has bit 0 too
     seg_grad_flags: Any = None
+    # int32 [max_segments]: the segment each grid slot of a segment-parallel kernel runs, longest first
+    # (whole segments in order, then each sequence's shorter last one by length, longest first; the unused
+    # slots keep their index): CTAs start in slot order, so short segments fill the last wave's gaps
+    seg_order: Any = None
 
 
 def kernels_take(reason: str | None, *, fallback: bool, warned: set, fallback_name: str) -> bool:
@@ -533,7 +540,7 @@ class KernelBackwardContext:
 # the tables of a ForwardLayout in the order the kernel backward's saved buffer (and the layout kernel's
 # output buffer) keeps them
 LAYOUT_TABLES = ("chunk_first_step", "chunk_steps", "num_chunks", "seq_first_segment", "seq_segments",
-                 "seg_first_chunk", "seg_chunks", "seg_flags", "num_segments", "seg_grad_flags")
+                 "seg_first_chunk", "seg_chunks", "seg_flags", "num_segments", "seg_grad_flags", "seg_order")
 
 
 @dataclass(frozen=True)
@@ -551,7 +558,7 @@ class LayoutSizes:
         chunks, segments, sequences = self.max_chunks, self.max_segments, self.num_sequences
         return dict(chunk_first_step=chunks, chunk_steps=chunks, num_chunks=1, seq_first_segment=sequences + 1,
                     seq_segments=sequences, seg_first_chunk=segments, seg_chunks=segments, seg_flags=segments,
-                    num_segments=1, seg_grad_flags=segments)
+                    num_segments=1, seg_grad_flags=segments, seg_order=segments)
 
 
 def layout_sizes(*, total_tokens: int, num_householder: int, num_sequences: int, heads: int, row_blocks: int,
@@ -589,6 +596,7 @@ class ForwardLayoutLaunch(_Launch):
     seg_flags: Any = _spec(None, dtype="int32")
     num_segments: Any = _spec(1, dtype="int32")
     seg_grad_flags: Any = _spec(None, dtype="int32")
+    seg_order: Any = _spec(None, dtype="int32")
     trailing: Any = _spec(1, dtype="int32")
     num_householder: Any = _scalar("int32")
     tokens_per_chunk: Any = _scalar("int32")
@@ -753,12 +761,23 @@ def forward_layout(cu_seqlens, *, total_tokens: int, num_householder: int, heads
             grad_summarized = seg_real & preceded
         # bit 0: a backward summary; FORWARD_TRANSITION_FLAG where the forward summarised it too
         seg_grad_flags = xp.astype(grad_summarized, i32) * (1 + FORWARD_TRANSITION_FLAG * xp.astype(summarized, i32))
+    if single:  # whole segments, then the one shorter last segment: already longest first
+        seg_order = seg_ids
+    else:
+        # sort key: 0 whole segments, then the shorter last ones by length (longest first), then unused slots;
+        # a stable sort keeps sequence order within a key
+        partial = xp.astype(seg_chunks < segment_chunks, i32)
+        if num_sequences <= cfg.LAYOUT_SORT_SEQUENCES:
+            key = partial * (segment_chunks - seg_chunks) + (1 - xp.astype(seg_real, i32)) * segment_chunks
+        else:
+            key = partial + (1 - xp.astype(seg_real, i32))
+        seg_order = as32(xp.argsort(key, stable=True))
     return ForwardLayout(
         num_householder=n_h, tokens_per_chunk=per_chunk, segment_chunks=segment_chunks, max_chunks=max_chunks,
         max_segments=max_segments, num_sequences=num_sequences, chunk_first_step=as32(chunk_first_step),
         chunk_steps=as32(chunk_steps), num_chunks=num_chunks, seq_first_segment=seq_first_segment,
         seq_segments=as32(seq_segments), seg_first_chunk=as32(seg_first_chunk), seg_chunks=as32(seg_chunks),
-        seg_flags=seg_flags, num_segments=num_segments, seg_grad_flags=seg_grad_flags)
+        seg_flags=seg_flags, num_segments=num_segments, seg_grad_flags=seg_grad_flags, seg_order=seg_order)
 
 
 

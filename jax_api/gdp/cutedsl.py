@@ -279,8 +279,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
             kcfg.ChunkScanConfig(shard.dtype, shard.key_dim, shard.value_dim, mode, tile, shard.row_block,
                                   kl.scan_mma(self.mma, shard.dtype, shard.key_dim, shard.value_dim)),
             dict(k=shard.k, v=shard.v, q=shard.q, ta=shard.ta, tb=shard.tb, p=shard.p, scalars=shard.scalars,
-                 **shard.tables("chunk_first_step", "chunk_steps", "seg_first_chunk", "seg_chunks", "seg_flags",
-                                "num_segments", "seq_first_segment"), state_in=state_in),
+                 **shard.tables("chunk_first_step", "chunk_steps", "seg_first_chunk", "seg_chunks", "seg_order",
+                                "seg_flags", "num_segments", "seq_first_segment"), state_in=state_in),
             dict(state_out=state_out_shape, o=o_shape, chunk_states=chunk_states_shape),
             dict(num_householder=shard.inputs.num_householder))
         return out
@@ -511,7 +511,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             kl.ChunkGammaLaunch, kcfg.ChunkGammaConfig(shard.dtype, shard.key_dim, shard.value_dim, shard.query_tile,
                                                        kl.gradient_rows_mma(self.mma)),
             dict(k=shard.k, q=shard.q, do=do, ta=shard.ta, p=shard.p, scalars=shard.scalars,
-                 **shard.tables("chunk_first_step", "chunk_steps", "seg_first_chunk", "seg_chunks"),
+                 **shard.tables("chunk_first_step", "chunk_steps", "seg_first_chunk", "seg_chunks", "seg_order"),
                  seg_flags=layout.seg_grad_flags, num_segments=layout.num_segments),
             dict(summaries=(layout.max_segments, shard.heads, shard.value_dim + shard.key_dim, shard.key_dim)),
             dict(num_householder=shard.inputs.num_householder))
@@ -536,7 +536,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
             kl.ChunkReverseScanLaunch,
             kcfg.ChunkReverseScanConfig(shard.dtype, key_dim, value_dim, tile, 0, kl.gradient_rows_mma(self.mma)),
             dict(k=shard.k, q=shard.q, do=do, ta=shard.ta, p=shard.p, scalars=shard.scalars,
-                 **shard.tables("chunk_first_step", "chunk_steps", "seg_first_chunk", "seg_chunks", "num_segments"),
+                 **shard.tables("chunk_first_step", "chunk_steps", "seg_first_chunk", "seg_chunks", "seg_order",
+                                "num_segments"),
                  grad_out=grad_out),
             dict(chunk_grads=(chunks, heads, value_dim, key_dim), grad_in=grad_out.shape),
             dict(num_householder=inputs.num_householder))

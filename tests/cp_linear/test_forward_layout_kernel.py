@@ -44,6 +44,8 @@ CASES = [
     pytest.param([0, 130, 0, 64, 1, 0], 2, 1, kcfg.TRAILING_SEQUENCE, 0, 5, id="empties-trailing-summary"),
     pytest.param([129, 0, 700, 33], 3, 3, 0, None, 0, id="summary-of-sequence-0"),
     pytest.param([0, 0, 0], 1, 8, kcfg.TRAILING_SEQUENCE, 0, 9, id="no-tokens"),
+    pytest.param(list(np.random.default_rng(5).integers(0, 400, 200)), 2, 3, kcfg.TRAILING_SEQUENCE, 0, 0,
+                 id="shorter-segments-sorted"),
 ]
 # (lengths, n_h, segment_chunks, summary, grad, padding, values_only_from): first segments from zero rows
 VALUES_ONLY_CASES = [

@@ -12,7 +12,7 @@ from cp_linear.kernels import configs as kcfg
 from cp_linear.kernels import launch as kl
 
 TABLES = ("chunk_first_step", "chunk_steps", "num_chunks", "seq_first_segment", "seq_segments", "seg_first_chunk",
-          "seg_chunks", "seg_flags", "num_segments", "seg_grad_flags")
+          "seg_chunks", "seg_flags", "num_segments", "seg_grad_flags", "seg_order")
 
 
 def oracle_layout(lengths, n_h, segment_chunks, max_chunks, max_segments, *, summary_sequence=None,
@@ -43,11 +43,20 @@ def oracle_layout(lengths, n_h, segment_chunks, max_chunks, max_segments, *, sum
     def padded(values, size):
         return values + [0] * (size - len(values))
 
+    # grid slots: whole segments in order, then the shorter ones longest first (ties: earlier first), then
+    # the unused slots as they are
+    real = len(chunks)
+    whole = [s for s in range(real) if chunks[s] == segment_chunks]
+    shorter = [s for s in range(real) if chunks[s] < segment_chunks]
+    if len(lengths) <= kcfg.LAYOUT_SORT_SEQUENCES:  # beyond, sequence order
+        shorter.sort(key=lambda s: (-chunks[s], s))
+    order = whole + shorter + list(range(real, max_segments))
+
     return dict(chunk_first_step=padded(first_step, max_chunks), chunk_steps=padded(steps, max_chunks),
                 num_chunks=[len(first_step)], seq_first_segment=np.cumsum([0] + seq_segments).tolist(),
                 seq_segments=seq_segments, seg_first_chunk=padded(first_chunk, max_segments),
                 seg_chunks=padded(chunks, max_segments), seg_flags=padded(flags, max_segments),
-                num_segments=[sum(seq_segments)], seg_grad_flags=padded(grad_flags, max_segments))
+                num_segments=[sum(seq_segments)], seg_grad_flags=padded(grad_flags, max_segments), seg_order=order)
 
 
 def _jax_array(values):
@@ -70,6 +79,9 @@ NAMESPACES = {"numpy": lambda cu: np.asarray(cu, dtype=np.int32),
     pytest.param([150, 0, 37, 301], 2, 2, 3, 0, id="packed-with-empty-cp-flags"),
     pytest.param([64, 65, 1], 3, 1, None, 0, id="segment-per-chunk"),
     pytest.param([200, 0, 0], 2, 3, 0, None, id="trailing-empty"),
+    pytest.param([300, 420, 100, 768, 150], 1, 4, None, None, id="shorter-segments-sorted"),
+    pytest.param(list(np.random.default_rng(5).integers(1, 300, kcfg.LAYOUT_SORT_SEQUENCES + 1)), 2, 2, None, 0,
+                 id="too-many-to-sort"),
 ])
 @pytest.mark.parametrize("every_segment", [False, True])
 @pytest.mark.parametrize("values_only_from", [None, 0, 1])

@@ -512,8 +512,9 @@ class CuTeDSLGatedDeltaProductCPBackend:
                                   kl.scan_mma(self.mma, shard.dtype, shard.key_dim, shard.value_dim)),
             k=shard.k, v=shard.v, q=shard.q, ta=shard.ta, tb=shard.tb, p=shard.p, scalars=shard.scalars,
             chunk_first_step=layout.chunk_first_step, chunk_steps=layout.chunk_steps,
-            seg_first_chunk=layout.seg_first_chunk, seg_chunks=layout.seg_chunks, seg_flags=layout.seg_flags,
-            num_segments=layout.num_segments, seq_first_segment=layout.seq_first_segment, state_in=state_in,
+            seg_first_chunk=layout.seg_first_chunk, seg_chunks=layout.seg_chunks, seg_order=layout.seg_order,
+            seg_flags=layout.seg_flags, num_segments=layout.num_segments,
+            seq_first_segment=layout.seq_first_segment, state_in=state_in,
             state_out=state_out, o=o, chunk_states=chunk_states,
             num_householder=shard.inputs.num_householder).run()
 
@@ -809,8 +810,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
                                   kl.gradient_rows_mma(self.mma)),
             k=shard.k, q=shard.q, do=do, ta=shard.ta, p=shard.p, scalars=shard.scalars,
             chunk_first_step=layout.chunk_first_step, chunk_steps=layout.chunk_steps,
-            seg_first_chunk=layout.seg_first_chunk, seg_chunks=layout.seg_chunks, seg_flags=layout.seg_grad_flags,
-            num_segments=layout.num_segments, summaries=summaries,
+            seg_first_chunk=layout.seg_first_chunk, seg_chunks=layout.seg_chunks, seg_order=layout.seg_order,
+            seg_flags=layout.seg_grad_flags, num_segments=layout.num_segments, summaries=summaries,
             num_householder=shard.inputs.num_householder).run()
 
     def _reverse(self, shard: _Shard, do: torch.Tensor, incoming: torch.Tensor, grad_out: torch.Tensor,
@@ -836,8 +837,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
             kcfg.ChunkReverseScanConfig(shard.dtype, key_dim, value_dim, tile, 0, kl.gradient_rows_mma(self.mma)),
             k=shard.k, q=shard.q, do=do, ta=shard.ta, p=shard.p, scalars=shard.scalars,
             chunk_first_step=layout.chunk_first_step, chunk_steps=layout.chunk_steps,
-            seg_first_chunk=layout.seg_first_chunk, seg_chunks=layout.seg_chunks, num_segments=layout.num_segments,
-            grad_out=grad_out, chunk_grads=chunk_grads, grad_in=grad_in,
+            seg_first_chunk=layout.seg_first_chunk, seg_chunks=layout.seg_chunks, seg_order=layout.seg_order,
+            num_segments=layout.num_segments, grad_out=grad_out, chunk_grads=chunk_grads, grad_in=grad_in,
             num_householder=inputs.num_householder).run()
         dv = torch.empty(steps_all, heads, value_dim, dtype=shard.q.dtype, device=device)  # final: input dtype
         dq_scan = torch.empty(tokens_all, heads, key_dim, **f32)
