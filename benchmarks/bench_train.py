@@ -3,11 +3,12 @@ and, when flash-linear-attention is importable, the same model built from FLA's 
 the same model in JAX on 1 GPU.
 
     python benchmarks/bench_train.py [--out DIR] [--tokens 32768] [--gpus 1 2] [--repeat 5] [--no-fla]
-                                     [--frameworks torch jax]
+                                     [--frameworks torch jax] [--residual {float32,bf16}]
     python benchmarks/bench_train.py --dry-run [--frameworks torch jax]   # tiny model on the CPU (what CI runs)
 
 Model: hidden 2048, 8 layers alternating GDP (16 heads x 128, n_h = 2) and attention (GQA 16 / 4,
-head 128), bf16 autocast over float32 weights, T tokens per GPU in packed documents. CP runs are
+head 128), bf16 autocast over float32 weights with a bf16 residual stream (``--residual``, below), T tokens
+per GPU in packed documents. CP runs are
 spawned here (no torchrun) with NCCL, NCCL_NVLS_ENABLE=0 and a collective timeout, so one call stays
 well inside 9 minutes. MFU = model FLOPs per step (6 x parameters x tokens + the GDP and attention
 matmul FLOPs, forward x 3) / (time x peak bf16 FLOP/s, 989e12 for an H100/H200). Writes a table, a
@@ -18,12 +19,20 @@ JAX, "jax-1gpu" (``--frameworks``; by default when jax is importable and not --d
 JAX sees a GPU; ``jax_train_step.py``): the same decoder from ``jax_api.layers`` with the torch rows'
 initial weights (so the loss printed under the table matches), one ``jax.jit(jax.value_and_grad)``
 step, no update, timed alike after an untimed ahead-of-time compile. bf16 through the model's
-``compute_dtype`` (JAX has no autocast): its residual stream is bf16 and its attention cuDNN's packed
-flash attention (``jax_api.attention.cudnn``), where torch keeps a float32 residual and runs flex_attention
-in bf16; the printout lists these differences and which kernels (GDP, short conv, gated norm, cuDNN
-attention) the compiled step calls. Peak memory: JAX's ``peak_bytes_in_use`` since the process started (XLA has no
-reset). A ``jax / torch`` line compares jax-1gpu with cp_linear-1gpu tokens/s (issue 15: within 3%).
+``compute_dtype`` (JAX has no autocast): its residual stream is bf16, as torch's with the default
+``--residual bf16``; its attention is cuDNN's packed flash attention (``jax_api.attention.cudnn``) where
+torch runs flex_attention in bf16; the printout lists what still differs and which kernels (GDP, short
+conv, gated norm, cuDNN attention) the compiled step calls. Peak memory: JAX's ``peak_bytes_in_use`` since
+the process started (XLA has no reset). A ``jax / torch`` line compares jax-1gpu with cp_linear-1gpu
+tokens/s (issue 15: within 3%).
 --dry-run runs it on the CPU in float32, as the torch dry run.
+
+Residual stream, ``--residual`` (default bf16 on a GPU, float32 for --dry-run): bf16 builds every torch
+model (ours and the FLA baseline's) with ``HybridDecoder(compute_dtype=torch.bfloat16)``, the JAX model's
+policy (embeddings' output cast to bf16, float32 weights cast at each matmul; norms and gates in float32),
+which spares torch the float32 residual's traffic and autocast's per-linear casts of float32 activations;
+float32 keeps torch's residual stream in float32 under autocast (the earlier rows; JAX still runs bf16
+there, it has no float32-residual bf16 mode). Every row and the CSV record the policy (``residual``).
 
 FLA baseline, "fla-1gpu" (one GPU, no CP; run when ``fla`` is importable, unless --no-fla or --dry-run;
 ``fla_baseline.py``): the same HybridDecoder, same weights and documents, with its GDP mixers
@@ -98,6 +107,13 @@ def _token_ids(vocab_size: int, total: int, seed: int):
     return np.random.default_rng(seed).integers(0, vocab_size, total)
 
 
+def residual_dtype(args):
+    """The torch models' ``compute_dtype`` for ``args.residual``: bf16, or None (the float32 stream)."""
+    import torch
+
+    return torch.bfloat16 if getattr(args, "residual", "float32") == "bf16" else None
+
+
 def _step_fn(model, tokens, layout, device):
     import torch
 
@@ -153,10 +169,11 @@ def measure(rank: int, world: int, group, args, fla: bool = False) -> dict | Non
 
         if bypass_fla_hopper_guard():
             note = "FLA's gated backward ran with its Triton/Hopper guard (FLA#640) switched off: timing only"
-        model = fla_decoder(config).to(device)  # the same initial weights as ours (same seed)
+        # the same initial weights as ours (same seed) and the same residual stream
+        model = fla_decoder(config, compute_dtype=residual_dtype(args)).to(device)
     else:
         model = HybridDecoder(config, gdp_options={"cp_check_inputs": checks},
-                              attention_options={"check_inputs": checks}).to(device)
+                              attention_options={"check_inputs": checks}, compute_dtype=residual_dtype(args)).to(device)
     total = args.tokens * world
     ids = _doc_ids(total, 0)
     compiled = bool(getattr(args, "compile", False))
@@ -191,7 +208,8 @@ def measure(rank: int, world: int, group, args, fla: bool = False) -> dict | Non
     if rank != 0:
         return None
     row = dict(framework="torch", variant=f"{'fla' if fla else 'cp_linear'}-{world}gpu", gpus=world,
-               tokens_per_gpu=args.tokens, step_ms=1e3 * seconds, tokens_per_s=total / seconds,
+               residual=getattr(args, "residual", "float32"), tokens_per_gpu=args.tokens, step_ms=1e3 * seconds,
+               tokens_per_s=total / seconds,
                mfu=model_flops(config, args.tokens) / (seconds * PEAK_BF16) if cuda else float("nan"),
                peak_gib=peak, loss=float(loss.detach()))  # every step's loss (nothing is updated), printed
     if compiled:
@@ -292,7 +310,8 @@ def run_jax(args) -> list[dict]:
 
 def jax_row(args) -> dict:
     """jax-1gpu's row: the torch rows' model (config, seed-0 initial weights), documents and tokens,
-    in bf16 on a GPU and float32 for --dry-run (where torch's autocast is off too)."""
+    in bf16 on a GPU and float32 for --dry-run (where torch's autocast is off too) unless ``--residual
+    bf16`` asks for the bf16 model there too."""
     import jax_train_step
     import torch
 
@@ -305,12 +324,19 @@ def jax_row(args) -> dict:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the torch rows' cached blocks, back to the device for JAX
     gpu = not args.dry_run
+    bf16 = gpu or getattr(args, "residual", "float32") == "bf16"
     result = jax_train_step.measure_jax(
         config, weights, _doc_ids(args.tokens, 0), _token_ids(config.vocab_size, args.tokens, 1).reshape(1, -1),
-        bf16=gpu, on_cpu=not gpu, warmup=args.warmup, repeat=args.repeat)
+        bf16=bf16, on_cpu=not gpu, warmup=args.warmup, repeat=args.repeat)
     seconds, peak = result["seconds"], result["peak_bytes"]
-    precision = (f"bf16 compute_dtype over float32 weights; unlike torch's autocast: "
-                 f"{jax_train_step.PRECISION_DIFFERENCES}" if gpu else "float32 throughout, as torch's dry run")
+    if not bf16:
+        precision = "float32 throughout, as torch's dry run"
+    elif getattr(args, "residual", "float32") == "bf16":
+        precision = (f"bf16 compute_dtype over float32 weights, as torch's rows (--residual bf16); still different: "
+                     f"{jax_train_step.PRECISION_DIFFERENCES}")
+    else:
+        precision = (f"bf16 compute_dtype over float32 weights; unlike torch's rows (--residual float32): a bf16 "
+                     f"residual stream against torch's float32 one; also {jax_train_step.PRECISION_DIFFERENCES}")
     memory = ("JAX's peak_bytes_in_use since the process started" if peak is not None
               else f"not reported (memory_stats() is None on {result['device']}): NaN")
     note = "\n  ".join([f"precision: {precision}",
@@ -318,7 +344,8 @@ def jax_row(args) -> dict:
                         f"step: jit(value_and_grad), no update; compiled ahead in {result['compile_s']:.1f} s "
                         "(untimed)",
                         f"peak memory: {memory}"])
-    return dict(framework="jax", variant="jax-1gpu", gpus=1, tokens_per_gpu=args.tokens, step_ms=1e3 * seconds,
+    return dict(framework="jax", variant="jax-1gpu", gpus=1, residual="bf16" if bf16 else "float32",
+                tokens_per_gpu=args.tokens, step_ms=1e3 * seconds,
                 tokens_per_s=args.tokens / seconds,
                 mfu=model_flops(config, args.tokens) / (seconds * PEAK_BF16) if gpu else float("nan"),
                 peak_gib=peak / 2**30 if peak is not None else float("nan"), loss=result["loss"],
@@ -340,14 +367,14 @@ def speedup(rows: list[dict]) -> float | None:
 
 def write(rows: list[dict], out: str) -> None:
     os.makedirs(out, exist_ok=True)
-    keys = ["framework", "variant", "gpus", "tokens_per_gpu", "step_ms", "tokens_per_s", "mfu", "peak_gib"]
+    keys = ["framework", "variant", "gpus", "residual", "tokens_per_gpu", "step_ms", "tokens_per_s", "mfu", "peak_gib"]
     with open(os.path.join(out, "bench_train.csv"), "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=keys, extrasaction="ignore")  # a row's note is printed
         writer.writeheader()
         writer.writerows(rows)
     print(" | ".join(keys))
     for row in rows:
-        print(" | ".join(f"{row[k]:.4g}" if isinstance(row[k], float) else str(row[k]) for k in keys))
+        print(" | ".join(f"{row.get(k):.4g}" if isinstance(row.get(k), float) else str(row.get(k, "")) for k in keys))
     for row in rows:
         if row.get("note"):
             print(f"{row['variant']}: {row['note']}")
@@ -402,7 +429,13 @@ def main(argv=None, run=run_world) -> list[dict]:
     parser.add_argument("--frameworks", nargs="+", choices=["torch", "jax"], default=None,
                         help="torch: the cp_linear rows (and fla-1gpu); jax: the jax-1gpu row. Default: both, "
                              "jax only where it is importable and sees a GPU; torch only for --dry-run")
+    parser.add_argument("--residual", choices=["float32", "bf16"], default=None,
+                        help="the torch models' residual stream: bf16 (HybridDecoder(compute_dtype=torch.bfloat16), "
+                             "the JAX row's policy) or float32 (under autocast). Default: bf16 on a GPU, float32 "
+                             "for --dry-run")
     args = parser.parse_args(argv)
+    if args.residual is None:
+        args.residual = "float32" if args.dry_run else "bf16"
     if args.dry_run:
         args.tokens, args.repeat, args.warmup = min(args.tokens, 32), 1, 0
     torch_rows = args.frameworks is None or "torch" in args.frameworks

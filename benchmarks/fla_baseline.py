@@ -189,13 +189,14 @@ class FLAGatedDeltaProduct(nn.Module):
         return out
 
 
-def fla_decoder(config: DecoderConfig) -> HybridDecoder:
-    """``HybridDecoder(config)`` (so the same initial weights as ours for the same torch seed) with FLA's
-    GatedDeltaProduct for every GDP mixer and ``FlexDocAttention`` for every attention mixer; on the
-    CPU (move it with ``.to``). Imports FLA (``fla.layers`` also needs ``transformers``)."""
+def fla_decoder(config: DecoderConfig, *, compute_dtype=None) -> HybridDecoder:
+    """``HybridDecoder(config, compute_dtype=)`` (so the same initial weights and residual stream as ours for
+    the same torch seed and dtype) with FLA's GatedDeltaProduct for every GDP mixer and ``FlexDocAttention``
+    for every attention mixer; on the CPU (move it with ``.to``). FLA's layer takes a bf16 stream under
+    autocast (its own linears cast nothing). Imports FLA (``fla.layers`` also needs ``transformers``)."""
     from fla.layers import GatedDeltaProduct
 
-    model = HybridDecoder(config)
+    model = HybridDecoder(config, compute_dtype=compute_dtype)
     gdp = config.gdp_config()
     for block in model.layers:
         if block.kind != "gdp":

@@ -9,8 +9,9 @@ ended by ``block_until_ready`` on the loss and every gradient. Loss: mean cross-
 logits against the input tokens themselves, as torch's ``F.cross_entropy(logits.float(), tokens)``.
 
 Precision (``bf16=True``, where torch runs under bf16 autocast): the model's ``compute_dtype=bfloat16``,
-as examples/train_jax.py ``--dtype bfloat16``; the JAX model has no autocast and no param-dtype option.
-``PRECISION_DIFFERENCES`` lists what that does differently from torch's autocast.
+as examples/train_jax.py ``--dtype bfloat16`` and torch's rows with ``--residual bf16`` (their
+``compute_dtype``); the JAX model has no autocast and no param-dtype option. ``PRECISION_DIFFERENCES``
+lists what still differs from torch's rows.
 
 Kernels: the layers pick the CuTeDSL kernels (GDP, short conv, gated norm) and cuDNN's attention by
 themselves on a Hopper GPU with bf16 activations. ``kernel_use`` reads which ones the compiled step calls
@@ -31,12 +32,14 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+# what differs from torch's rows with their default --residual bf16 (HybridDecoder(compute_dtype=bf16)); the
+# residual stream itself no longer does (bench_train.py adds it to the note for --residual float32)
 PRECISION_DIFFERENCES = (
-    "residual stream bf16 (torch: float32, autocast leaves the embedding and the residual adds alone); "
     "attention on cuDNN's fused flash attention in bf16 within each document where the step calls it (see the "
     "kernels line; elsewhere float32 over every key with a document mask), torch: flex_attention in bf16, "
-    "masked blocks skipped; as torch: float32 weights cast to bf16 at each matmul, float32 "
-    "accumulation, norms, gates, softmax and loss, float32 gradients")
+    "masked blocks skipped; without the fused kernels XLA may fuse bf16 elementwise chains without rounding "
+    "between ops (torch rounds after each); as torch: bf16 residual stream, float32 weights cast to bf16 at "
+    "each matmul, float32 accumulation, norms, gates, softmax and loss, float32 gradients")
 
 # cp_linear custom-call targets by kernel family: "cp_linear_" + the kernel config's class name + ...
 KERNEL_FAMILIES = {

@@ -36,7 +36,8 @@ def base_parser(description: str, default_out: str) -> argparse.ArgumentParser:
     add("--attention-mode", default="auto", choices=MODE_CHOICES,
         help="K/V exchange of the attention layers under CP (cp_linear.plan.resolve_exchange_mode)")
     add("--dtype", default="float32", choices=("float32", "bfloat16"),
-        help="compute dtype (weights and optimizer stay float32)")
+        help="compute dtype: the residual stream and activations (the models' compute_dtype; torch adds "
+             "autocast); weights and optimizer stay float32")
     add("--seed", type=int, default=0,
         help="seeds the initial weights (cp_linear.weights.initial_table: the same in torch and JAX) and the data")
     add("--timeout", type=float, default=1800, help="seconds before the run is stopped")

@@ -29,13 +29,17 @@ from examples.data import IGNORE, packed_batch
 
 
 def build_model(args, task):
+    import torch
+
     from cp_linear.weights import initial_table
     from torch_api.layers import HybridDecoder, load_state_table
 
     config = decoder_config(args, task.vocab_size)
     checks = not args.skip_cp_checks
+    # --dtype bfloat16: a bf16 residual stream over float32 weights, as examples/train_jax.py's compute_dtype
+    compute_dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
     model = HybridDecoder(config, attention_options={"mode": args.attention_mode, "check_inputs": checks},
-                          gdp_options={"cp_check_inputs": checks})
+                          gdp_options={"cp_check_inputs": checks}, compute_dtype=compute_dtype)
     # numpy-drawn weights: the same on every rank and in examples/train_jax.py for the same --seed
     return load_state_table(model, initial_table(config, args.seed))
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "bench_train.py"
 TOKENS = 32  # --dry-run's tokens per rank
-COLUMNS = ["framework", "variant", "gpus", "tokens_per_gpu", "step_ms", "tokens_per_s", "mfu", "peak_gib"]
+COLUMNS = ["framework", "variant", "gpus", "residual", "tokens_per_gpu", "step_ms", "tokens_per_s", "mfu", "peak_gib"]
 
 
 def _load():

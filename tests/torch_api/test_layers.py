@@ -472,7 +472,7 @@ def test_bad_input_on_one_rank_raises_on_every_rank(gloo_pools, scenario, expect
     assert all(expected in message for message in messages), messages
 
 
-def count_decoder_headers(rank, world, checks):
+def count_decoder_headers(rank, world, checks, compute_dtype=None):
     """Agreement headers of one decoder forward + backward (4 layers: 2 GDP, 2 attention)."""
     import torch_api._dist as dist_module
 
@@ -488,7 +488,8 @@ def count_decoder_headers(rank, world, checks):
     try:
         torch.manual_seed(0)
         config = DecoderConfig(vocab_size=16, hidden_size=16, num_layers=4, num_heads=2, head_dim=8, num_kv_heads=1)
-        model = HybridDecoder(config, attention_options={"check_inputs": checks}, gdp_options={"cp_check_inputs": checks})
+        model = HybridDecoder(config, attention_options={"check_inputs": checks}, gdp_options={"cp_check_inputs": checks},
+                              compute_dtype=compute_dtype)
         ids = torch.randint(0, 16, (1, LOCAL_LEN))
         doc_ids = doc_ids_from_runs((1, 5), (2, world * LOCAL_LEN - 5))
         model(ids, doc_ids=torch.tensor(doc_ids), cp_group=dist.group.WORLD).sum().backward()
@@ -502,3 +503,5 @@ def test_decoder_agrees_once_per_forward_and_per_op_only_for_value_checks(gloo_p
     # checks on: model + 2 GDP x (forward + backward) + 2 attention forwards = 7; off: the model header only
     assert gloo_pools(2).run(count_decoder_headers, True) == [7, 7]
     assert gloo_pools(2).run(count_decoder_headers, False) == [1, 1]
+    # a bf16 residual stream: the model's header names the mixers' input dtype, so it still covers them
+    assert gloo_pools(2).run(count_decoder_headers, False, torch.bfloat16) == [1, 1]

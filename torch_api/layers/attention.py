@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from torch_api.layers.blocks import apply_rope, rope_angles
+from torch_api.layers.blocks import Linear, apply_rope, rope_angles
 from cp_linear.model_config import AttentionConfig, config_fingerprint, document_layer_signature, resolve_config
 from cp_linear.validation import digest
 from torch_api.layers.convert import StateTableMixin
@@ -49,10 +49,10 @@ class BlockDiagAttention(StateTableMixin, nn.Module):
         self.kernel = kernel
         self.check_inputs = check_inputs
         c, d = config, config.dim_per_head
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * d, bias=c.qkv_bias)
-        self.k_proj = nn.Linear(c.hidden_size, c.kv_heads * d, bias=c.qkv_bias)
-        self.v_proj = nn.Linear(c.hidden_size, c.kv_heads * d, bias=c.qkv_bias)
-        self.o_proj = nn.Linear(c.num_heads * d, c.hidden_size, bias=False)
+        self.q_proj = Linear(c.hidden_size, c.num_heads * d, bias=c.qkv_bias)
+        self.k_proj = Linear(c.hidden_size, c.kv_heads * d, bias=c.qkv_bias)
+        self.v_proj = Linear(c.hidden_size, c.kv_heads * d, bias=c.qkv_bias)
+        self.o_proj = Linear(c.num_heads * d, c.hidden_size, bias=False)
 
     def cp_signature(self) -> tuple[int, ...]:
         """Configuration, options and grad requirement: what the ranks must share."""

@@ -1,7 +1,8 @@
 """Small building blocks of the layers: norms, the short conv's parameters, SwiGLU MLP, RoPE.
 
 Parameter names and shapes follow flash-linear-attention (``weight`` everywhere, conv weights
-``[C, 1, W]``); norms compute in float32 and return the input dtype.
+``[C, 1, W]``); norms compute in float32 and return the input dtype; ``Linear`` casts float32 weights to
+lower-precision activations (a bf16 residual stream without autocast).
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ class RMSNorm(nn.Module):
             # torch's rms_norm: one fused kernel each way on a GPU, the same float32 math (autocast keeps it
             # float32); on the H200 3.7x faster than the ops below at 32k x 2048 (bench_layer_kernels.py)
             return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
+        if x.dtype in (torch.bfloat16, torch.float16) and self.weight.dtype == torch.float32:
+            # a half-precision row (a bf16 residual stream): the same fused float32 kernel on the widened row,
+            # one rounding at the end, as JAX's RMSNorm (torch's own rms_norm of a bf16 row would round before
+            # the float32 weight multiplies, and return float32)
+            return F.rms_norm(x.float(), x.shape[-1:], self.weight, self.eps).to(x.dtype)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * self.weight.float()).to(x.dtype)
@@ -90,7 +96,23 @@ class ShortConvolution(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
     def forward(self, window: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return F.silu(masked_causal_conv(window, self.weight, self.bias, positions))
+        # a bf16 window meets the float32 taps in float32 (type promotion); one rounding back to the window's
+        # dtype after the SiLU, as the fused kernels (``kernel_short_conv``) round
+        return F.silu(masked_causal_conv(window, self.weight, self.bias, positions)).to(window.dtype)
+
+
+class Linear(nn.Linear):
+    """``torch.nn.Linear`` (same parameters) that also takes activations of a lower-precision float dtype than
+    its weights without autocast: the weight (and bias) are cast to the activations' dtype at the matmul, as
+    JAX's ``Linear`` does (``w.astype(x.dtype)``), so a bf16 residual stream (``HybridDecoder(compute_dtype=)``)
+    runs with float32 weights. Activations as wide as the weights take ``nn.Linear``'s own call, bitwise;
+    under autocast a bf16 x gives what autocast's own cast gives."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_floating_point() and x.dtype.itemsize < self.weight.dtype.itemsize:
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return F.linear(x, self.weight.to(x.dtype), bias)
+        return super().forward(x)
 
 
 class GatedMLP(nn.Module):
@@ -98,9 +120,9 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -122,4 +144,4 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1).to(x.dtype)
 
 
-__all__ = ["GatedMLP", "GatedRMSNorm", "RMSNorm", "ShortConvolution", "apply_rope", "rope_angles"]
+__all__ = ["GatedMLP", "GatedRMSNorm", "Linear", "RMSNorm", "ShortConvolution", "apply_rope", "rope_angles"]

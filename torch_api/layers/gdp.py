@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from torch_api.layers.blocks import GatedRMSNorm, RMSNorm, ShortConvolution
+from torch_api.layers.blocks import GatedRMSNorm, Linear, RMSNorm, ShortConvolution
 from cp_linear.model_config import GDPConfig, config_fingerprint, document_layer_signature, resolve_config
 from cp_linear.validation import digest
 from torch_api.layers.convert import StateTableMixin
@@ -118,12 +118,12 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
         self.cp_check_inputs = cp_check_inputs
         self.cp_summary_exchange = cp_summary_exchange
         c, n = config, config.num_householder
-        self.q_proj = nn.Linear(c.hidden_size, c.key_dim, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, c.key_dim * n, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, c.value_dim * n, bias=False)
-        self.b_proj = nn.Linear(c.hidden_size, c.value_heads * n, bias=False)
+        self.q_proj = Linear(c.hidden_size, c.key_dim, bias=False)
+        self.k_proj = Linear(c.hidden_size, c.key_dim * n, bias=False)
+        self.v_proj = Linear(c.hidden_size, c.value_dim * n, bias=False)
+        self.b_proj = Linear(c.hidden_size, c.value_heads * n, bias=False)
         if c.use_forget_gate:
-            self.a_proj = nn.Linear(c.hidden_size, c.value_heads, bias=False)
+            self.a_proj = Linear(c.hidden_size, c.value_heads, bias=False)
             a_log, dt_bias = _init_decay(c.value_heads)
             self.A_log = nn.Parameter(a_log)
             self.dt_bias = nn.Parameter(dt_bias)
@@ -135,11 +135,11 @@ class GatedDeltaProduct(StateTableMixin, nn.Module):
             self.k_conv1d = ShortConvolution(k_ch, c.conv_size, c.conv_bias)
             self.v_conv1d = ShortConvolution(v_ch, c.conv_size, c.conv_bias)
         if c.use_output_gate:
-            self.g_proj = nn.Linear(c.hidden_size, c.value_dim, bias=False)
+            self.g_proj = Linear(c.hidden_size, c.value_dim, bias=False)
             self.o_norm = GatedRMSNorm(c.head_v_dim, eps=c.norm_eps)
         else:
             self.o_norm = RMSNorm(c.head_v_dim, eps=c.norm_eps)
-        self.o_proj = nn.Linear(c.value_dim, c.hidden_size, bias=False)
+        self.o_proj = Linear(c.value_dim, c.hidden_size, bias=False)
 
     def _short_conv(self, x, layout):
         """q, k, v before head reshape: [B, L, key_dim], [B, L, key_dim*n], [B, L, value_dim*n]."""

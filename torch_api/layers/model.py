@@ -3,6 +3,8 @@
     input_ids [B, L] -> embeddings -> N x block -> norm -> lm_head -> logits [B, L, vocab]
     block:  h = h + mixer(attn_norm(h));  h = h + mlp(mlp_norm(h))     (mixer: GDP or attention)
 
+The residual stream h has the embeddings' dtype, or ``compute_dtype`` (e.g. bf16, as the JAX model's).
+
 Parameter names follow flash-linear-attention's models (``embeddings``, ``layers.{i}.attn_norm``,
 ``layers.{i}.attn``, ``layers.{i}.mlp_norm``, ``layers.{i}.mlp.{gate,up,down}_proj``, ``norm``,
 ``lm_head``), without FLA's ``model.`` prefix. Under CP every rank holds its shard of the tokens
@@ -17,7 +19,7 @@ import torch.nn as nn
 
 from torch_api._dist import resolve_group
 from torch_api.layers.attention import BlockDiagAttention
-from torch_api.layers.blocks import GatedMLP, RMSNorm
+from torch_api.layers.blocks import GatedMLP, Linear, RMSNorm
 from cp_linear.model_config import DecoderConfig, config_fingerprint
 from cp_linear.validation import digest
 from torch_api.layers.convert import StateTableMixin
@@ -53,10 +55,18 @@ class HybridDecoder(StateTableMixin, nn.Module):
     """The hybrid decoder of ``DecoderConfig``.
 
     ``forward(input_ids [B, L], *, doc_ids=None, cp_group=None, layout=None) -> logits [B, L, V]``
-    (float32 when the weights are). ``doc_ids`` int [T] are the *global* document ids (0 =
+    (in the residual stream's dtype: float32 with float32 weights, unless autocast or ``compute_dtype``
+    lowers it). ``doc_ids`` int [T] are the *global* document ids (0 =
     padding; B = 1), replicated on every rank under CP; without them each row is one document.
     ``layout`` (``build_shard_layout``) replaces doc_ids/cp_group when built once per step.
     ``gdp_options`` / ``attention_options`` go to every mixer (e.g. ``{"mode": "a2a"}``).
+
+    ``compute_dtype`` (a floating torch dtype, e.g. ``torch.bfloat16``; None: the embeddings' dtype) is
+    the JAX model's option: the embeddings' output is cast to it, so the residual stream, every block's
+    input and output and the logits are in it, while the weights stay as they are (float32), cast at
+    each matmul by autocast or, without autocast, by the layers (``blocks.Linear``). Norms and gates
+    compute in float32 and round once. Under bf16 autocast it spares the float32 residual's traffic
+    and autocast's per-linear casts of float32 activations (docs/models.md "Precision").
 
     Continuing long documents across training windows: ``gdp_states`` maps a GDP layer's index in
     ``layers`` to its ``initial_state`` float [N, Hv, K, V] (``GatedDeltaProduct``'s; N the layout's
@@ -69,14 +79,20 @@ class HybridDecoder(StateTableMixin, nn.Module):
     """
 
     def __init__(self, config: DecoderConfig, *, gdp_options: dict | None = None,
-                 attention_options: dict | None = None, init_std: float = 0.02):
+                 attention_options: dict | None = None, init_std: float = 0.02,
+                 compute_dtype: torch.dtype | None = None):
         super().__init__()
+        if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype)
+                                              and compute_dtype.is_floating_point):
+            raise ValueError(f"compute_dtype must be a floating torch dtype (e.g. torch.bfloat16) or None; "
+                             f"received {compute_dtype!r}")
         self.config = config
+        self.compute_dtype = compute_dtype
         options = {"gdp": gdp_options or {}, "attention": attention_options or {}}
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(HybridBlock(config, kind, **options) for kind in config.layer_types)
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         for name, param in self.named_parameters():
             if name.endswith("proj.weight") or name in ("embeddings.weight", "lm_head.weight"):
                 nn.init.normal_(param, std=init_std)
@@ -99,6 +115,8 @@ class HybridDecoder(StateTableMixin, nn.Module):
         gdp_states = gdp_states or {}
         final_states = {}
         h = self.embeddings(input_ids)
+        if self.compute_dtype is not None:
+            h = h.to(self.compute_dtype)
         for index, block in enumerate(self.layers):
             if output_gdp_states and block.kind == "gdp":
                 h, final_states[index] = block(h, layout, gdp_states.get(index), True)
@@ -106,6 +124,11 @@ class HybridDecoder(StateTableMixin, nn.Module):
                 h = block(h, layout, gdp_states.get(index))
         logits = self.lm_head(self.norm(h))
         return (logits, final_states) if output_gdp_states else logits
+
+    @property
+    def residual_dtype(self) -> torch.dtype:
+        """The residual stream's dtype: ``compute_dtype``, else the embeddings' (autocast leaves both alone)."""
+        return self.compute_dtype if self.compute_dtype is not None else self.embeddings.weight.dtype
 
     def _gdp_states_error(self, gdp_states) -> str | None:
         if gdp_states is None:
@@ -120,8 +143,8 @@ class HybridDecoder(StateTableMixin, nn.Module):
         """One header for the whole model before its first exchange: the input (token ids in range),
         the layout and every layer's kind, configuration, options and grad requirement, in order (so a
         rank with another layer count, order, conv_size, num_householder, ... raises with the others);
-        it covers every mixer's own header. Every mixer input has the embeddings' shape and dtype (the
-        residual stream keeps the embedding dtype and the norms keep it too). ``forward`` runs it on
+        it covers every mixer's own header. Every mixer input has the residual stream's shape and dtype
+        (``residual_dtype``: the norms keep it). ``forward`` runs it on
         every eager call; a step compiled with ``torch.compile`` cannot (a header reads the host), so
         call it eagerly once per batch before the compiled call, under the same grad and autocast
         modes, with the layers' checks off (``cp_check_inputs`` / ``check_inputs`` False).
@@ -134,7 +157,7 @@ class HybridDecoder(StateTableMixin, nn.Module):
 
     def _agree(self, input_ids: torch.Tensor, layout: ShardLayout, *, explicit: bool, error: str | None = None) -> None:
         hidden = (*input_ids.shape, self.config.hidden_size)
-        dtype, device = self.embeddings.weight.dtype, input_ids.device
+        dtype, device = self.residual_dtype, input_ids.device
         layers = [(layout.signature_of(hidden, dtype, device, block.attn.cp_signature()), block.attn.AGREEMENT)
                   for block in self.layers]
         params = [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in self.named_parameters()]
