@@ -117,20 +117,25 @@ def _check(backend, shards, full, output_grad) -> dict[str, float]:
     return errors
 
 
-def _rank_phases(backend, shards, output_grad, repeat: int, warmup: int) -> list[list[float]]:
-    """Per rank: ms of forward prepare, forward apply, backward prepare, backward apply on its shard.
-    The other ranks' summaries come from one composed step beforehand (the all-gather's result)."""
+def _rank_inputs(backend, shards, output_grad):
+    """Per rank: (shard, the preceding ranks' forward summaries, the following ranks' backward summaries,
+    its output gradient), the summaries from one composed step (the all-gathers' results)."""
     from torch_api.gdp.cp import _slice_summary
     from tests.torch_api.cp_shards import cp_backward, cp_forward, following_ranks, preceding_ranks
 
     with torch.no_grad():
         forward = cp_forward(backend, shards)
         backward = cp_backward(backend, shards, output_grad, forward.saved_contexts)
-    per_rank = []
     for rank, shard in enumerate(shards):
-        preceding = _slice_summary(forward.gathered, preceding_ranks(shard, rank))
-        following = _slice_summary(backward.gathered, following_ranks(shard, rank))
-        rank_grad = output_grad[:, shard.tokens].contiguous()
+        yield (shard, _slice_summary(forward.gathered, preceding_ranks(shard, rank)),
+               _slice_summary(backward.gathered, following_ranks(shard, rank)),
+               output_grad[:, shard.tokens].contiguous())
+
+
+def _rank_phases(backend, shards, output_grad, repeat: int, warmup: int) -> list[list[float]]:
+    """Per rank: ms of forward prepare, forward apply, backward prepare, backward apply on its shard."""
+    per_rank = []
+    for shard, preceding, following, rank_grad in _rank_inputs(backend, shards, output_grad):
 
         def step(mark, shard=shard, preceding=preceding, following=following, rank_grad=rank_grad):
             _, local = backend.cp_forward_prepare(shard.inputs)
@@ -151,17 +156,10 @@ def _rank_kernels(backend, shards, output_grad, repeat: int) -> list[list[dict[s
     """Per rank and phase (as ``_rank_phases``): GPU ms per call of every kernel it launches (torch.profiler);
     each phase is profiled alone, its inputs prepared once beforehand."""
     from _bench_common import kernel_times
-    from torch_api.gdp.cp import _slice_summary
-    from tests.torch_api.cp_shards import cp_backward, cp_forward, following_ranks, preceding_ranks
 
+    per_rank = []
     with torch.no_grad():
-        forward = cp_forward(backend, shards)
-        backward = cp_backward(backend, shards, output_grad, forward.saved_contexts)
-        per_rank = []
-        for rank, shard in enumerate(shards):
-            preceding = _slice_summary(forward.gathered, preceding_ranks(shard, rank))
-            following = _slice_summary(backward.gathered, following_ranks(shard, rank))
-            rank_grad = output_grad[:, shard.tokens].contiguous()
+        for shard, preceding, following, rank_grad in _rank_inputs(backend, shards, output_grad):
             _, local = backend.cp_forward_prepare(shard.inputs)
             saved = backend.cp_forward_apply(local, preceding).saved_context
             _, backward_local = backend.cp_backward_prepare(rank_grad, saved)
