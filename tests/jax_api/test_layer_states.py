@@ -25,10 +25,16 @@ def relative(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def assert_trees_close(got, expected, bound=2e-5):
-    for path, (x, y) in zip(jax.tree_util.tree_leaves_with_path(expected),
-                            zip(jax.tree.leaves(got), jax.tree.leaves(expected))):
-        assert relative(x, y) <= bound, (path[0], relative(x, y))
+def assert_trees_close(got, expected, bound=2e-5, leaf_bound=1e-4):
+    """Every gradient together within ``bound``, each leaf within ``leaf_bound``: a per-head scalar's
+    gradient (A_log, dt_bias) is a float32 sum over every token with cancellation, so splitting it over two
+    windows moves it by up to ~3e-5 of itself (XLA CPU, jax 0.10.2) where the matrices move by ~1e-6. A wrong
+    hand-off between the windows moves gradients by percents."""
+    leaves_got, leaves_expected = jax.tree.leaves(got), jax.tree.leaves(expected)
+    flat = lambda leaves: np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in leaves])  # noqa: E731
+    assert relative(flat(leaves_got), flat(leaves_expected)) <= bound
+    for path, (x, y) in zip(jax.tree_util.tree_leaves_with_path(expected), zip(leaves_got, leaves_expected)):
+        assert relative(x, y) <= leaf_bound, (path[0], relative(x, y))
 
 
 def continued_state(final_state, window_ids):
