@@ -27,9 +27,9 @@ def relative(a, b):
 
 def assert_trees_close(got, expected, bound=2e-5, leaf_bound=1e-4):
     """Every gradient together within ``bound``, each leaf within ``leaf_bound``: a per-head scalar's
-    gradient (A_log, dt_bias) is a float32 sum over every token with cancellation, so splitting it over two
-    windows moves it by up to ~3e-5 of itself (XLA CPU, jax 0.10.2) where the matrices move by ~1e-6. A wrong
-    hand-off between the windows moves gradients by percents."""
+    gradient (A_log) is a float32 sum over every token with cancellation; splitting it over two windows moved
+    it by 2.9e-5 of itself (XLA CPU, jax 0.10.2, a fresh venv). A wrong hand-off between the windows moves
+    gradients by far more, and the outputs are checked at 2e-6."""
     leaves_got, leaves_expected = jax.tree.leaves(got), jax.tree.leaves(expected)
     flat = lambda leaves: np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in leaves])  # noqa: E731
     assert relative(flat(leaves_got), flat(leaves_expected)) <= bound
