@@ -321,8 +321,10 @@ def fold_case(key_dim: int, value_dim: int, init_count: int) -> None:
         f32 = dict(dtype=torch.float32, device="cuda")
         sequential = torch.zeros(total, heads, value_dim, key_dim, **f32)
         kl.SegmentFoldLaunch(kcfg.SegmentFoldConfig(key_dim), summaries=summaries, seq_first_segment=starts,
-                             init=init, incoming=sequential, final=sequential[:1], init_count=init_count,
-                             value_rows=value_dim, identity_row=value_dim, first_sequence=0, write_final=0,
+                             init=init, addend=summaries.new_zeros(1, 1, key_dim, 1),
+                             incoming=sequential, final=sequential[:1], init_count=init_count,
+                             value_rows=value_dim, identity_row=value_dim, transition_count=0, add_mode=kl.ADD_NONE,
+                             write_final=0,
                              descending=0).run()
         # 16-row CTAs (kl.fold_config's choice for few chains) sum in the same order: bitwise the 32-row fold's,
         # ascending and descending (the backward's), final rows included
@@ -332,9 +334,11 @@ def fold_case(key_dim: int, value_dim: int, init_count: int) -> None:
                 folds.append((torch.zeros(total, heads, value_dim, key_dim, **f32),
                               torch.full((len(counts), heads, value_dim, key_dim), float("nan"), **f32)))
                 kl.SegmentFoldLaunch(kcfg.SegmentFoldConfig(key_dim, "fold", rows), summaries=summaries,
-                                     seq_first_segment=starts, init=init, incoming=folds[-1][0], final=folds[-1][1],
+                                     seq_first_segment=starts, init=init, addend=summaries.new_zeros(1, 1, key_dim, 1),
+                                     incoming=folds[-1][0], final=folds[-1][1],
                                      init_count=init_count, value_rows=value_dim, identity_row=value_dim,
-                                     first_sequence=0, write_final=kl.FINAL_EVERY, descending=descending).run()
+                                     transition_count=0, add_mode=kl.ADD_NONE, write_final=kl.FINAL_EVERY,
+                                     descending=descending).run()
             check(f"{tag} rows {kcfg.FOLD_ROWS} bitwise equal (descending={descending})",
                   float(not (torch.equal(folds[0][0], folds[1][0]) and torch.equal(folds[0][1], folds[1][1]))), 0.0)
         finals = []
@@ -342,15 +346,19 @@ def fold_case(key_dim: int, value_dim: int, init_count: int) -> None:
             prefix = torch.empty(total, heads, value_dim + key_dim, key_dim, **f32)
             finals.append(torch.full((len(counts), heads, value_dim + key_dim, key_dim), float("nan"), **f32))
             kl.SegmentFoldLaunch(kcfg.SegmentFoldConfig(key_dim), summaries=summaries, seq_first_segment=starts,
-                                 init=prefix[:1], incoming=prefix, final=finals[-1], init_count=0,
-                                 value_rows=value_dim, identity_row=value_dim, first_sequence=0,
+                                 init=prefix[:1], addend=summaries.new_zeros(1, 1, key_dim, 1),
+                                 incoming=prefix, final=finals[-1], init_count=0,
+                                 value_rows=value_dim, identity_row=value_dim, transition_count=len(counts),
+                                 add_mode=kl.ADD_NONE,
                                  write_final=write_final, descending=0).run()
         check(f"{tag} FINAL_TRAILING final rows as FINAL_EVERY's, the others unwritten",
               float(not (torch.equal(finals[0][3:], finals[1][3:]) and bool(torch.isnan(finals[1][:3]).all()))), 0.0)
         via_prefix = torch.full((total, heads, value_dim, key_dim), float("nan"), **f32)
         kl.SegmentFoldLaunch(kcfg.SegmentFoldConfig(key_dim, "apply_affine"), summaries=prefix,
-                             seq_first_segment=starts, init=init, incoming=via_prefix, final=via_prefix[:1],
-                             init_count=init_count, value_rows=value_dim, identity_row=value_dim, first_sequence=0,
+                             seq_first_segment=starts, init=init, addend=summaries.new_zeros(1, 1, key_dim, 1),
+                             incoming=via_prefix, final=via_prefix[:1],
+                             init_count=init_count, value_rows=value_dim, identity_row=value_dim, transition_count=0,
+                             add_mode=kl.ADD_NONE,
                              write_final=0, descending=0).run()
         return sequential, via_prefix
 

@@ -58,21 +58,37 @@ def fold_summaries(segments_per_sequence, spare_segments, heads, key_dim, value_
     return summaries.to(device), starts.to(device)
 
 
-def prefix_fold(summaries, seq_first_segment, value_dim, write_final):
-    """Prepare's fold from [0 ; I] with V + K rows through ``launch.run()`` -> (each segment's prefix
-    map [S_max, H, V + K, K], final rows [N, H, V + K, K]); rows the launch does not write stay NaN."""
+def fold(summaries, seq_first_segment, *, init, rows, write_final, descending=0, init_count=None, addend=None,
+         add_mode=0, transition_count=None, incoming=None, final_rows=None, value_dim=None, config_rows=32):
+    """One segment_fold launch (mode "fold") through ``launch.run()`` -> (incoming [S_max, H, rows, K],
+    final [final_rows, H, rows, K]); outputs start as NaN (or ``incoming``, updated in place), so rows
+    the launch does not write show. Defaults: every init row read, no addend, every transition row."""
     from cp_linear.kernels import configs as kcfg
     from cp_linear.kernels import launch as kl
 
     total, heads, key_dim = summaries.shape[0], summaries.shape[1], summaries.shape[3]
     sequences = seq_first_segment.shape[0] - 1
+    value_dim = rows if value_dim is None else value_dim
     nan = dict(fill_value=float("nan"), dtype=torch.float32, device=summaries.device)
-    prefix = torch.full((total, heads, value_dim + key_dim, key_dim), **nan)
-    final = torch.full((sequences, heads, value_dim + key_dim, key_dim), **nan)
-    kl.SegmentFoldLaunch(kcfg.SegmentFoldConfig(key_dim), summaries=summaries, seq_first_segment=seq_first_segment,
-                         init=prefix[:1], incoming=prefix, final=final, init_count=0, value_rows=value_dim,
-                         identity_row=value_dim, first_sequence=0, write_final=write_final, descending=0).run()
-    return prefix, final
+    if incoming is None:
+        incoming = torch.full((total, heads, rows, key_dim), **nan)
+    final = torch.full((sequences if final_rows is None else final_rows, heads, rows, key_dim), **nan)
+    kl.SegmentFoldLaunch(
+        kcfg.SegmentFoldConfig(key_dim, "fold", config_rows), summaries=summaries, seq_first_segment=seq_first_segment,
+        init=incoming[:1] if init is None else init,
+        addend=summaries.new_zeros(1, 1, key_dim, 1) if addend is None else addend, incoming=incoming, final=final,
+        init_count=(0 if init is None else init.shape[0]) if init_count is None else init_count,
+        value_rows=value_dim, identity_row=value_dim,
+        transition_count=sequences if transition_count is None else transition_count, add_mode=add_mode,
+        write_final=write_final, descending=descending).run()
+    return incoming, final
+
+
+def prefix_fold(summaries, seq_first_segment, value_dim, write_final, transition_count=None):
+    """Prepare's fold from [0 ; I] with V + K rows through ``launch.run()`` -> (each segment's prefix
+    map [S_max, H, V + K, K], final rows [N, H, V + K, K]); rows the launch does not write stay NaN."""
+    return fold(summaries, seq_first_segment, init=None, rows=value_dim + summaries.shape[3], value_dim=value_dim,
+                write_final=write_final, transition_count=transition_count)
 
 
 def fold_both_ways(summaries, seq_first_segment, init, init_count, value_dim):
@@ -85,17 +101,15 @@ def fold_both_ways(summaries, seq_first_segment, init, init_count, value_dim):
 
     total, heads, key_dim = summaries.shape[0], summaries.shape[1], summaries.shape[3]
     f32 = dict(dtype=torch.float32, device=summaries.device)
-    sequential = torch.zeros(total, heads, value_dim, key_dim, **f32)
-    kl.SegmentFoldLaunch(kcfg.SegmentFoldConfig(key_dim), summaries=summaries, seq_first_segment=seq_first_segment,
-                         init=init, incoming=sequential, final=sequential[:1], init_count=init_count,
-                         value_rows=value_dim, identity_row=value_dim, first_sequence=0, write_final=0,
-                         descending=0).run()
+    sequential, _ = fold(summaries, seq_first_segment, init=init, init_count=init_count, rows=value_dim,
+                         write_final=kl.FINAL_NONE, incoming=torch.zeros(total, heads, value_dim, key_dim, **f32))
     prefix, _ = prefix_fold(summaries, seq_first_segment, value_dim, kl.FINAL_EVERY)
     via_prefix = torch.full((total, heads, value_dim, key_dim), float("nan"), **f32)  # every row must be written
     kl.SegmentFoldLaunch(kcfg.SegmentFoldConfig(key_dim, "apply_affine"), summaries=prefix,
-                         seq_first_segment=seq_first_segment, init=init, incoming=via_prefix, final=via_prefix[:1],
-                         init_count=init_count, value_rows=value_dim, identity_row=value_dim, first_sequence=0,
-                         write_final=0, descending=0).run()
+                         seq_first_segment=seq_first_segment, init=init, addend=summaries.new_zeros(1, 1, key_dim, 1),
+                         incoming=via_prefix, final=via_prefix[:1], init_count=init_count, value_rows=value_dim,
+                         identity_row=value_dim, transition_count=0, add_mode=kl.ADD_NONE, write_final=kl.FINAL_NONE,
+                         descending=0).run()
     return sequential, via_prefix, prefix
 
 
@@ -116,6 +130,52 @@ def check_trailing_final_rows(device):
     assert torch.isnan(trailing[1][:3]).all()
     identity = torch.cat([torch.zeros(dim, dim), torch.eye(dim)]).to(summaries.device)
     assert torch.equal(trailing[1][4], identity.expand(heads, -1, -1))
+
+
+def check_fold_modes(device):
+    """The fold's CP shortcuts, bit for bit against the plain fold they stand for (shared by the emulated
+    and the GPU test): FINAL_LEADING (only sequence 0's final rows), ADD_TRAILING (in place, only the
+    trailing sequence, its end + addend), ADD_EVERY (every end + addend[n]) on the backward's descending
+    fold, and ``transition_count`` on the forward's prefix fold (transition rows only where needed)."""
+    from cp_linear.kernels import launch as kl
+
+    heads, dim = 2, 64
+    # sequence 3 is the trailing one (the last with segments); 4 is empty
+    summaries, starts = fold_summaries([3, 0, 9, 4, 0], 2, heads, dim, dim, seed=54, device=device)
+    gen = torch.Generator().manual_seed(55)
+    ends = torch.randn(5, heads, dim, dim, generator=gen).to(device)
+    addend = torch.randn(5, heads, dim, dim, generator=gen).to(device)  # [A, H, K, V]
+    real = int(starts[-1])
+    backward = dict(init=ends, rows=dim, descending=1)
+    plain, every_final = fold(summaries, starts, write_final=kl.FINAL_EVERY, **backward)
+    assert not torch.isnan(plain[:real]).any()
+    leading, leading_final = fold(summaries, starts, write_final=kl.FINAL_LEADING, final_rows=1, **backward)
+    assert torch.equal(leading[:real], plain[:real]) and torch.equal(leading_final, every_final[:1])
+    # ADD_TRAILING over the plain fold: the trailing sequence's rows as a plain fold from end + addend
+    shifted = ends.clone()
+    shifted[3] = ends[3] + addend[0].transpose(-1, -2)
+    want, _ = fold(summaries, starts, write_final=kl.FINAL_NONE, **{**backward, "init": shifted})
+    got, _ = fold(summaries, starts, write_final=kl.FINAL_NONE, addend=addend[:1], add_mode=kl.ADD_TRAILING,
+                  incoming=plain.clone(), **backward)
+    assert torch.equal(got[:real], want[:real])
+    assert not torch.equal(want[:real], plain[:real])  # the addend mattered
+    alone, _ = fold(summaries, starts, write_final=kl.FINAL_NONE, addend=addend[:1], add_mode=kl.ADD_TRAILING,
+                    **backward)
+    trailing_rows = slice(int(starts[3]), real)
+    assert torch.isnan(alone[:trailing_rows.start]).all() and torch.equal(alone[trailing_rows], want[trailing_rows])
+    every_shift, _ = fold(summaries, starts, write_final=kl.FINAL_NONE,
+                          **{**backward, "init": ends + addend.transpose(-1, -2)})
+    every_add, _ = fold(summaries, starts, write_final=kl.FINAL_NONE, addend=addend, add_mode=kl.ADD_EVERY, **backward)
+    assert torch.equal(every_add[:real], every_shift[:real])
+    # the prefix fold with transition rows for sequence 0 only (and the trailing one's final rows)
+    full, full_final = prefix_fold(summaries, starts, dim, kl.FINAL_TRAILING)
+    lean, lean_final = prefix_fold(summaries, starts, dim, kl.FINAL_TRAILING, transition_count=1)
+    assert torch.equal(lean[:real, :, :dim], full[:real, :, :dim])
+    kept = torch.zeros(real, dtype=torch.bool, device=device)
+    kept[:int(starts[1])] = True  # sequence 0's segments
+    kept[int(starts[3]):real] = True  # the trailing sequence writes its final rows: every row folded
+    assert torch.equal(lean[:real][kept], full[:real][kept]) and torch.isnan(lean[:real][~kept][:, :, dim:]).all()
+    assert torch.equal(lean_final[3:], full_final[3:])
 
 
 @contextlib.contextmanager

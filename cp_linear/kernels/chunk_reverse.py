@@ -206,12 +206,13 @@ class ChunkGammaKernel(_GradientRowsKernel):
                  seg_first_chunk: cute.Tensor, seg_chunks: cute.Tensor,  # int32 [S_max]
                  seg_order: cute.Tensor, seg_flags: cute.Tensor,  # int32 [S_max]
                  num_segments: cute.Tensor,  # int32 [1]
+                 transitions: cute.Tensor,  # [S_max, H, K, K] float32: the forward's M_b rows (FORWARD_TRANSITION_FLAG)
                  summaries: cute.Tensor,  # [S_max, H, V + K, K] float32 (out): rows [gamma ; M_b]
                  num_householder: Int32, stream):
         tiled_mma = _mma.make_tiled_mma(self.dtype, self.warps)
         g2s = _mma.make_g2s_copy(self.dtype, self.threads)
         self.kernel(k, q, do, ta, p, scalars, chunk_first_step, chunk_steps, seg_first_chunk, seg_chunks, seg_order,
-                    seg_flags, num_segments, summaries, num_householder, tiled_mma, g2s).launch(
+                    seg_flags, num_segments, transitions, summaries, num_householder, tiled_mma, g2s).launch(
             grid=(k.shape[1], seg_first_chunk.shape[0], (self.value_dim + self.key_dim) // self.rows),
             block=(self.threads, 1, 1), stream=stream)
 
@@ -219,8 +220,8 @@ class ChunkGammaKernel(_GradientRowsKernel):
     def kernel(self, k: cute.Tensor, q: cute.Tensor, do: cute.Tensor, ta: cute.Tensor, p: cute.Tensor,
                scalars: cute.Tensor, chunk_first_step: cute.Tensor, chunk_steps: cute.Tensor,
                seg_first_chunk: cute.Tensor, seg_chunks: cute.Tensor, seg_order: cute.Tensor,
-               seg_flags: cute.Tensor, num_segments: cute.Tensor, summaries: cute.Tensor, num_householder: Int32,
-               tiled_mma: cute.TiledMma, g2s: cute.TiledCopy):
+               seg_flags: cute.Tensor, num_segments: cute.Tensor, transitions: cute.Tensor, summaries: cute.Tensor,
+               num_householder: Int32, tiled_mma: cute.TiledMma, g2s: cute.TiledCopy):
         V, R, NQ = self.value_dim, self.rows, self.query_tile
         tidx, _, _ = cute.arch.thread_idx()
         head, slot, row_block = cute.arch.block_idx()  # heads fastest: CTAs start in slot order
@@ -230,10 +231,18 @@ class ChunkGammaKernel(_GradientRowsKernel):
         flags = seg_flags[cutlass.min(segment, seg_flags.shape[0] - 1)]
         row0 = row_block * R
         is_value_rows = row0 < V
-        # transition rows the forward already summarised are filled from its summary by the caller
-        run = (segment < num_segments[0]) & ((flags & SUMMARY_FLAG) != 0) & \
-            (is_value_rows | ((flags & FORWARD_TRANSITION_FLAG) == 0))
-        if run:
+        summarised = (segment < num_segments[0]) & ((flags & SUMMARY_FLAG) != 0)
+        # transition rows the forward already summarised are copied from its saved ones, not scanned: these
+        # CTAs run beside the scanning ones (the copy a separate launch would make)
+        from_forward = (flags & FORWARD_TRANSITION_FLAG) != 0
+        if summarised & (row0 >= V) & from_forward:
+            K = self.key_dim
+            for i in cutlass.range_constexpr(R * K // 4 // self.threads):
+                flat = (i * self.threads + tidx) * 4
+                row, column_group = flat // K, (flat % K) // 4
+                source = cute.local_tile(transitions[segment, head, row0 - V + row, None], (4,), (column_group,))
+                cute.local_tile(summaries[segment, head, row0 + row, None], (4,), (column_group,)).store(source.load())
+        if summarised & (is_value_rows | ((flags & FORWARD_TRANSITION_FLAG) == 0)):
             value_col = cute.assume(cutlass.min(row0, V - R), divby=64)
             grad, grad_coords = self.gradient(tiled_mma, tidx)
             for e in cutlass.range_constexpr(cute.size(grad)):

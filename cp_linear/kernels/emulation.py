@@ -134,13 +134,20 @@ def emulate_chunk_scan(launch) -> None:
 def emulate_segment_fold(launch) -> None:
     import torch
 
+    from cp_linear.kernels import launch as kl
+
     if launch.config.mode == "apply_affine":
         return emulate_apply_affine(launch)
     rows = launch.incoming.shape[2]
     value_rows, identity_row = int(launch.value_rows), int(launch.identity_row)
     heads, K = launch.summaries.shape[1], launch.summaries.shape[3]
     sequences = launch.seq_first_segment.shape[0] - 1
-    for sequence in range(int(launch.first_sequence), sequences):
+    add_mode = int(launch.add_mode)
+    for sequence in range(sequences):
+        order = range(int(launch.seq_first_segment[sequence]), int(launch.seq_first_segment[sequence + 1]))
+        trailing = int(launch.seq_first_segment[sequence + 1]) == int(launch.seq_first_segment[-1])
+        if add_mode == kl.ADD_TRAILING and not (trailing and len(order)):
+            continue  # only the trailing sequence with segments runs; the others write nothing
         if sequence < int(launch.init_count):
             X = launch.init[sequence].float().clone()
         else:
@@ -148,11 +155,15 @@ def emulate_segment_fold(launch) -> None:
             eye_rows = rows - identity_row
             if eye_rows > 0:
                 X[:, identity_row:] = torch.eye(eye_rows, K)
-        order = range(int(launch.seq_first_segment[sequence]), int(launch.seq_first_segment[sequence + 1]))
-        trailing = int(launch.seq_first_segment[sequence + 1]) == int(launch.seq_first_segment[-1])
-        writes_final = int(launch.write_final) == 1 or (int(launch.write_final) == 2 and trailing)
+        if add_mode != kl.ADD_NONE:  # start rows + addend^T (torch's end + outgoing)
+            X = X + launch.addend[sequence if add_mode == kl.ADD_EVERY else 0].float().transpose(-1, -2)[:, :rows]
+        write_final = int(launch.write_final)
+        writes_final = (write_final == kl.FINAL_EVERY or (write_final == kl.FINAL_TRAILING and trailing)
+                        or (write_final == kl.FINAL_LEADING and sequence == 0))
+        # the transition rows only where needed; the kernel's CTAs of the other row tiles write nothing
+        written = rows if writes_final or sequence < int(launch.transition_count) else min(rows, value_rows)
         for position, segment in enumerate(reversed(order) if int(launch.descending) else order):
-            launch.incoming[segment] = X
+            launch.incoming[segment, :, :written] = X[:, :written]
             if position == len(order) - 1 and not writes_final:
                 break  # as the kernel: the map of the segment taken last is not read (it may have no summary)
             summary = launch.summaries[segment]

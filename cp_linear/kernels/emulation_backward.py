@@ -58,8 +58,10 @@ def emulate_chunk_gamma(launch) -> None:
         flags = int(launch.seg_flags[segment])
         if not flags & SUMMARY_FLAG:
             continue
-        # rows evolve independently: the forward-summarised segments' transition rows are left as they are
+        # rows evolve independently: the forward-summarised segments' transition rows are the forward's, copied
         rows = value_dim if flags & FORWARD_TRANSITION_FLAG else value_dim + key_dim
+        if flags & FORWARD_TRANSITION_FLAG:
+            launch.summaries[segment, :, value_dim:] = launch.transitions[segment]
         X = torch.cat([torch.zeros(heads, value_dim, key_dim),
                        torch.eye(key_dim).expand(heads, key_dim, key_dim)], 1)[:, :rows]
         first_chunk = int(launch.seg_first_chunk[segment])

@@ -37,8 +37,11 @@ SUMMARY_FLAG = cfg.SUMMARY_FLAG  # forward_layout writes flag words as int32 boo
 FORWARD_TRANSITION_FLAG = cfg.FORWARD_TRANSITION_FLAG
 VALUES_ONLY_FLAG = cfg.VALUES_ONLY_FLAG
 # SegmentFoldLaunch.write_final: which sequences write their final rows (the trailing ones: the last
-# sequence with segments and the empty ones after it, whose index may be data)
-FINAL_NONE, FINAL_EVERY, FINAL_TRAILING = 0, 1, 2
+# sequence with segments and the empty ones after it, whose index may be data; the leading one: 0)
+FINAL_NONE, FINAL_EVERY, FINAL_TRAILING, FINAL_LEADING = 0, 1, 2, 3
+# SegmentFoldLaunch.add_mode: which sequences add ``addend`` to their start rows (every one: addend[n];
+# the trailing one: addend[0], and only it runs)
+ADD_NONE, ADD_EVERY, ADD_TRAILING = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -168,7 +171,7 @@ class SegmentFoldLaunch(_Launch):
     """Mode "fold": the sequential fold (all fields). Mode "apply_affine": ``summaries`` holds the
     fold's per-segment prefix maps (its ``incoming`` at R = V + K), ``init`` the start rows of the
     sequences below ``init_count``; writes ``incoming`` [S_max, H, V, K] and reads no other scalar
-    (``final`` is not written: pass any array of the right type)."""
+    (``addend`` is not read, ``final`` not written: pass any array of the right type)."""
 
     KERNEL: ClassVar[str] = "cp_linear.kernels.segment_fold:SegmentFoldKernel"
     OUTPUTS: ClassVar[tuple[str, ...]] = ("incoming", "final")
@@ -176,21 +179,23 @@ class SegmentFoldLaunch(_Launch):
     summaries: Any = _spec(None, None, None, "key_dim", dtype="float32", align=16)
     seq_first_segment: Any = _spec(None, dtype="int32")
     init: Any = _spec(None, None, None, "key_dim", dtype="float32", align=16)  # apply_affine copies it by 16 B
+    addend: Any = _spec(None, None, "key_dim", None, dtype="float32")  # [A, H, K, R]: read only with add_mode
     incoming: Any = _spec(None, None, None, "key_dim", dtype="float32")
     final: Any = _spec(None, None, None, "key_dim", dtype="float32")
     init_count: Any = _scalar("int32")
     value_rows: Any = _scalar("int32")
     identity_row: Any = _scalar("int32")
-    first_sequence: Any = _scalar("int32")
-    write_final: Any = _scalar("int32")  # FINAL_NONE, FINAL_EVERY or FINAL_TRAILING (segment_fold's doc)
+    transition_count: Any = _scalar("int32")  # rows >= value_rows folded only for n < it (or final rows)
+    add_mode: Any = _scalar("int32")  # ADD_NONE, ADD_EVERY or ADD_TRAILING (segment_fold's doc)
+    write_final: Any = _scalar("int32")  # FINAL_NONE, _EVERY, _TRAILING or _LEADING (segment_fold's doc)
     descending: Any = _scalar("int32")  # fold each sequence's segments last to first (the backward)
 
 
 @dataclass
 class ChunkGammaLaunch(_Launch):
     """Backward segment summaries into ``summaries`` [S, H, V + K, K] for segments flagged in ``seg_flags``
-    (bit 0); for those that also carry ``FORWARD_TRANSITION_FLAG`` only the V gamma rows are written (the
-    caller fills the K transition rows from the forward's summary, transposed)."""
+    (bit 0); for those that also carry ``FORWARD_TRANSITION_FLAG`` the K transition rows are copied from
+    ``transitions`` [S, H, K, K] (the forward's, transposed, from its saved buffer) instead of scanned."""
 
     KERNEL: ClassVar[str] = "cp_linear.kernels.chunk_reverse:ChunkGammaKernel"
     OUTPUTS: ClassVar[tuple[str, ...]] = ("summaries",)
@@ -208,6 +213,7 @@ class ChunkGammaLaunch(_Launch):
     seg_order: Any = _spec(None, dtype="int32")  # grid slot -> segment (forward_layout: longest first)
     seg_flags: Any = _spec(None, dtype="int32")
     num_segments: Any = _spec(1, dtype="int32")
+    transitions: Any = _spec(None, None, "key_dim", "key_dim", dtype="float32", align=16)
     summaries: Any = _spec(None, None, "gamma_rows", "key_dim", dtype="float32")
     num_householder: Any = _scalar("int32")
 
@@ -535,6 +541,9 @@ class KernelBackwardContext:
     # reused by apply unless following summaries change the trailing sequence's end gradient
     grad_out: Any = None
     chunk_states: Any = None  # [C_max, H, V, K] input dtype: the forward's chunk states, when it kept them
+    # apply refolded the trailing sequence's rows of ``grad_out`` in place (packed shards, following
+    # summaries): a later apply without them folds those rows again from ``end_grads``
+    trailing_refolded: bool = False
 
 
 # the tables of a ForwardLayout in the order the kernel backward's saved buffer (and the layout kernel's

@@ -5,20 +5,35 @@ The states are transposed row stacks X [R, K] (R = V for states, R = V + K for a
 ``chunk_scan`` (mode "summary"), and maps X -> X M_s^T + E_s^T (the CP summary algebra of
 ``cp_linear.summary``, transposed).
 
-Mode "fold" (sequential along each sequence). Per sequence n >= ``first_sequence``:
+Mode "fold" (sequential along each sequence). Per sequence n:
 
     X = init[n] (n < init_count), else zero rows with identity rows from ``identity_row`` on
+    X = X + addend[a]^T                              (``add_mode``, below)
     for s in the sequence's segments:   incoming[s] = X;  X = X M_s^T + E_s^T
     final[n] = X                                     (when n writes its final rows)
 
 ``write_final``: 0 (``FINAL_NONE``) no sequence writes ``final``; 1 (``FINAL_EVERY``) every
 sequence; 2 (``FINAL_TRAILING``) only the trailing ones: the last sequence with segments and the
 empty ones after it (a shard's CP summary; the other sequences' last segments have no summary and
-their final rows are not needed). With ``descending`` the segments are taken last to first: the
+their final rows are not needed); 3 (``FINAL_LEADING``) only sequence 0 (the backward summary of a
+packed shard: the other sequences then skip their last map, and a one-segment one folds nothing). With ``descending`` the segments are taken last to first: the
 backward's state gradients, whose segment summaries [gamma^T ; M_b^T]
 (``chunk_reverse.ChunkGammaKernel``) have the same row form. The map of the segment taken last is
 applied only for a sequence that writes its final rows (the output or reverse pass computes the
 end state otherwise).
+
+Rows are independent, so a sequence whose transition rows (from ``value_rows`` on) are not needed skips
+them: they are folded only for sequences n < ``transition_count`` and for those that write their
+final rows (the forward's prefix maps: only the leading sequence may receive a state from the
+preceding rank, or each sequence its initial state; the trailing one's final rows are its summary).
+The CTAs of the skipped row tiles write nothing.
+
+``add_mode`` (the CP backward's outgoing gradient, ``addend`` [A, H, K, R] in the summaries' column
+orientation, added to the start rows as torch's ``end + outgoing``): 0 (``ADD_NONE``) not read; 1
+(``ADD_EVERY``) sequence n adds addend[n] (rows shards: every row continues on the next rank); 2
+(``ADD_TRAILING``) only the trailing sequence with segments runs, adding addend[0], and the others write
+nothing: a packed shard's refold after the following ranks' summaries arrive touches only the
+sequence that continues there, in place over the fold that ran without them.
 
 One CTA of ``rows`` * K / 16 threads per (sequence, head, ``rows``-row tile; ``SegmentFoldConfig.rows``
 32 or 16: the rows are independent, so smaller tiles put a sequence's chain on more SMs). A warp
@@ -56,7 +71,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from cp_linear.kernels._common import zero_unless
 from cp_linear.kernels.configs import SegmentFoldConfig
-from cp_linear.kernels.launch import FINAL_EVERY, FINAL_TRAILING
+from cp_linear.kernels.launch import ADD_EVERY, ADD_NONE, ADD_TRAILING, FINAL_EVERY, FINAL_LEADING, FINAL_TRAILING
 
 WARP_ROWS, WARP_COLS = 16, 32  # fold: a warp's tile of the state rows (each lane 4 x 4)
 M_GROUPS = 2  # fold: warp groups that each sum half of m = 0..K-1 for the same tile
@@ -79,12 +94,14 @@ class SegmentFoldKernel:
                  summaries: cute.Tensor,  # [S_max, H, V + K, K] float32 (rows [E^T ; M^T])
                  seq_first_segment: cute.Tensor,  # int32 [N + 1]
                  init: cute.Tensor,  # [N_init, H, R, K] float32
+                 addend: cute.Tensor,  # [A, H, K, R] float32 (read when add_mode != ADD_NONE)
                  incoming: cute.Tensor,  # [S_max, H, R, K] float32 (out)
                  final: cute.Tensor,  # [N_final, H, R, K] float32 (out when write_final)
                  init_count: Int32,  # sequences n < init_count start from init[n]
                  value_rows: Int32,  # V: rows of E^T in a summary
                  identity_row: Int32,  # zero init rows >= identity_row start as identity rows
-                 first_sequence: Int32, write_final: Int32, descending: Int32, stream):
+                 transition_count: Int32,  # rows >= value_rows: folded only for n < transition_count (or final)
+                 add_mode: Int32, write_final: Int32, descending: Int32, stream):
         rows = incoming.shape[2]
         if cutlass.const_expr(self.apply_affine):
             tile_rows = AFFINE_ROWS * AFFINE_GROUPS
@@ -92,8 +109,8 @@ class SegmentFoldKernel:
                 grid=(incoming.shape[0], summaries.shape[1], (rows + tile_rows - 1) // tile_rows),
                 block=(THREADS, 1, 1), stream=stream)
         else:
-            self.kernel(summaries, seq_first_segment, init, incoming, final, init_count, value_rows, identity_row,
-                        first_sequence, write_final, descending).launch(
+            self.kernel(summaries, seq_first_segment, init, addend, incoming, final, init_count, value_rows,
+                        identity_row, transition_count, add_mode, write_final, descending).launch(
                 grid=(seq_first_segment.shape[0] - 1, summaries.shape[1], (rows + self.rows - 1) // self.rows),
                 block=(self.fold_threads, 1, 1), stream=stream)
 
@@ -109,8 +126,9 @@ class SegmentFoldKernel:
 
     @cute.kernel
     def kernel(self, summaries: cute.Tensor, seq_first_segment: cute.Tensor, init: cute.Tensor,
-               incoming: cute.Tensor, final: cute.Tensor, init_count: Int32, value_rows: Int32,
-               identity_row: Int32, first_sequence: Int32, write_final: Int32, descending: Int32):
+               addend: cute.Tensor, incoming: cute.Tensor, final: cute.Tensor, init_count: Int32,
+               value_rows: Int32, identity_row: Int32, transition_count: Int32, add_mode: Int32, write_final: Int32,
+               descending: Int32):
         K = self.key_dim
         tile_rows = self.rows
         threads = self.fold_threads
@@ -137,7 +155,15 @@ class SegmentFoldKernel:
         first_row = (warp // col_warps) * WARP_ROWS + (lane // 8) * 4
         col_group = (warp % col_warps) * (WARP_COLS // 4) + lane % 8
         first_col = col_group * 4
-        if sequence >= first_sequence:
+        first = seq_first_segment[sequence]
+        count = seq_first_segment[sequence + 1] - first
+        sequences = seq_first_segment.shape[0] - 1
+        trailing = seq_first_segment[sequence + 1] == seq_first_segment[sequences]
+        writes_final = ((write_final == FINAL_EVERY) | ((write_final == FINAL_TRAILING) & trailing)
+                        | ((write_final == FINAL_LEADING) & (sequence == 0)))
+        # (tiles never straddle value_rows: V is a multiple of 64, tiles 16 or 32 rows)
+        needed = (tile * tile_rows < value_rows) | (sequence < transition_count) | writes_final
+        if needed & ((add_mode != ADD_TRAILING) | (trailing & (count > 0))):
             x = cute.make_rmem_tensor(cute.make_layout((4, 4), stride=(4, 1)), Float32)
             for i in cutlass.range_constexpr(4):
                 row = tile * tile_rows + first_row + i
@@ -148,11 +174,13 @@ class SegmentFoldKernel:
                     identity = cutlass.select_((row >= identity_row) & (row - identity_row == first_col + j),
                                                Float32(1.0), Float32(0.0))
                     x[i, j] = cutlass.select_(sequence < init_count, start[j], identity)
-            first = seq_first_segment[sequence]
-            count = seq_first_segment[sequence + 1] - first
-            sequences = seq_first_segment.shape[0] - 1
-            trailing = seq_first_segment[sequence + 1] == seq_first_segment[sequences]
-            writes_final = (write_final == FINAL_EVERY) | ((write_final == FINAL_TRAILING) & trailing)
+            if add_mode != ADD_NONE:
+                # addend is column-oriented (the summaries' [K, R]): 4 scalar loads per row, once per chain
+                addend_index = cutlass.min(cutlass.select_(add_mode == ADD_EVERY, sequence, 0), addend.shape[0] - 1)
+                for i in cutlass.range_constexpr(4):
+                    row = cutlass.min(tile * tile_rows + first_row + i, addend.shape[3] - 1)
+                    for j in cutlass.range_constexpr(4):
+                        x[i, j] = x[i, j] + addend[addend_index, head, first_col + j, row]
             mapped = count if writes_final else count - 1
             if mapped > 0:
                 step_segment = cutlass.select_(descending != 0, first + count - 1, first)

@@ -286,20 +286,25 @@ class CuTeDSLGatedDeltaProductCPBackend:
         return out
 
     def _fold(self, shard: _Shard, summaries: jax.Array, *, init: jax.Array | None, init_count: int, rows: int,
-              first_sequence: int, write_final: int, descending: bool) -> tuple[jax.Array, jax.Array | None]:
+              write_final: int, descending: bool, transition_count: int = 0) -> tuple[jax.Array, jax.Array | None]:
         """segment_fold -> (incoming [S_max, H, rows, K], final [N, H, rows, K] or None); ``write_final``:
-        ``kl.FINAL_NONE``, ``FINAL_EVERY`` or ``FINAL_TRAILING`` (only the trailing sequences' rows)."""
+        ``kl.FINAL_NONE``, ``FINAL_EVERY``, ``FINAL_TRAILING`` (only the trailing sequences' rows) or
+        ``FINAL_LEADING`` (only sequence 0's, into final [1, ...]); rows from V on are folded only for
+        sequences below ``transition_count`` and those writing final rows (the others' are not written)."""
         heads, key_dim, layout = shard.heads, shard.key_dim, shard.layout
         if init is None:  # read only for sequences below init_count (none)
             init = jnp.zeros((1, heads, rows, key_dim), _F32)
         out = self._launch(
             kl.SegmentFoldLaunch,
             kl.fold_config(key_dim, layout.num_sequences, heads, rows, self.sm_count or _sm_count()),
-            dict(summaries=summaries, seq_first_segment=layout.seq_first_segment, init=init),
+            dict(summaries=summaries, seq_first_segment=layout.seq_first_segment, init=init,
+                 addend=_no_addend(key_dim)),
             dict(incoming=(layout.max_segments, heads, rows, key_dim),
-                 final=(layout.num_sequences if write_final else 1, heads, rows, key_dim)),
+                 final=(layout.num_sequences if write_final in (kl.FINAL_EVERY, kl.FINAL_TRAILING) else 1, heads,
+                        rows, key_dim)),
             dict(init_count=init_count, value_rows=shard.value_dim, identity_row=shard.value_dim,
-                 first_sequence=first_sequence, write_final=write_final, descending=int(descending)))
+                 transition_count=transition_count, add_mode=kl.ADD_NONE, write_final=write_final,
+                 descending=int(descending)))
         return out["incoming"], out["final"] if write_final else None
 
     def _apply_affine(self, shard: _Shard, incoming_affine: jax.Array, init: jax.Array | None,
@@ -312,9 +317,11 @@ class CuTeDSLGatedDeltaProductCPBackend:
             init = jnp.zeros((1, heads, value_dim, key_dim), _F32)
         out = self._launch(
             kl.SegmentFoldLaunch, kcfg.SegmentFoldConfig(key_dim, "apply_affine"),
-            dict(summaries=incoming_affine, seq_first_segment=layout.seq_first_segment, init=init),
+            dict(summaries=incoming_affine, seq_first_segment=layout.seq_first_segment, init=init,
+                 addend=_no_addend(key_dim)),
             dict(incoming=(layout.max_segments, heads, value_dim, key_dim), final=(1, heads, value_dim, key_dim)),
-            dict(init_count=init_count, value_rows=value_dim, identity_row=value_dim, first_sequence=0,
+            dict(init_count=init_count, value_rows=value_dim, identity_row=value_dim, transition_count=0,
+            add_mode=kl.ADD_NONE,
                  write_final=kl.FINAL_NONE, descending=0))
         return out["incoming"]
 
@@ -343,12 +350,15 @@ class CuTeDSLGatedDeltaProductCPBackend:
         initial = _initial_states(inputs)
         shard = self._shard(inputs, cp_summary=True)
         value_dim = shard.value_dim
-        # every sequence's fold from [0 ; I] (as torch's): the per-segment prefix maps serve apply, the
-        # trailing sequence's final rows (its index is data here) are its summary
+        # every sequence's fold from [0 ; I] (as torch's): the per-segment prefix maps serve apply (its
+        # transition rows only where a state enters: the leading sequence, every row, every initial state),
+        # the trailing sequence's final rows (its index is data here) are its summary
+        every = shard.rows or initial is not None
         incoming_affine, stacked_rows = self._fold(shard, shard.summaries, init=None, init_count=0,
-                                                   rows=value_dim + shard.key_dim, first_sequence=0,
+                                                   rows=value_dim + shard.key_dim,
                                                    write_final=kl.FINAL_EVERY if shard.rows else kl.FINAL_TRAILING,
-                                                   descending=False)
+                                                   descending=False,
+                                                   transition_count=shard.layout.num_sequences if every else 1)
         trailing = slice(None) if shard.rows else shard.trailing[None]
         summary = jnp.swapaxes(stacked_rows[trailing], -1, -2)  # [n, H, K, V + K] = [E | M]
         if initial is not None and not shard.rows:
@@ -435,7 +445,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         value_dim = shard.value_dim
         init = None if initial is None else jnp.swapaxes(initial, -1, -2)  # the kernel's rows [N, H, V, K]
         incoming, _ = self._fold(shard, shard.summaries, init=init, init_count=0 if initial is None else
-                                 initial.shape[0], rows=value_dim, first_sequence=0, write_final=kl.FINAL_NONE,
+                                 initial.shape[0], rows=value_dim, write_final=kl.FINAL_NONE,
                                  descending=False)
         output, final_state, _ = self._output(shard, incoming)
         start = initial if initial is not None else jnp.zeros(inputs.state_shape, _F32)
@@ -468,9 +478,10 @@ class CuTeDSLGatedDeltaProductCPBackend:
         if final_grad is not None:
             end_grads = end_grads + jnp.swapaxes(final_grad.astype(_F32), -1, -2)
         grad_summaries = self._gamma(shard, do, segment_transitions)
+        # the summary's gamma: every row's start, or the leading sequence's (packed: the others skip a map)
         grad_out, gamma_rows = self._fold(shard, grad_summaries, init=end_grads, init_count=layout.num_sequences,
-                                          rows=value_dim, first_sequence=0, write_final=kl.FINAL_EVERY,
-                                          descending=True)
+                                          rows=value_dim, descending=True,
+                                          write_final=kl.FINAL_EVERY if shard.rows else kl.FINAL_LEADING)
         gamma = jnp.swapaxes(gamma_rows if shard.rows else gamma_rows[0], -1, -2)
         summary = jnp.concatenate([gamma, jnp.swapaxes(transition, -1, -2)], axis=-1)
         context = CuTeDSLBackwardContext(shard, do, grad_summaries, incoming, end_grads, grad_out, chunk_states)
@@ -491,7 +502,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
                 outgoing = jnp.swapaxes(compose_backward(stacked), -1, -2)  # [H, V, K] or [B, H, V, K] (rows)
             end_grads = end_grads + outgoing if shard.rows else end_grads.at[shard.trailing].add(outgoing)
             grad_out, _ = self._fold(shard, ctx.grad_summaries, init=end_grads, init_count=layout.num_sequences,
-                                     rows=shard.value_dim, first_sequence=0, write_final=kl.FINAL_NONE,
+                                     rows=shard.value_dim, write_final=kl.FINAL_NONE,
                                      descending=True)
         grads, grad_in = self._reverse(shard, ctx.do, ctx.incoming, grad_out, ctx.chunk_states)
         if inputs.initial_state is None:
@@ -506,19 +517,16 @@ class CuTeDSLGatedDeltaProductCPBackend:
     def _gamma(self, shard: _Shard, do: jax.Array, segment_transitions: jax.Array) -> jax.Array:
         """chunk_gamma -> backward summaries [S_max, H, V + K, K] of the segments in ``seg_grad_flags``; the
         transition rows of those the forward summarised are ``segment_transitions`` [S_max, H, K, K]."""
-        layout, value_dim = shard.layout, shard.value_dim
+        layout = shard.layout
         out = self._launch(
             kl.ChunkGammaLaunch, kcfg.ChunkGammaConfig(shard.dtype, shard.key_dim, shard.value_dim, shard.query_tile,
                                                        kl.gradient_rows_mma(self.mma)),
             dict(k=shard.k, q=shard.q, do=do, ta=shard.ta, p=shard.p, scalars=shard.scalars,
                  **shard.tables("chunk_first_step", "chunk_steps", "seg_first_chunk", "seg_chunks", "seg_order"),
-                 seg_flags=layout.seg_grad_flags, num_segments=layout.num_segments),
+                 seg_flags=layout.seg_grad_flags, num_segments=layout.num_segments, transitions=segment_transitions),
             dict(summaries=(layout.max_segments, shard.heads, shard.value_dim + shard.key_dim, shard.key_dim)),
             dict(num_householder=shard.inputs.num_householder))
-        from_forward = ((layout.seg_grad_flags & kl.FORWARD_TRANSITION_FLAG) != 0)[:, None, None, None]
-        summaries = out["summaries"]
-        return summaries.at[:, :, value_dim:].set(jnp.where(from_forward, segment_transitions,
-                                                             summaries[:, :, value_dim:]))
+        return out["summaries"]
 
     def _reverse(self, shard: _Shard, do: jax.Array, incoming: jax.Array, grad_out: jax.Array,
                  chunk_states: jax.Array | None):
@@ -572,6 +580,11 @@ class CuTeDSLGatedDeltaProductCPBackend:
 
 def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+
+
+def _no_addend(key_dim: int) -> jax.Array:
+    """segment_fold's ``addend`` under ADD_NONE (not read): the smallest array of its type."""
+    return jnp.zeros((1, 1, key_dim, 1), _F32)
 
 
 def _last_nonempty(cu: jax.Array) -> jax.Array:

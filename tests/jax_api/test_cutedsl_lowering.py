@@ -139,8 +139,9 @@ def test_launch_arguments_are_checked_against_the_kernel_signature():
     from cp_linear.kernels import launch as kl
 
     good = dict(summaries=jnp.zeros((4, 2, 2 * DIM, DIM)), seq_first_segment=jnp.zeros((3,), jnp.int32),
-                init=jnp.zeros((1, 2, DIM, DIM)))
-    scalars = dict(init_count=0, value_rows=DIM, identity_row=DIM, first_sequence=0, write_final=0, descending=0)
+                init=jnp.zeros((1, 2, DIM, DIM)), addend=jnp.zeros((1, 1, DIM, 1)))
+    scalars = dict(init_count=0, value_rows=DIM, identity_row=DIM, transition_count=0, add_mode=0, write_final=0,
+    descending=0)
     results = dict(incoming=(4, 2, DIM, DIM), final=(1, 2, DIM, DIM))
     with pytest.raises(ValueError, match=r"SegmentFoldLaunch.summaries must be float32 \[\?, \?, \?, 64\]"):
         kernel_calls.launch(kl.SegmentFoldLaunch, config, inputs={**good, "summaries": jnp.zeros((4, 2, 128, 32))},

@@ -462,3 +462,11 @@ def test_prefix_fold_writes_only_the_trailing_sequences_final_rows():
     from tests.cutedsl_inputs import check_trailing_final_rows
 
     check_trailing_final_rows("cuda")
+
+
+@pytest.mark.gpu
+def test_fold_shortcuts_match_the_plain_fold():
+    """FINAL_LEADING, ADD_TRAILING, ADD_EVERY and ``transition_count`` on the GPU (``check_fold_modes``)."""
+    from tests.cutedsl_inputs import check_fold_modes
+
+    check_fold_modes("cuda")

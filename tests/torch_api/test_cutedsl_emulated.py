@@ -251,7 +251,7 @@ def test_backward_summaries_take_the_forward_transitions_transposed(emulated):
     assert torch.count_nonzero(transitions[(layout.seg_flags == 0).nonzero().flatten()]) == 0
     every_row = torch.full_like(context.grad_summaries, float("nan"))
     backend._gamma(replace(context.shard, layout=replace(layout, seg_grad_flags=layout.seg_grad_flags & 1)),
-                   context.do, every_row)
+                   context.do, every_row, transitions)  # (not read: no FORWARD_TRANSITION_FLAG left)
     got = context.grad_summaries
     for segment in range(count):
         if not flags[segment] & 1:
@@ -356,6 +356,39 @@ def test_kernel_cp_backward_over_two_shards_matches_float64(emulated, layout):
     for name in got:
         expected = torch.stack([torch.cat([grad for r, grad in reference[name] if r == row], 0) for row in range(rows)])
         assert rel_err(got[name].float().numpy(), expected.numpy()) < GRAD_LIMIT, name
+
+
+@pytest.mark.parametrize("layout", ["packed", "rows"])
+def test_kernel_cp_backward_apply_repeats_exactly(emulated, layout):
+    """apply refolds the trailing sequence's rows of prepare's fold in place (packed) when following
+    summaries arrive: a second apply with them, and an apply without them afterwards, give bit for bit
+    what a fresh context gives (the latter: prepare's fold restored)."""
+    n_h, heads, dim = 2, 2, 64
+    backend = cutedsl.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=2, backward="kernels")
+    rows = 2 if layout == "rows" else 1
+    lengths = [60, 150, 46] if layout == "packed" else [256]
+    q, k, v, g, beta = _inputs(lengths, heads, dim, dim, n_h, seed=16, rows=rows)
+    cu_local = [None, None] if layout == "rows" else [torch.tensor([0, 60, 128], dtype=torch.int32),
+                                                       torch.tensor([0, 82, 128], dtype=torch.int32)]
+    do = torch.randn(rows, sum(lengths), heads, dim, generator=torch.Generator().manual_seed(17)).bfloat16()
+    prepared = [backend.cp_forward_prepare(shard) for shard in _two_shards(q, k, v, g, beta, n_h, cu_local)]
+    saved = [backend.cp_forward_apply(prepared[0][1], None).saved_context,
+             backend.cp_forward_apply(prepared[1][1], prepared[0][0].packed[None]).saved_context]
+    half = q.shape[1] // 2
+    following = backend.cp_backward_prepare(do[:, half:], saved[1])[0].packed[None]
+
+    def context():
+        return backend.cp_backward_prepare(do[:, :half], saved[0])[1]
+
+    reused = context()
+    first = backend.cp_backward_apply(reused, following)
+    without = backend.cp_backward_apply(reused, None)
+    second = backend.cp_backward_apply(reused, following)
+    for name, a, b, c, d in zip(first._fields, first, second, without, backend.cp_backward_apply(context(), None)):
+        if a is None:
+            continue
+        assert torch.equal(a, b) and torch.equal(c, d), name
+    assert not torch.equal(first.dk, without.dk)  # the following summaries mattered (dq does not read them)
 
 
 # float32 operands through the emulation: nothing rounds to bf16, so the composed step meets float64 at
@@ -576,6 +609,13 @@ def test_prefix_fold_writes_only_the_trailing_sequences_final_rows(emulated):
     check_trailing_final_rows("cpu")
 
 
+def test_fold_shortcuts_match_the_plain_fold(emulated):
+    """FINAL_LEADING, ADD_TRAILING, ADD_EVERY and ``transition_count`` (``check_fold_modes``)."""
+    from tests.cutedsl_inputs import check_fold_modes
+
+    check_fold_modes("cpu")
+
+
 # --------------------------------------------------------------------------- inference: the lean one-device plan
 
 
@@ -684,7 +724,7 @@ def test_inference_forward_runs_the_lean_plan(emulated, monkeypatch, layout, wit
     assert torch.equal(summary.seg_flags >> 1, values_only) and (initial is not None or layout == "rows"
                                                                or int(values_only.sum()) > 0)
     assert (fold.incoming.shape[2], fold.value_rows, fold.identity_row) == (64, 64, 64)
-    assert (fold.write_final, fold.descending, fold.first_sequence) == (kl.FINAL_NONE, 0, 0)
+    assert (fold.write_final, fold.descending, fold.add_mode) == (kl.FINAL_NONE, 0, kl.ADD_NONE)
     sequences = layout_tables.shape[0] - 1
     if initial is None:
         assert fold.init_count == 0

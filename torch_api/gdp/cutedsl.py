@@ -367,7 +367,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             # a custom op's outputs must be deterministic: zero what no kernel writes, the padding and the
             # prep rows of chunk slots past the last real chunk (only slots from T_all // tokens per chunk on
             # can be spare: every sequence's chunks cover its tokens)
-            unwritten = [saved["padding"], saved["transitions"]]  # transitions: only summarised segments below
+            unwritten = [saved["padding"]]  # (the transitions are written below, zero where not summarised)
             first_spare = total_tokens // sizes.tokens_per_chunk
             if self.save_prep:
                 unwritten += [saved[name][first_spare:] for name in _PREP]
@@ -381,9 +381,9 @@ class CuTeDSLGatedDeltaProductCPBackend:
                    state_out=shard.summaries, o=_placeholder(shard.q.device, shard.q.dtype, (1, 1, value_dim)))
         if saved is not None:
             # the backward's transition rows M_b are the forward's transposed: kept, ChunkGamma skips them
-            # (kl.FORWARD_TRANSITION_FLAG); rows of segments without a summary stay zero (deterministic)
+            # (kl.FORWARD_TRANSITION_FLAG); rows of segments without a summary are zero (deterministic)
             summarised = layout.seg_flags.view(-1, 1, 1, 1) != 0
-            torch.where(summarised, shard.summaries[:, :, value_dim:].transpose(-1, -2), saved["transitions"],
+            torch.where(summarised, shard.summaries[:, :, value_dim:].transpose(-1, -2), _HOST_ZERO,
                         out=saved["transitions"])
         return shard
 
@@ -524,17 +524,23 @@ class CuTeDSLGatedDeltaProductCPBackend:
 
     def _prefix_fold(self, shard: _Shard, final: torch.Tensor) -> torch.Tensor:
         """segment_fold of every sequence from [0 ; I] with V + K rows -> each segment's prefix map
-        [S_max, H, V + K, K] (rows [E_pre^T ; M_pre^T]) and ``final`` [N, H, V + K, K]: the [E | M]
-        rows of the trailing sequences (every row in rows mode; the others' rows are not written: their
-        last segment has no summary, and skipping its map saves a step per sequence)."""
+        [S_max, H, V + K, K] (rows [E_pre^T ; M_pre^T]; M_pre^T only where apply reads it) and ``final``
+        [N, H, V + K, K]: the [E | M] rows of the trailing sequences (every row in rows mode; the others'
+        rows are not written: their last segment has no summary, and skipping its map saves a step per
+        sequence)."""
         heads, key_dim, value_dim = shard.heads, shard.key_dim, shard.value_dim
         incoming_affine = torch.empty(shard.layout.max_segments, heads, value_dim + key_dim, key_dim,
                                       dtype=torch.float32, device=shard.q.device)
+        # apply reads the transition rows (M_pre) of the sequences a state enters: the leading one (from the
+        # preceding rank), every row, or every sequence with an initial state; the others fold V rows only
+        every = shard.rows or shard.inputs.initial_state is not None
+        transitions = shard.layout.num_sequences if every else 1
         # placeholders (not views, which would cost an op each): init is not read (init_count = 0)
         kl.SegmentFoldLaunch(
             self._fold_config(shard, value_dim + key_dim), summaries=shard.summaries,
-            seq_first_segment=shard.layout.seq_first_segment, init=incoming_affine, incoming=incoming_affine,
-            final=final, init_count=0, value_rows=value_dim, identity_row=value_dim, first_sequence=0,
+            seq_first_segment=shard.layout.seq_first_segment, init=incoming_affine, addend=_no_addend(shard),
+            incoming=incoming_affine, final=final, init_count=0, value_rows=value_dim, identity_row=value_dim,
+            transition_count=transitions, add_mode=kl.ADD_NONE,
             write_final=kl.FINAL_EVERY if shard.rows else kl.FINAL_TRAILING, descending=0).run()
         return incoming_affine
 
@@ -551,9 +557,10 @@ class CuTeDSLGatedDeltaProductCPBackend:
         init = incoming if initial is None else initial.transpose(-1, -2).contiguous()
         kl.SegmentFoldLaunch(
             self._fold_config(shard, value_dim), summaries=shard.summaries,
-            seq_first_segment=shard.layout.seq_first_segment, init=init, incoming=incoming, final=incoming,
-            init_count=0 if initial is None else initial.shape[0], value_rows=value_dim, identity_row=value_dim,
-            first_sequence=0, write_final=kl.FINAL_NONE, descending=0).run()
+            seq_first_segment=shard.layout.seq_first_segment, init=init, addend=_no_addend(shard), incoming=incoming,
+            final=incoming, init_count=0 if initial is None else initial.shape[0], value_rows=value_dim,
+            identity_row=value_dim, transition_count=0, add_mode=kl.ADD_NONE, write_final=kl.FINAL_NONE,
+            descending=0).run()
         return incoming
 
     def _apply_affine(self, shard: _Shard, incoming_affine: torch.Tensor, init: torch.Tensor | None,
@@ -572,8 +579,9 @@ class CuTeDSLGatedDeltaProductCPBackend:
         kl.SegmentFoldLaunch(
             kcfg.SegmentFoldConfig(key_dim, "apply_affine"), summaries=incoming_affine,
             seq_first_segment=shard.layout.seq_first_segment, init=incoming if init is None else init,
-            incoming=incoming, final=incoming, init_count=init_count, value_rows=value_dim,
-            identity_row=value_dim, first_sequence=0, write_final=kl.FINAL_NONE, descending=0).run()
+            addend=_no_addend(shard), incoming=incoming, final=incoming, init_count=init_count,
+            value_rows=value_dim, identity_row=value_dim, transition_count=0, add_mode=kl.ADD_NONE,
+            write_final=kl.FINAL_NONE, descending=0).run()
         return incoming
 
     def _output(self, shard: _Shard, incoming: torch.Tensor, initial: torch.Tensor | None
@@ -704,11 +712,12 @@ class CuTeDSLGatedDeltaProductCPBackend:
             torch.add(_cast(final_grad, torch.float32, device).transpose(-1, -2), 0.0, out=end_grads)
         grad_summaries = torch.empty(layout.max_segments, heads, value_dim + key_dim, key_dim, dtype=torch.float32,
                                      device=device)
-        # the forward's transitions first; ChunkGamma writes the gamma rows, and the transition rows of the
-        # segments the forward did not summarise (each sequence's last)
-        grad_summaries[:, :, value_dim:].copy_(saved["transitions"])
-        self._gamma(shard, do, grad_summaries)
-        gamma_rows = torch.empty_like(end_grads)
+        # ChunkGamma writes the gamma rows, the transition rows of the segments the forward did not summarise
+        # (each sequence's last), and copies the forward's transitions for the others
+        self._gamma(shard, do, grad_summaries, saved["transitions"])
+        # the summary's gamma: every row's start (rows) or the leading sequence's (packed); none on one
+        # device, so that no chain applies its first segment's map
+        gamma_rows = torch.empty_like(end_grads if shard.rows else end_grads[:1]) if summary else None
         grad_out = self._descending_fold(shard, grad_summaries, end_grads, final=gamma_rows)
         context = CuTeDSLBackwardContext(shard, do, grad_summaries, incoming, end_grads, grad_out,
                                          saved.get("chunk_states"))
@@ -729,17 +738,22 @@ class CuTeDSLGatedDeltaProductCPBackend:
         end_grads, grad_out = ctx.end_grads, ctx.grad_out
         stacked = None if following is None else _packed_backward_stack(following)
         if stacked is not None and stacked.shape[0]:
-            outgoing = compose_backward(stacked).transpose(-1, -2)  # [H, V, K] (packed) or [B, H, V, K] (rows)
-            end_grads = end_grads.clone()
-            if shard.rows:
-                end_grads += outgoing
-            else:  # the trailing (last nonempty) sequence's end
-                trailing = _trailing_sequence(self._cu(shard.inputs, shard.q.device))
-                if isinstance(trailing, int):
-                    end_grads[trailing] += outgoing
-                else:
-                    end_grads.index_add_(0, trailing.view(1), outgoing[None])
-            grad_out = self._descending_fold(shard, ctx.grad_summaries, end_grads, final=None)
+            # the outgoing gradient, [H, K, V] (packed) or [B, H, K, V] (rows), enters the fold as an addend of
+            # the trailing sequences' end gradients (end + outgoing, in the kernel: no copy of end_grads)
+            outgoing = compose_backward(stacked)
+            if shard.rows:  # every row continues on the next rank: every chain changes
+                grad_out = self._descending_fold(shard, ctx.grad_summaries, end_grads, final=None,
+                                                 outgoing=outgoing.contiguous())
+            else:
+                # only the trailing sequence (the last with tokens: cu_seqlens covers T >= 1) continues there:
+                # its rows of prepare's fold are redone in place from end_grads, so applies repeat exactly
+                self._descending_fold(shard, ctx.grad_summaries, end_grads, final=None,
+                                      outgoing=outgoing.contiguous()[None], into=grad_out)
+                ctx.trailing_refolded = True
+        elif ctx.trailing_refolded:  # an earlier apply changed the trailing rows: back to prepare's fold
+            no_outgoing = ctx.incoming.new_zeros(1, shard.heads, shard.key_dim, shard.value_dim)
+            self._descending_fold(shard, ctx.grad_summaries, end_grads, final=None, outgoing=no_outgoing, into=grad_out)
+            ctx.trailing_refolded = False
         grads, grad_in = self._reverse(shard, ctx.do, ctx.incoming, grad_out, ctx.chunk_states)
         if shard.inputs.initial_state is None:
             return grads
@@ -790,20 +804,33 @@ class CuTeDSLGatedDeltaProductCPBackend:
         return grads._replace(dinitial_state=None), grads.dinitial_state
 
     def _descending_fold(self, shard: _Shard, grad_summaries: torch.Tensor, end_grads: torch.Tensor, *,
-                         final: torch.Tensor | None) -> torch.Tensor:
+                         final: torch.Tensor | None, outgoing: torch.Tensor | None = None,
+                         into: torch.Tensor | None = None) -> torch.Tensor:
         """segment_fold, last segment first, from each sequence's end gradient [N, H, V, K] -> the
-        outgoing gradient of every segment [S_max, H, V, K] (and ``final``: each sequence's start)."""
+        outgoing gradient of every segment [S_max, H, V, K] (and ``final``: each row's start, or the
+        leading sequence's of a packed shard, [1, H, V, K]).
+        ``outgoing`` [A, H, K, V] is added to the end gradients: every row's (A = B, rows shards), or
+        only the trailing sequence's (A = 1, packed), which alone is then folded, into ``into``."""
         layout, heads, key_dim, value_dim = shard.layout, shard.heads, shard.key_dim, shard.value_dim
-        grad_out = torch.empty(layout.max_segments, heads, value_dim, key_dim, dtype=torch.float32,
-                               device=shard.q.device)
+        grad_out = into if into is not None else torch.empty(
+            layout.max_segments, heads, value_dim, key_dim, dtype=torch.float32, device=shard.q.device)
+        if outgoing is None:
+            add_mode, addend, chains = kl.ADD_NONE, _no_addend(shard), layout.num_sequences
+        elif shard.rows:
+            add_mode, addend, chains = kl.ADD_EVERY, outgoing, layout.num_sequences
+        else:
+            add_mode, addend, chains = kl.ADD_TRAILING, outgoing, 1
         kl.SegmentFoldLaunch(
-            self._fold_config(shard, value_dim), summaries=grad_summaries, seq_first_segment=layout.seq_first_segment,
-            init=end_grads, incoming=grad_out, final=grad_out if final is None else final,  # None: FINAL_NONE
-            init_count=end_grads.shape[0], value_rows=value_dim, identity_row=value_dim, first_sequence=0,
-            write_final=kl.FINAL_NONE if final is None else kl.FINAL_EVERY, descending=1).run()
+            kl.fold_config(key_dim, chains, heads, value_dim, _sm_count(shard.q.device)), summaries=grad_summaries,
+            seq_first_segment=layout.seq_first_segment, init=end_grads, addend=addend, incoming=grad_out,
+            final=grad_out if final is None else final,  # None: FINAL_NONE
+            init_count=end_grads.shape[0], value_rows=value_dim, identity_row=value_dim, transition_count=0,
+            add_mode=add_mode,
+            write_final=kl.FINAL_NONE if final is None else kl.FINAL_EVERY if shard.rows else kl.FINAL_LEADING,
+            descending=1).run()
         return grad_out
 
-    def _gamma(self, shard: _Shard, do: torch.Tensor, summaries: torch.Tensor) -> None:
+    def _gamma(self, shard: _Shard, do: torch.Tensor, summaries: torch.Tensor, transitions: torch.Tensor) -> None:
         layout = shard.layout
         kl.ChunkGammaLaunch(
             kcfg.ChunkGammaConfig(shard.dtype, shard.key_dim, shard.value_dim, shard.query_tile,
@@ -811,8 +838,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
             k=shard.k, q=shard.q, do=do, ta=shard.ta, p=shard.p, scalars=shard.scalars,
             chunk_first_step=layout.chunk_first_step, chunk_steps=layout.chunk_steps,
             seg_first_chunk=layout.seg_first_chunk, seg_chunks=layout.seg_chunks, seg_order=layout.seg_order,
-            seg_flags=layout.seg_grad_flags, num_segments=layout.num_segments, summaries=summaries,
-            num_householder=shard.inputs.num_householder).run()
+            seg_flags=layout.seg_grad_flags, num_segments=layout.num_segments, transitions=transitions,
+            summaries=summaries, num_householder=shard.inputs.num_householder).run()
 
     def _reverse(self, shard: _Shard, do: torch.Tensor, incoming: torch.Tensor, grad_out: torch.Tensor,
                  chunk_states: torch.Tensor | None):
@@ -1026,6 +1053,16 @@ def _placeholder(device: torch.device, dtype: torch.dtype, shape: tuple[int, ...
         if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             _PLACEHOLDERS[key] = placeholder
     return placeholder
+
+
+# a 0-d host tensor: an operand ``out=`` variants take where a Python number is refused; it enters a
+# device kernel as a scalar argument (no device op, no copy)
+_HOST_ZERO = torch.zeros(())
+
+
+def _no_addend(shard: _Shard) -> torch.Tensor:
+    """segment_fold's ``addend`` when add_mode is ADD_NONE (not read): a cached placeholder of its type."""
+    return _placeholder(shard.q.device, torch.float32, (1, 1, shard.key_dim, 1))
 
 
 def _trailing_sequence(cu: torch.Tensor) -> torch.Tensor | int:
