@@ -237,6 +237,7 @@ class ChunkGammaKernel(_GradientRowsKernel):
         from_forward = (flags & FORWARD_TRANSITION_FLAG) != 0
         if summarised & (row0 >= V) & from_forward:
             K = self.key_dim
+            assert R * K // 4 % self.threads == 0  # every 16-byte piece once (threads = 2 R)
             for i in cutlass.range_constexpr(R * K // 4 // self.threads):
                 flat = (i * self.threads + tidx) * 4
                 row, column_group = flat // K, (flat % K) // 4
