@@ -399,6 +399,38 @@ def test_cp_backward_shards_compose_to_float64_gradients(case):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", CP_BACKWARD_CASES[:2], ids=lambda case: case.id)
+def test_cp_protocol_never_waits_for_the_device(case):
+    """Every rank's four protocol calls (after a warm-up step) raise nothing under sync debug mode "error":
+    no host read, and no copy from pageable host memory, which waits for the stream first (a 0-d host
+    tensor in a ``torch.where`` did, draining the forward's queue: H100, 2026-12-07)."""
+    from tests.torch_api.cp_shards import cp_backward, cp_forward, split_into_shards
+    from torch_api.gdp.cutedsl import CuTeDSLGatedDeltaProductCPBackend
+    from torch_api.gdp.types import float32_region
+
+    q, k, v, g, beta, do = case_inputs(case, dtype=torch.bfloat16, device="cuda", seed=50 + case.cp_size)
+    backend = CuTeDSLGatedDeltaProductCPBackend(segment_chunks=2, backward="kernels")
+    options = dict(num_householder=case.num_householder, l2norm=case.l2norm)
+    shards = split_into_shards(q, k, v, g, beta, case.lengths, case.cp_size, **options)  # host lists to the device
+    for checked in (False, True):  # the first step compiles and caches
+        torch.cuda.synchronize()
+        if checked:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            with float32_region(q.device):
+                forward = cp_forward(backend, shards)
+                cp_backward(backend, shards, do, forward.saved_contexts)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    with pytest.raises(RuntimeError):  # the mode is live here
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            q.sum().item()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("key_dim, value_dim", [(128, 128), (64, 128), (128, 64)])
 @pytest.mark.parametrize("init_count", [0, 1, 4])
 def test_segment_fold_apply_affine_follows_its_emulation_and_the_sequential_fold(key_dim, value_dim, init_count,
