@@ -16,7 +16,8 @@ Mode "fold" (sequential along each sequence). Per sequence n:
 sequence; 2 (``FINAL_TRAILING``) only the trailing ones: the last sequence with segments and the
 empty ones after it (a shard's CP summary; the other sequences' last segments have no summary and
 their final rows are not needed); 3 (``FINAL_LEADING``) only sequence 0 (the backward summary of a
-packed shard: the other sequences then skip their last map, and a one-segment one folds nothing). With ``descending`` the segments are taken last to first: the
+packed shard: the other sequences then skip their last map, and a one-segment one folds nothing).
+With ``descending`` the segments are taken last to first: the
 backward's state gradients, whose segment summaries [gamma^T ; M_b^T]
 (``chunk_reverse.ChunkGammaKernel``) have the same row form. The map of the segment taken last is
 applied only for a sequence that writes its final rows (the output or reverse pass computes the
