@@ -519,8 +519,10 @@ class CuTeDSLGatedDeltaProductCPBackend:
             num_householder=shard.inputs.num_householder).run()
 
     @staticmethod
-    def _fold_config(shard: _Shard, rows: int) -> kcfg.SegmentFoldConfig:
-        return kl.fold_config(shard.key_dim, shard.layout.num_sequences, shard.heads, rows, _sm_count(shard.q.device))
+    def _fold_config(shard: _Shard, rows: int, chains: int | None = None) -> kcfg.SegmentFoldConfig:
+        """``kl.fold_config`` for ``chains`` sequences that run (every sequence of the shard by default)."""
+        chains = shard.layout.num_sequences if chains is None else chains
+        return kl.fold_config(shard.key_dim, chains, shard.heads, rows, _sm_count(shard.q.device))
 
     def _prefix_fold(self, shard: _Shard, final: torch.Tensor) -> torch.Tensor:
         """segment_fold of every sequence from [0 ; I] with V + K rows -> each segment's prefix map
@@ -743,12 +745,12 @@ class CuTeDSLGatedDeltaProductCPBackend:
             outgoing = compose_backward(stacked)
             if shard.rows:  # every row continues on the next rank: every chain changes
                 grad_out = self._descending_fold(shard, ctx.grad_summaries, end_grads, final=None,
-                                                 outgoing=outgoing.contiguous())
+                                                 outgoing=_contiguous(outgoing))
             else:
                 # only the trailing sequence (the last with tokens: cu_seqlens covers T >= 1) continues there:
                 # its rows of prepare's fold are redone in place from end_grads, so applies repeat exactly
                 self._descending_fold(shard, ctx.grad_summaries, end_grads, final=None,
-                                      outgoing=outgoing.contiguous()[None], into=grad_out)
+                                      outgoing=_contiguous(outgoing)[None], into=grad_out)
                 ctx.trailing_refolded = True
         elif ctx.trailing_refolded:  # an earlier apply changed the trailing rows: back to prepare's fold
             no_outgoing = ctx.incoming.new_zeros(1, shard.heads, shard.key_dim, shard.value_dim)
@@ -821,7 +823,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         else:
             add_mode, addend, chains = kl.ADD_TRAILING, outgoing, 1
         kl.SegmentFoldLaunch(
-            kl.fold_config(key_dim, chains, heads, value_dim, _sm_count(shard.q.device)), summaries=grad_summaries,
+            self._fold_config(shard, value_dim, chains), summaries=grad_summaries,
             seq_first_segment=layout.seq_first_segment, init=end_grads, addend=addend, incoming=grad_out,
             final=grad_out if final is None else final,  # None: FINAL_NONE
             init_count=end_grads.shape[0], value_rows=value_dim, identity_row=value_dim, transition_count=0,
@@ -1039,36 +1041,33 @@ def rows_layout(device: torch.device, batch: int, **layout_args) -> tuple[kl.For
     return replace(layout), tables
 
 
-_PLACEHOLDERS: dict[tuple, torch.Tensor] = {}
+_KEPT: dict[tuple, torch.Tensor] = {}
+
+
+def _kept(key: tuple, device: torch.device, make) -> torch.Tensor:
+    """``make()`` once per ``key`` and kept (an allocation less per call). Not kept while a CUDA graph is
+    captured on ``device``: a fresh one then lives in the graph's memory."""
+    tensor = _KEPT.get(key)
+    if tensor is None:
+        tensor = make()
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _KEPT[key] = tensor
+    return tensor
 
 
 def _placeholder(device: torch.device, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """A one-row tensor for a launch argument its mode neither reads nor writes, kept per (device, dtype,
-    shape) (an allocation less per launch; the kernels never touch it). Not kept while a CUDA graph is
-    captured: a fresh one then lives in the graph's memory."""
-    key = (device, dtype, shape)
-    placeholder = _PLACEHOLDERS.get(key)
-    if placeholder is None:
-        placeholder = torch.empty(shape, dtype=dtype, device=device)
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            _PLACEHOLDERS[key] = placeholder
-    return placeholder
-
-
-_ZEROS: dict = {}
+    shape) (``_kept``; the kernels never touch it)."""
+    return _kept(("placeholder", device, dtype, shape), device,
+                 lambda: torch.empty(shape, dtype=dtype, device=device))
 
 
 def _device_zero(device: torch.device) -> torch.Tensor:
-    """A 0-d float32 zero on ``device``, kept per device: an operand for ``out=`` variants, which refuse a
-    Python number. Not a host tensor: where() copies one to the device, and a copy from pageable host
-    memory waits for the stream first (an H100 run showed the forward's queue drained: phases 0.1-0.3 ms
-    longer than their kernels). Not kept while a CUDA graph is captured (as ``_placeholder``)."""
-    zero = _ZEROS.get(device)
-    if zero is None:
-        zero = torch.zeros((), dtype=torch.float32, device=device)
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            _ZEROS[device] = zero
-    return zero
+    """A 0-d float32 zero on ``device``, kept per device (``_kept``): an operand for ``out=`` variants, which
+    refuse a Python number. Not a host tensor: where() copies one to the device, and a copy from pageable
+    host memory waits for the stream first (an H100 run showed the forward's queue drained: phases
+    0.1-0.3 ms longer than their kernels)."""
+    return _kept(("zero", device), device, lambda: torch.zeros((), dtype=torch.float32, device=device))
 
 
 def _no_addend(shard: _Shard) -> torch.Tensor:
