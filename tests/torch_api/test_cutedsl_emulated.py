@@ -19,6 +19,7 @@ from cp_linear.kernels import launch as kl
 from cp_linear.kernels import configs as kcfg
 from cp_linear.kernels.emulation import run_emulated
 from cp_linear.reference import naive_gated_delta_product
+from cp_linear.summary import compose_backward, compose_forward
 from tests.cp_linear.gdp_cases import rel_err
 from tests.cutedsl_inputs import emulation_inputs as _inputs
 from tests.cutedsl_inputs import INFERENCE_LENGTHS, inference_case, recorded_scan_modes
@@ -758,3 +759,37 @@ def test_the_op_without_gradients_runs_the_lean_plan_and_with_them_the_saving_on
     o_grad, final_grad = gated_delta_product(*trained, **options)
     assert "SegmentFoldLaunch:apply_affine" in _plan(launches)
     assert torch.equal(o, o_grad.detach()) and torch.equal(final, final_grad.detach())
+
+
+@pytest.mark.parametrize("lead", [(1,), (3,)], ids=["packed", "rows"])
+@pytest.mark.parametrize("count", [1, 3])
+def test_row_form_summary_folds_match_the_array_api_folds(lead, count):
+    """The backend's own folds of the neighbours' summaries (``_fold_preceding`` in the kernels' row form,
+    ``_fold_following``) against ``cp_linear.summary``'s: equal to rounding, bitwise from a zero start of
+    one summary, and NaN where a transition holds inf (M times the zero state is not skipped)."""
+    heads, key_dim, value_dim = 2, 8, 4
+    generator = torch.Generator().manual_seed(count)
+    stacked = torch.randn(count, *lead, heads, key_dim, value_dim + key_dim, generator=generator) / key_dim ** 0.5
+    start = torch.randn(*lead, heads, key_dim, value_dim, generator=generator)
+    for start_state in (None, start):
+        start_rows = None if start_state is None else start_state.transpose(-1, -2)
+        rows = cutedsl._fold_preceding(stacked, start_rows)
+        assert rows.shape == (*lead, heads, value_dim, key_dim) and rows.is_contiguous()
+        expected = compose_forward(stacked, start_state).transpose(-1, -2)
+        torch.testing.assert_close(rows, expected, rtol=1e-6, atol=1e-6)
+        if count == 1 and start_state is None:
+            assert torch.equal(rows, expected)
+    gradient = cutedsl._fold_following(stacked)
+    assert gradient.shape == (*lead, heads, key_dim, value_dim) and gradient.is_contiguous()
+    torch.testing.assert_close(gradient, compose_backward(stacked), rtol=1e-6, atol=1e-6)
+    if count == 1:
+        assert torch.equal(gradient, compose_backward(stacked))
+    # an inf in the transition each fold applies first, to its zero state: inf * 0 = NaN
+    poisoned = stacked.clone()
+    poisoned[0, ..., 1, 2, value_dim + 3] = float("inf")
+    poisoned[-1, ..., 1, 2, value_dim + 3] = float("inf")
+    rows = cutedsl._fold_preceding(poisoned, None)
+    expected = compose_forward(poisoned).transpose(-1, -2)
+    assert rows.isnan().any() and torch.equal(rows.isnan(), expected.isnan())
+    gradient = cutedsl._fold_following(poisoned)
+    assert gradient.isnan().any() and torch.equal(gradient.isnan(), compose_backward(poisoned).isnan())

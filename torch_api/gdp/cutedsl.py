@@ -63,8 +63,6 @@ from cp_linear.summary import (
     CPBackwardPackedSummary,
     CPForwardPackedSummary,
     as_packed_array,
-    compose_backward,
-    compose_forward,
 )
 from torch_api.gdp.chunk import TorchGDPBackend, make_cp_saved_context, read_cp_saved_context
 from torch_api.gdp.types import GDPInputGradients, GDPInputs
@@ -652,12 +650,13 @@ class CuTeDSLGatedDeltaProductCPBackend:
         state_shape = (leading_count, shard.heads, shard.key_dim, value_dim)
         if stacked is not None and stacked.shape[0]:
             kl.check_preceding_summaries(stacked.shape, summary.shape, rows=shard.rows)
-            start = None if initial is None else initial[:leading_count]  # the leading sequence's S0
-            leading_state = compose_forward(stacked.reshape(stacked.shape[0], *summary.shape), start)  # [n, H, K, V]
+            start = None if initial is None else initial[:leading_count].transpose(-1, -2)  # the leading S0, rows
+            leading_rows = _fold_preceding(stacked.reshape(stacked.shape[0], *summary.shape), start)  # [n, H, V, K]
+            leading_state = leading_rows.transpose(-1, -2)  # the saved context's [n, H, K, V]: a view
             if initial is None:
-                init, init_count = leading_state.transpose(-1, -2).contiguous(), leading_count
+                init, init_count = leading_rows, leading_count
             else:  # the other local sequences start from their own initial states
-                init = torch.cat([leading_state, initial[leading_count:]]).transpose(-1, -2).contiguous()
+                init = _contiguous(torch.cat([leading_rows, initial[leading_count:].transpose(-1, -2)]))
                 init_count = initial.shape[0]
         elif initial is not None:
             leading_state = initial[:leading_count]
@@ -742,15 +741,15 @@ class CuTeDSLGatedDeltaProductCPBackend:
         if stacked is not None and stacked.shape[0]:
             # the outgoing gradient, [H, K, V] (packed) or [B, H, K, V] (rows), enters the fold as an addend of
             # the trailing sequences' end gradients (end + outgoing, in the kernel: no copy of end_grads)
-            outgoing = compose_backward(stacked)
+            outgoing = _fold_following(stacked)
             if shard.rows:  # every row continues on the next rank: every chain changes
                 grad_out = self._descending_fold(shard, ctx.grad_summaries, end_grads, final=None,
-                                                 outgoing=_contiguous(outgoing))
+                                                 outgoing=outgoing)
             else:
                 # only the trailing sequence (the last with tokens: cu_seqlens covers T >= 1) continues there:
                 # its rows of prepare's fold are redone in place from end_grads, so applies repeat exactly
                 self._descending_fold(shard, ctx.grad_summaries, end_grads, final=None,
-                                      outgoing=_contiguous(outgoing)[None], into=grad_out)
+                                      outgoing=outgoing[None], into=grad_out)
                 ctx.trailing_refolded = True
         elif ctx.trailing_refolded:  # an earlier apply changed the trailing rows: back to prepare's fold
             no_outgoing = ctx.incoming.new_zeros(1, shard.heads, shard.key_dim, shard.value_dim)
@@ -1101,6 +1100,44 @@ def _packed_backward_stack(following) -> torch.Tensor | None:
     if not isinstance(following, torch.Tensor):
         raise ValueError(f"following must be a tensor or a backward summary; received {type(following).__name__}")
     return _contiguous(_cast(following, torch.float32))
+
+
+def _fold_preceding(stacked: torch.Tensor, start_rows: torch.Tensor | None) -> torch.Tensor:
+    """``compose_forward`` in the kernels' row form: the stacked preceding summaries [n, B', H, K, V + K]
+    folded ascending from ``start_rows`` [B', H, V, K] (zero when None) -> [B', H, V, K] contiguous.
+    One baddbmm per summary, rows <- E^T + rows M^T: the products of E + M S transposed (M times a zero
+    state still gives NaN where M holds NaN or inf), without the fill, dtype copy, add and transposed
+    copy the array-API fold costs (small launches the host paced on rank > 0's forward apply)."""
+    count, *lead, heads, key_dim, width = stacked.shape
+    value_dim = width - key_dim
+    batch = math.prod(lead) * heads
+    rows_shape = (batch, value_dim, key_dim)
+    if start_rows is None:
+        device = stacked.device
+        rows = _kept(("zero_rows", device, rows_shape), device,
+                     lambda: torch.zeros(rows_shape, dtype=torch.float32, device=device))
+    else:
+        rows = start_rows.reshape(rows_shape)
+    for index in range(count):
+        summary = stacked[index].reshape(batch, key_dim, width)
+        rows = torch.baddbmm(summary[..., :value_dim].transpose(1, 2), rows, summary[..., value_dim:].transpose(1, 2))
+    return rows.view(*lead, heads, value_dim, key_dim)
+
+
+def _fold_following(stacked: torch.Tensor) -> torch.Tensor:
+    """``compose_backward`` in one baddbmm per summary: the stacked following summaries [n, B', H, K, V + K]
+    folded descending from a zero gradient, acc <- gamma + M_b acc -> [B', H, K, V] contiguous."""
+    count, *lead, heads, key_dim, width = stacked.shape
+    value_dim = width - key_dim
+    batch = math.prod(lead) * heads
+    acc_shape = (batch, key_dim, value_dim)
+    device = stacked.device
+    acc = _kept(("zero_gradient", device, acc_shape), device,
+                lambda: torch.zeros(acc_shape, dtype=torch.float32, device=device))
+    for index in range(count - 1, -1, -1):
+        summary = stacked[index].reshape(batch, key_dim, width)
+        acc = torch.baddbmm(summary[..., :value_dim], summary[..., value_dim:], acc)
+    return acc.view(*lead, heads, key_dim, value_dim)
 
 
 def _packed_stack(preceding) -> torch.Tensor | None:
