@@ -381,7 +381,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             # the backward's transition rows M_b are the forward's transposed: kept, ChunkGamma skips them
             # (kl.FORWARD_TRANSITION_FLAG); rows of segments without a summary are zero (deterministic)
             summarised = layout.seg_flags.view(-1, 1, 1, 1) != 0
-            torch.where(summarised, shard.summaries[:, :, value_dim:].transpose(-1, -2), _device_zero(device),
+            torch.where(summarised, shard.summaries[:, :, value_dim:].transpose(-1, -2), _kept_zeros(device),
                         out=saved["transitions"])
         return shard
 
@@ -1061,12 +1061,12 @@ def _placeholder(device: torch.device, dtype: torch.dtype, shape: tuple[int, ...
                  lambda: torch.empty(shape, dtype=dtype, device=device))
 
 
-def _device_zero(device: torch.device) -> torch.Tensor:
-    """A 0-d float32 zero on ``device``, kept per device (``_kept``): an operand for ``out=`` variants, which
-    refuse a Python number. Not a host tensor: where() copies one to the device, and a copy from pageable
-    host memory waits for the stream first (an H100 run showed the forward's queue drained: phases
-    0.1-0.3 ms longer than their kernels)."""
-    return _kept(("zero", device), device, lambda: torch.zeros((), dtype=torch.float32, device=device))
+def _kept_zeros(device: torch.device, shape: tuple[int, ...] = ()) -> torch.Tensor:
+    """float32 zeros on ``device``, kept per shape (``_kept``); only ever read: the 0-d one is an operand for
+    ``out=`` variants, which refuse a Python number, the others the zero start of a fold. Never a host
+    tensor: where() copies one to the device, and a copy from pageable host memory waits for the stream
+    first (an H100 run showed the forward's queue drained: phases 0.1-0.3 ms longer than their kernels)."""
+    return _kept(("zeros", device, shape), device, lambda: torch.zeros(shape, dtype=torch.float32, device=device))
 
 
 def _no_addend(shard: _Shard) -> torch.Tensor:
@@ -1103,7 +1103,7 @@ def _packed_backward_stack(following) -> torch.Tensor | None:
 
 
 def _fold_preceding(stacked: torch.Tensor, start_rows: torch.Tensor | None) -> torch.Tensor:
-    """``compose_forward`` in the kernels' row form: the stacked preceding summaries [n, B', H, K, V + K]
+    """``compose_forward`` in the kernels' row form: the stacked preceding summaries [n >= 1, B', H, K, V + K]
     folded ascending from ``start_rows`` [B', H, V, K] (zero when None) -> [B', H, V, K] contiguous.
     One baddbmm per summary, rows <- E^T + rows M^T: the products of E + M S transposed (M times a zero
     state still gives NaN where M holds NaN or inf), without the fill, dtype copy, add and transposed
@@ -1113,9 +1113,7 @@ def _fold_preceding(stacked: torch.Tensor, start_rows: torch.Tensor | None) -> t
     batch = math.prod(lead) * heads
     rows_shape = (batch, value_dim, key_dim)
     if start_rows is None:
-        device = stacked.device
-        rows = _kept(("zero_rows", device, rows_shape), device,
-                     lambda: torch.zeros(rows_shape, dtype=torch.float32, device=device))
+        rows = _kept_zeros(stacked.device, rows_shape)
     else:
         rows = start_rows.reshape(rows_shape)
     for index in range(count):
@@ -1125,15 +1123,13 @@ def _fold_preceding(stacked: torch.Tensor, start_rows: torch.Tensor | None) -> t
 
 
 def _fold_following(stacked: torch.Tensor) -> torch.Tensor:
-    """``compose_backward`` in one baddbmm per summary: the stacked following summaries [n, B', H, K, V + K]
-    folded descending from a zero gradient, acc <- gamma + M_b acc -> [B', H, K, V] contiguous."""
+    """``compose_backward`` in one baddbmm per summary: the stacked following summaries
+    [n >= 1, B', H, K, V + K] folded descending from a zero gradient, acc <- gamma + M_b acc
+    -> [B', H, K, V] contiguous."""
     count, *lead, heads, key_dim, width = stacked.shape
     value_dim = width - key_dim
     batch = math.prod(lead) * heads
-    acc_shape = (batch, key_dim, value_dim)
-    device = stacked.device
-    acc = _kept(("zero_gradient", device, acc_shape), device,
-                lambda: torch.zeros(acc_shape, dtype=torch.float32, device=device))
+    acc = _kept_zeros(stacked.device, (batch, key_dim, value_dim))
     for index in range(count - 1, -1, -1):
         summary = stacked[index].reshape(batch, key_dim, width)
         acc = torch.baddbmm(summary[..., :value_dim], summary[..., value_dim:], acc)
