@@ -13,7 +13,7 @@ everything else runs chunk-parallel from what the sequential passes stored.
 * ``ChunkGammaKernel``: a segment's backward summary rows [gamma ; M_b] (dX_in = dX_out M_b +
   gamma) from [0 ; I], chunks in reverse; the transition rows see a zero dO tile. M_b is the
   forward summary's transition rows transposed, so segments flagged ``FORWARD_TRANSITION_FLAG``
-  get only their gamma rows here (their transition CTAs exit at once).
+  get only their gamma rows scanned; their transition CTAs copy the forward's rows, transposed.
 * ``ChunkReverseScanKernel``: one CTA per (segment, head, row block) from the segment's outgoing
   gradient, storing rnd(dX) at every chunk's end and the segment's incoming gradient.
 * ``ChunkReverseKernel``: one CTA per (chunk, head) holding all V rows, from the chunk's start
@@ -206,13 +206,13 @@ class ChunkGammaKernel(_GradientRowsKernel):
                  seg_first_chunk: cute.Tensor, seg_chunks: cute.Tensor,  # int32 [S_max]
                  seg_order: cute.Tensor, seg_flags: cute.Tensor,  # int32 [S_max]
                  num_segments: cute.Tensor,  # int32 [1]
-                 transitions: cute.Tensor,  # [S_max, H, K, K] float32: the forward's M_b rows (FORWARD_TRANSITION_FLAG)
+                 forward_summaries: cute.Tensor,  # [S_max, H, V + K, K] float32: the forward's [E^T ; M^T] rows
                  summaries: cute.Tensor,  # [S_max, H, V + K, K] float32 (out): rows [gamma ; M_b]
                  num_householder: Int32, stream):
         tiled_mma = _mma.make_tiled_mma(self.dtype, self.warps)
         g2s = _mma.make_g2s_copy(self.dtype, self.threads)
         self.kernel(k, q, do, ta, p, scalars, chunk_first_step, chunk_steps, seg_first_chunk, seg_chunks, seg_order,
-                    seg_flags, num_segments, transitions, summaries, num_householder, tiled_mma, g2s).launch(
+                    seg_flags, num_segments, forward_summaries, summaries, num_householder, tiled_mma, g2s).launch(
             grid=(k.shape[1], seg_first_chunk.shape[0], (self.value_dim + self.key_dim) // self.rows),
             block=(self.threads, 1, 1), stream=stream)
 
@@ -220,7 +220,8 @@ class ChunkGammaKernel(_GradientRowsKernel):
     def kernel(self, k: cute.Tensor, q: cute.Tensor, do: cute.Tensor, ta: cute.Tensor, p: cute.Tensor,
                scalars: cute.Tensor, chunk_first_step: cute.Tensor, chunk_steps: cute.Tensor,
                seg_first_chunk: cute.Tensor, seg_chunks: cute.Tensor, seg_order: cute.Tensor,
-               seg_flags: cute.Tensor, num_segments: cute.Tensor, transitions: cute.Tensor, summaries: cute.Tensor,
+               seg_flags: cute.Tensor, num_segments: cute.Tensor, forward_summaries: cute.Tensor,
+               summaries: cute.Tensor,
                num_householder: Int32, tiled_mma: cute.TiledMma, g2s: cute.TiledCopy):
         V, R, NQ = self.value_dim, self.rows, self.query_tile
         tidx, _, _ = cute.arch.thread_idx()
@@ -232,17 +233,22 @@ class ChunkGammaKernel(_GradientRowsKernel):
         row0 = row_block * R
         is_value_rows = row0 < V
         summarised = (segment < num_segments[0]) & ((flags & SUMMARY_FLAG) != 0)
-        # transition rows the forward already summarised are copied from its saved ones, not scanned: these
-        # CTAs run beside the scanning ones (the copy a separate launch would make)
+        # transition rows the forward already summarised are its M^T rows transposed (M_b^T = M), copied from
+        # its saved summary, not scanned: these CTAs run beside the scanning ones (the copy a separate launch
+        # would make). A thread reads 4 adjacent columns of forward row V + c (16 bytes) and writes them down
+        # column c of 4 rows; the lanes of a warp take adjacent c, so each of its 4 stores is one 128-byte row
         from_forward = (flags & FORWARD_TRANSITION_FLAG) != 0
         if summarised & (row0 >= V) & from_forward:
             K = self.key_dim
             assert R * K // 4 % self.threads == 0  # every 16-byte piece once (threads = 2 R)
+            piece = cute.make_rmem_tensor(cute.make_layout((4,)), Float32)
             for i in cutlass.range_constexpr(R * K // 4 // self.threads):
-                flat = (i * self.threads + tidx) * 4
-                row, column_group = flat // K, (flat % K) // 4
-                source = cute.local_tile(transitions[segment, head, row0 - V + row, None], (4,), (column_group,))
-                cute.local_tile(summaries[segment, head, row0 + row, None], (4,), (column_group,)).store(source.load())
+                flat = i * self.threads + tidx
+                column, row_group = flat % K, flat // K
+                source = forward_summaries[segment, head, V + column, None]
+                piece.store(cute.local_tile(source, (4,), ((row0 - V) // 4 + row_group,)).load())
+                for e in cutlass.range_constexpr(4):
+                    summaries[segment, head, row0 + row_group * 4 + e, column] = piece[e]
         if summarised & (is_value_rows | ((flags & FORWARD_TRANSITION_FLAG) == 0)):
             value_col = cute.assume(cutlass.min(row0, V - R), divby=64)
             grad, grad_coords = self.gradient(tiled_mma, tidx)

@@ -19,6 +19,8 @@ Four modes (compile-time):
   zero values), starting from [0 ; I]; the end rows go to ``summary`` [S, H, V + K, K]. Only
   segments whose flag has bit 0 set run; a row block of transition rows only, in a segment flagged
   ``VALUES_ONLY_FLAG``, writes zeros and scans nothing (its sequence starts from zero rows there).
+  With ``clear_unsummarised`` the other segments' rows (and those of unused slots) are written as
+  zeros: the kernel backward keeps ``summary`` in its saved buffer, whose every row is defined.
 * "output": rows are S^T from ``state_in`` [S, H, V, K] (the folded incoming state of each
   segment); outputs go to ``o``. A sequence's last segment writes its end state, the sequence's
   final state, to ``state_out`` [N, H, K, V] (S, not S^T: the layout the frontends return), so no
@@ -99,13 +101,15 @@ class ChunkScanKernel:
                                           # [S_max, H, V + K, K] (out, mode "summary")
                  o: cute.Tensor,  # [T_all, H, V] input dtype (out, modes "output", "output_states")
                  chunk_states: cute.Tensor,  # [C_max, H, V K] input dtype (out, modes "states", "output_states")
-                 num_householder: Int32, stream):
+                 num_householder: Int32,
+                 clear_unsummarised: Int32,  # mode "summary": 1 writes zero rows for the segments not summarised
+                 stream):
         tiled_mma = _mma.make_tiled_mma(self.dtype, self.warps)  # the "sync" products (unused for "wgmma")
         g2s = _mma.make_g2s_copy(self.dtype, self.threads)
         s2g = _mma.make_s2g_copy(self.dtype, self.threads)  # the chunk states only
         self.kernel(k, v, q, ta, tb, p, scalars, chunk_first_step, chunk_steps, seg_first_chunk, seg_chunks,
                     seg_order, seg_flags, num_segments, seq_first_segment, state_in, state_out, o, chunk_states,
-                    num_householder, tiled_mma, g2s, s2g).launch(
+                    num_householder, clear_unsummarised, tiled_mma, g2s, s2g).launch(
             grid=(k.shape[1], seg_first_chunk.shape[0], self.row_blocks()), block=(self.threads, 1, 1),
             stream=stream)
 
@@ -140,8 +144,8 @@ class ChunkScanKernel:
                seg_first_chunk: cute.Tensor, seg_chunks: cute.Tensor, seg_order: cute.Tensor, seg_flags: cute.Tensor,
                num_segments: cute.Tensor, seq_first_segment: cute.Tensor, state_in: cute.Tensor,
                state_out: cute.Tensor, o: cute.Tensor,
-               chunk_states: cute.Tensor, num_householder: Int32, tiled_mma: cute.TiledMma, g2s: cute.TiledCopy,
-               s2g: cute.TiledCopy):
+               chunk_states: cute.Tensor, num_householder: Int32, clear_unsummarised: Int32, tiled_mma: cute.TiledMma,
+               g2s: cute.TiledCopy, s2g: cute.TiledCopy):
         K, V, R, NQ, NH = self.key_dim, self.value_dim, self.rows, self.query_tile, num_householder
         tidx, _, _ = cute.arch.thread_idx()
         head, slot, row_block = cute.arch.block_idx()  # heads fastest: CTAs start in slot order
@@ -167,10 +171,13 @@ class ChunkScanKernel:
         run = segment < num_segments[0]
         if cutlass.const_expr(self.summary):
             flags = seg_flags[cutlass.min(segment, seg_flags.shape[0] - 1)]
+            # with clear_unsummarised the segments not summarised (and the unused slots) get zero rows: the
+            # summaries then are the kernel backward's saved rows, deterministic as every saved output
+            cleared = (clear_unsummarised != 0) & (((flags & SUMMARY_FLAG) == 0) | (segment >= num_segments[0]))
             run = run & ((flags & SUMMARY_FLAG) != 0)
             # transition rows nobody reads (VALUES_ONLY_FLAG): zeros, so the fold's X M^T stays finite
             unneeded = run & ((flags & VALUES_ONLY_FLAG) != 0) & (row_block * R >= V)
-            if unneeded:
+            if unneeded | cleared:
                 for i in cutlass.range(R * K // self.threads, unroll=8):
                     flat = i * self.threads + tidx
                     state_out[segment, head, row_block * R + flat // K, flat % K] = Float32(0.0)

@@ -87,6 +87,10 @@ def emulate_chunk_scan(launch) -> None:
     rows = V + K if summary else V
     k, v, q = launch.k.float(), launch.v.float(), launch.q.float()
     heads = k.shape[1]
+    if summary and int(launch.clear_unsummarised):  # the segments not summarised, and unused slots: zero rows
+        for segment in range(launch.state_out.shape[0]):
+            if segment >= int(launch.num_segments[0]) or not int(launch.seg_flags[segment]) & 1:
+                launch.state_out[segment] = 0.0
     for segment in range(int(launch.num_segments[0])):
         if summary and not int(launch.seg_flags[segment]) & 1:
             continue

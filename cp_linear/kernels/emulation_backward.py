@@ -61,7 +61,8 @@ def emulate_chunk_gamma(launch) -> None:
         # rows evolve independently: the forward-summarised segments' transition rows are the forward's, copied
         rows = value_dim if flags & FORWARD_TRANSITION_FLAG else value_dim + key_dim
         if flags & FORWARD_TRANSITION_FLAG:
-            launch.summaries[segment, :, value_dim:] = launch.transitions[segment]
+            forward_transitions = launch.forward_summaries[segment, :, value_dim:]  # M^T rows
+            launch.summaries[segment, :, value_dim:] = forward_transitions.transpose(-1, -2)
         X = torch.cat([torch.zeros(heads, value_dim, key_dim),
                        torch.eye(key_dim).expand(heads, key_dim, key_dim)], 1)[:, :rows]
         first_chunk = int(launch.seg_first_chunk[segment])

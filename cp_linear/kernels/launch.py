@@ -164,6 +164,7 @@ class ChunkScanLaunch(_Launch):
     o: Any = _spec(None, None, "value_dim")
     chunk_states: Any = _spec(None, None, "chunk_state_size", align=16)  # written by 16-byte rows
     num_householder: Any = _scalar("int32")
+    clear_unsummarised: Any = _scalar("int32")  # mode "summary": zero rows for the segments not summarised
 
 
 @dataclass
@@ -194,8 +195,9 @@ class SegmentFoldLaunch(_Launch):
 @dataclass
 class ChunkGammaLaunch(_Launch):
     """Backward segment summaries into ``summaries`` [S, H, V + K, K] for segments flagged in ``seg_flags``
-    (bit 0); for those that also carry ``FORWARD_TRANSITION_FLAG`` the K transition rows are copied from
-    ``transitions`` [S, H, K, K] (the forward's, transposed, from its saved buffer) instead of scanned."""
+    (bit 0); for those that also carry ``FORWARD_TRANSITION_FLAG`` the K transition rows are the forward
+    summary's transposed, copied from ``forward_summaries`` [S, H, V + K, K] (the forward scan's rows, kept
+    in its saved buffer) instead of scanned."""
 
     KERNEL: ClassVar[str] = "cp_linear.kernels.chunk_reverse:ChunkGammaKernel"
     OUTPUTS: ClassVar[tuple[str, ...]] = ("summaries",)
@@ -213,7 +215,7 @@ class ChunkGammaLaunch(_Launch):
     seg_order: Any = _spec(None, dtype="int32")  # grid slot -> segment (forward_layout: longest first)
     seg_flags: Any = _spec(None, dtype="int32")
     num_segments: Any = _spec(1, dtype="int32")
-    transitions: Any = _spec(None, None, "key_dim", "key_dim", dtype="float32", align=16)
+    forward_summaries: Any = _spec(None, None, "gamma_rows", "key_dim", dtype="float32", align=16)
     summaries: Any = _spec(None, None, "gamma_rows", "key_dim", dtype="float32")
     num_householder: Any = _scalar("int32")
 

@@ -257,11 +257,13 @@ class CuTeDSLGatedDeltaProductCPBackend:
             dict(scale=float(inputs.scale), use_l2=int(bool(inputs.use_qk_l2norm_in_kernel)), num_householder=n_h))
         shard.ta, shard.tb, shard.p, shard.scalars = prep["ta"], prep["tb"], prep["p"], prep["scalars"]
         if summaries:  # mode "summary" reads neither state_in nor o: tiny placeholders of the right type
+            # the kernel backward saves the summaries: every row defined (zero where no summary)
             shard.summaries = self._scan(shard, "summary", state_in=jnp.zeros((1, 1, value_dim, key_dim), _F32),
-                                         o_shape=(1, 1, value_dim))["state_out"]
+                                         o_shape=(1, 1, value_dim),
+                                         clear_unsummarised=self.backward == "kernels")["state_out"]
         return shard
 
-    def _scan(self, shard: _Shard, mode: str, *, state_in, o_shape: tuple) -> dict:
+    def _scan(self, shard: _Shard, mode: str, *, state_in, o_shape: tuple, clear_unsummarised: bool = False) -> dict:
         """chunk_scan -> {"state_out": the segment summaries [S_max, H, V + K, K] (mode "summary"), or the
         sequences' final states [N, H, K, V] (the output modes: an empty sequence's row is not written), or
         a one-row placeholder (mode "states"); all float32; "o": ``o_shape``; "chunk_states": [C_max, H, V K]
@@ -282,7 +284,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
                  **shard.tables("chunk_first_step", "chunk_steps", "seg_first_chunk", "seg_chunks", "seg_order",
                                 "seg_flags", "num_segments", "seq_first_segment"), state_in=state_in),
             dict(state_out=state_out_shape, o=o_shape, chunk_states=chunk_states_shape),
-            dict(num_householder=shard.inputs.num_householder))
+            dict(num_householder=shard.inputs.num_householder, clear_unsummarised=int(clear_unsummarised)))
         return out
 
     def _fold(self, shard: _Shard, summaries: jax.Array, *, init: jax.Array | None, init_count: int, rows: int,
@@ -402,15 +404,12 @@ class CuTeDSLGatedDeltaProductCPBackend:
             output = (output, _final_states(shard, final_state, start))
         if self.backward == "kernels":  # the segments' incoming states: the reverse pass restarts from them
             transition = summary[..., value_dim:]
-            # each summarised segment's transition rows in the backward's orientation (M_b = M^T): chunk_gamma
-            # skips them (kl.FORWARD_TRANSITION_FLAG); [S_max, H, K, K] float32, zero where no summary was
-            # written (as torch's saved buffer)
-            summarised = (shard.layout.seg_flags != 0)[:, None, None, None]
-            segment_transitions = jnp.where(summarised, jnp.swapaxes(shard.summaries[:, :, value_dim:], -1, -2), 0.0)
+            # the segment summaries [S_max, H, V + K, K] (zero rows where none): chunk_gamma copies their
+            # transition rows, transposed (M_b = M^T), for the segments flagged kl.FORWARD_TRANSITION_FLAG
             saved = CPSavedContext(
                 tensors=(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.cu_seqlens,
                          transition if shard.rows else transition[0], inputs.initial_state, incoming,
-                         segment_transitions, chunk_states),
+                         shard.summaries, chunk_states),
                 metadata={"scale": inputs.scale, "num_householder": inputs.num_householder,
                           "use_qk_l2norm_in_kernel": inputs.use_qk_l2norm_in_kernel,
                           "output_final_state": inputs.output_final_state, _KERNEL_BACKWARD: True})
@@ -460,7 +459,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         metadata = dict(saved_context.metadata)
         if not metadata.pop(_KERNEL_BACKWARD, False):
             return self._fallback.cp_backward_prepare(output_grad, saved_context)
-        (q, k, v, g, beta, cu_seqlens, transition, initial_state, incoming, segment_transitions,
+        (q, k, v, g, beta, cu_seqlens, transition, initial_state, incoming, segment_summaries,
          chunk_states) = saved_context.tensors
         inputs = GDPInputs(q, k, v, g, beta, cu_seqlens=cu_seqlens, initial_state=initial_state, **metadata)
         output_grad, final_grad = output_grad if inputs.output_final_state else (output_grad, None)
@@ -477,7 +476,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         end_grads = jnp.zeros((layout.num_sequences, heads, value_dim, key_dim), _F32)
         if final_grad is not None:
             end_grads = end_grads + jnp.swapaxes(final_grad.astype(_F32), -1, -2)
-        grad_summaries = self._gamma(shard, do, segment_transitions)
+        grad_summaries = self._gamma(shard, do, segment_summaries)
         # the summary's gamma: every row's start, or the leading sequence's (packed: the others skip a map)
         grad_out, gamma_rows = self._fold(shard, grad_summaries, init=end_grads, init_count=layout.num_sequences,
                                           rows=value_dim, descending=True,
@@ -514,16 +513,18 @@ class CuTeDSLGatedDeltaProductCPBackend:
         d_initial = jnp.swapaxes(jnp.where(empty, end_grads, d_initial), -1, -2)
         return grads._replace(dinitial_state=d_initial.astype(inputs.initial_state.dtype))
 
-    def _gamma(self, shard: _Shard, do: jax.Array, segment_transitions: jax.Array) -> jax.Array:
+    def _gamma(self, shard: _Shard, do: jax.Array, segment_summaries: jax.Array) -> jax.Array:
         """chunk_gamma -> backward summaries [S_max, H, V + K, K] of the segments in ``seg_grad_flags``; the
-        transition rows of those the forward summarised are ``segment_transitions`` [S_max, H, K, K]."""
+        transition rows of those the forward summarised are from ``segment_summaries`` [S_max, H, V + K, K]
+        (the forward's, transposed)."""
         layout = shard.layout
         out = self._launch(
             kl.ChunkGammaLaunch, kcfg.ChunkGammaConfig(shard.dtype, shard.key_dim, shard.value_dim, shard.query_tile,
                                                        kl.gradient_rows_mma(self.mma)),
             dict(k=shard.k, q=shard.q, do=do, ta=shard.ta, p=shard.p, scalars=shard.scalars,
                  **shard.tables("chunk_first_step", "chunk_steps", "seg_first_chunk", "seg_chunks", "seg_order"),
-                 seg_flags=layout.seg_grad_flags, num_segments=layout.num_segments, transitions=segment_transitions),
+                 seg_flags=layout.seg_grad_flags, num_segments=layout.num_segments,
+                 forward_summaries=segment_summaries),
             dict(summaries=(layout.max_segments, shard.heads, shard.value_dim + shard.key_dim, shard.key_dim)),
             dict(num_householder=shard.inputs.num_householder))
         return out["summaries"]

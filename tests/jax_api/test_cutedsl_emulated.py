@@ -247,8 +247,8 @@ def test_inference_forward_matches_the_torch_backend_bit_for_bit(emulated, layou
 @pytest.mark.parametrize("case", ["one_sequence", "one_sequence_initial", "packed_initial"])
 def test_saved_segment_states_match_the_torch_backend_bit_for_bit(emulated, case):
     """The forward's saved segment states (prepare's prefix maps through apply_affine; what the
-    kernel backward restarts from) and segment transitions (what chunk_gamma skips), bit for bit as
-    torch's, unused rows zero."""
+    kernel backward restarts from) and segment summaries (whose transition rows chunk_gamma copies), bit
+    for bit as torch's, unused rows zero."""
     n_h, heads, dim = 2, 2, 64
     lengths = [300] if case.startswith("one") else [150, 37, 301]
     q, k, v, g, beta = _inputs(lengths, heads, dim, dim, n_h, seed=45)
@@ -263,8 +263,8 @@ def test_saved_segment_states_match_the_torch_backend_bit_for_bit(emulated, case
     torch_saved = torch_backend.cp_forward_apply(local, None).saved_context
     theirs = torch_backend.saved_segment_states(torch_saved)
     torch_inputs = GDPInputs(q, k, v, g, beta, cu_seqlens=cu, initial_state=initial, **options)
-    their_transitions = tcd._carve(tcd.kernel_saved_of(torch_saved),
-                                   torch_backend._saved_regions(torch_inputs))["transitions"]
+    their_summaries = tcd._carve(tcd.kernel_saved_of(torch_saved),
+                                 torch_backend._saved_regions(torch_inputs))["summaries"]
     backend = jcd.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=2, backward="kernels", sm_count=132)
 
     @jax.jit
@@ -273,15 +273,16 @@ def test_saved_segment_states_match_the_torch_backend_bit_for_bit(emulated, case
         _, local = backend.cp_forward_prepare(inputs)
         return backend.cp_forward_apply(local, None).saved_context.tensors[8:10]
 
-    ours, our_transitions = saved_states(*(_jax(x) for x in (q, k, v, g, beta)), jnp.asarray(cu.numpy()),
+    ours, our_summaries = saved_states(*(_jax(x) for x in (q, k, v, g, beta)), jnp.asarray(cu.numpy()),
                                          None if initial is None else _jax(initial))
     _assert_same_bits("saved segment states", ours, theirs)
-    _assert_same_bits("saved segment transitions", our_transitions, their_transitions)
-    assert torch.count_nonzero(their_transitions) > 0
+    _assert_same_bits("saved segment summaries", our_summaries, their_summaries)
+    assert torch.count_nonzero(their_summaries) > 0
     real = int(np.ceil(np.ceil(np.array(lengths) / (64 // n_h)) / 2).sum())  # segments of 2 chunks
     zero_states = int((theirs[:real].abs().sum((1, 2, 3)) == 0).sum())
     assert zero_states == (0 if initial is not None else len(lengths))  # each sequence's first, from zero
     assert torch.count_nonzero(theirs[real:]) == 0
+    assert torch.count_nonzero(their_summaries[real:]) == 0
 
 
 # --------------------------------------------------------------------------- CP over two host devices

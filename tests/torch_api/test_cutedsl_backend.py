@@ -486,6 +486,13 @@ def test_saved_segment_states_are_the_incoming_states(initial):
     real = int(layout.num_segments[0])
     assert rel_err(_host(states[:real]), _host(sequential[:real])) < 1e-5
     assert torch.count_nonzero(states[real:]) == 0
+    # the saved summaries (written by the summary pass itself): defined in every row, zero where none was made
+    regions = backend._saved_regions(inputs)
+    saved_summaries = cutedsl._carve(cutedsl.kernel_saved_of(saved), regions)["summaries"]
+    assert torch.equal(saved_summaries, cutedsl._carve(cutedsl.kernel_saved_of(saved_again), regions)["summaries"])
+    flags = layout.seg_flags.cpu()
+    unsummarised = [segment for segment in range(saved_summaries.shape[0]) if segment >= real or not flags[segment]]
+    assert len(unsummarised) >= len(lengths) and torch.count_nonzero(saved_summaries[unsummarised]) == 0
 
 
 @pytest.mark.gpu

@@ -219,10 +219,11 @@ def _float64_gradients(q, k, v, g, beta, do, dfinal, initial, lengths, n_h):
 def test_backward_summaries_take_the_forward_transitions_transposed(emulated):
     """The backward summary's transition rows M_b are the forward summary's transition rows transposed
     (rows dX = dS^T evolve by the transposed chunk maps, in reverse order). Segments the forward
-    summarised (FORWARD_TRANSITION_FLAG) take them from the saved buffer; the others (sequence 0's last
-    segment here) from chunk_gamma. Both agree with chunk_gamma computing every row, to bf16 operand
-    rounding, and not with its transpose; and the same backward on transposed saved transitions misses
-    the float64 gradients (what a wrong orientation would do)."""
+    summarised (FORWARD_TRANSITION_FLAG) copy them, transposed, from the forward summaries the saved buffer
+    keeps (every row of a segment without a summary zero); the others (sequence 0's last segment here) come
+    from chunk_gamma. Both agree with chunk_gamma computing every row, to bf16 operand rounding, and not
+    with its transpose; and the same backward on saved transitions transposed misses the float64
+    gradients (what a wrong orientation would do)."""
     from dataclasses import replace
 
     lengths, n_h, heads, dim, segment_chunks = [150, 37, 301], 2, 2, 64, 2
@@ -238,9 +239,10 @@ def test_backward_summaries_take_the_forward_transitions_transposed(emulated):
     backend = cutedsl.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=segment_chunks, backward="kernels")
     _, _, saved = backend.one_device_forward(inputs, initial)
     regions = backend._saved_regions(inputs)
-    transitions = cutedsl._carve(cutedsl.kernel_saved_of(saved), regions)["transitions"]
+    forward_summaries = cutedsl._carve(cutedsl.kernel_saved_of(saved), regions)["summaries"]
     max_segments = dict((name, shape) for name, _, shape in regions)["states"][0]
-    assert transitions.shape == (max_segments, heads, dim, dim)  # + S_max x H x K x K x 4 bytes
+    assert forward_summaries.shape == (max_segments, heads, 2 * dim, dim)  # + S_max x H x (V + K) x K x 4 bytes
+    transitions = forward_summaries[:, :, dim:]  # M^T rows
 
     _, context = backend.cp_backward_prepare((do, dfinal), saved)
     layout = context.shard.layout
@@ -249,10 +251,11 @@ def test_backward_summaries_take_the_forward_transitions_transposed(emulated):
     # segments 0-2: sequence 0 (the leading one: all summarised, the last by chunk_gamma); 3: the 37-token
     # sequence (its only segment: no backward summary); 4-8: the trailing sequence (the forward summarised all)
     assert flags.tolist() == [3, 3, 1, 0, 0, 3, 3, 3, 3]
-    assert torch.count_nonzero(transitions[(layout.seg_flags == 0).nonzero().flatten()]) == 0
+    unsummarised = [segment for segment in range(max_segments) if segment >= count or not layout.seg_flags[segment]]
+    assert len(unsummarised) > 1 and torch.count_nonzero(forward_summaries[unsummarised]) == 0
     every_row = torch.full_like(context.grad_summaries, float("nan"))
     backend._gamma(replace(context.shard, layout=replace(layout, seg_grad_flags=layout.seg_grad_flags & 1)),
-                   context.do, every_row, transitions)  # (not read: no FORWARD_TRANSITION_FLAG left)
+                   context.do, every_row, forward_summaries)  # (not read: no FORWARD_TRANSITION_FLAG left)
     got = context.grad_summaries
     for segment in range(count):
         if not flags[segment] & 1:
@@ -260,7 +263,7 @@ def test_backward_summaries_take_the_forward_transitions_transposed(emulated):
         assert torch.equal(got[segment, :, :dim], every_row[segment, :, :dim]), segment  # gamma rows
         computed = every_row[segment, :, dim:]
         if flags[segment] & kl.FORWARD_TRANSITION_FLAG:
-            assert torch.equal(got[segment, :, dim:], transitions[segment]), segment
+            assert torch.equal(got[segment, :, dim:], transitions[segment].transpose(-1, -2)), segment
             assert rel_err(got[segment, :, dim:].numpy(), computed.numpy()) < 1e-2, segment  # measured 3.5e-3
             assert rel_err(got[segment, :, dim:].transpose(-1, -2).numpy(), computed.numpy()) > 0.1, segment
         else:

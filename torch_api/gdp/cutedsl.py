@@ -256,11 +256,12 @@ class CuTeDSLGatedDeltaProductCPBackend:
     ``chunk_reverse`` / ``chunk_prep_backward``; every gradient checked against float64 and bitwise
     repeatable on an H200, 5-6x faster than the recomputation at 8k tokens) or "torch"
     (``TorchGDPBackend``'s recomputation from the saved inputs). The kernel backward saves one
-    float32 state per segment (9.4 MB at 32k tokens, H = 16, K = V = 128) and the transition rows of
-    each segment's forward summary (S_max x H x K x K x 4 bytes: as much again at K = V; ``chunk_gamma``
-    then computes only the gamma rows of those segments). With ``save_chunk_states=True`` (the
-    default) the forward's output pass also writes every chunk's start state into the saved buffer
-    (input dtype: C_max x H x V x K x 2 bytes, 0.27 GB at that shape) and the backward reads them;
+    float32 state per segment (9.4 MB at 32k tokens, H = 16, K = V = 128) and each segment's forward
+    summary (S_max x H x (V + K) x K x 4 bytes: twice the states' at K = V; the summary pass writes it
+    there itself, and ``chunk_gamma`` copies its transition rows, computing only the gamma rows). With
+    ``save_chunk_states=True`` (the default) the forward's output pass also writes every chunk's start
+    state into the saved buffer (input dtype: C_max x H x V x K x 2 bytes, 0.27 GB at that shape) and
+    the backward reads them;
     ``False`` recomputes them in the backward (``chunk_scan`` mode "states"; bitwise the same
     values) and saves that memory. It also saves the
     forward's work layout (no second layout build) and, with ``save_prep=True`` (the default), the
@@ -365,7 +366,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             # a custom op's outputs must be deterministic: zero what no kernel writes, the padding and the
             # prep rows of chunk slots past the last real chunk (only slots from T_all // tokens per chunk on
             # can be spare: every sequence's chunks cover its tokens)
-            unwritten = [saved["padding"]]  # (the transitions are written below, zero where not summarised)
+            unwritten = [saved["padding"]]  # (the summary pass writes every row of "summaries", zero where none)
             first_spare = total_tokens // sizes.tokens_per_chunk
             if self.save_prep:
                 unwritten += [saved[name][first_spare:] for name in _PREP]
@@ -375,14 +376,11 @@ class CuTeDSLGatedDeltaProductCPBackend:
         shard = self._new_shard(inputs, layout, saved, trailing, sizes.row_block, summaries=True)
         self._prep(shard)
         # mode "summary" reads no state_in and writes no o nor chunk states: tiny placeholders of the right type
+        # the saved buffer keeps the summaries (the backward's transition rows M_b are their M^T rows transposed:
+        # ChunkGamma copies them, kl.FORWARD_TRANSITION_FLAG); the segments without one get zero rows there
         self._scan(shard, "summary", state_in=_placeholder(shard.q.device, torch.float32, (1, 1, value_dim, key_dim)),
-                   state_out=shard.summaries, o=_placeholder(shard.q.device, shard.q.dtype, (1, 1, value_dim)))
-        if saved is not None:
-            # the backward's transition rows M_b are the forward's transposed: kept, ChunkGamma skips them
-            # (kl.FORWARD_TRANSITION_FLAG); rows of segments without a summary are zero (deterministic)
-            summarised = layout.seg_flags.view(-1, 1, 1, 1) != 0
-            torch.where(summarised, shard.summaries[:, :, value_dim:].transpose(-1, -2), _kept_zeros(device),
-                        out=saved["transitions"])
+                   state_out=shard.summaries, o=_placeholder(shard.q.device, shard.q.dtype, (1, 1, value_dim)),
+                   clear_unsummarised=saved is not None)
         return shard
 
     def _saved_shard(self, inputs: GDPInputs, saved: dict, sizes: _LayoutSizes) -> _Shard:
@@ -437,8 +435,13 @@ class CuTeDSLGatedDeltaProductCPBackend:
                         tb=torch.empty(chunks, heads, 64, 64, dtype=q.dtype, device=device),
                         p=torch.empty(chunks, heads, tile, 64, dtype=q.dtype, device=device),
                         scalars=torch.empty(chunks, heads, 4, 64, dtype=torch.float32, device=device))
-        summary_rows = torch.empty(layout.max_segments, heads, value_dim + key_dim, key_dim, dtype=torch.float32,
-                                   device=device) if summaries else None
+        if not summaries:
+            summary_rows = None
+        elif saved is not None:  # written by the summary pass straight into the saved buffer
+            summary_rows = saved["summaries"]
+        else:
+            summary_rows = torch.empty(layout.max_segments, heads, value_dim + key_dim, key_dim, dtype=torch.float32,
+                                       device=device)
         return _Shard(inputs=inputs, rows=inputs.cu_seqlens is None, q=q, k=k, v=v, layout=layout,
                       row_block=row_block, summaries=summary_rows, trailing=trailing, saved=saved,
                       **prep)
@@ -462,8 +465,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
     def _saved_regions(self, inputs: GDPInputs, sizes: _LayoutSizes | None = None
                        ) -> tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]:
         """The kernel backward's saved buffer region by region (name, dtype, shape), from shapes only:
-        the segments' incoming states, the transition rows of the forward's segment summaries (in the
-        backward's orientation, M_b = M^T), the prep results (``save_prep``), the chunk states
+        the segments' incoming states, the forward's segment summaries [E^T ; M^T] (the backward's
+        transition rows M_b = M^T are read from them), the prep results (``save_prep``), the chunk states
         (``save_chunk_states``), then the layout tables (``_regions_of``, cached: the same tuple each call)."""
         return _regions_of(sizes or self._sizes(inputs), int(inputs.q.shape[2]), int(inputs.q.shape[3]),
                            int(inputs.v.shape[-1]), inputs.q.dtype, inputs.num_householder, self.save_prep,
@@ -497,8 +500,10 @@ class CuTeDSLGatedDeltaProductCPBackend:
         inputs, _, _ = read_cp_saved_context(CPSavedContext(saved.tensors[:9], saved.metadata))
         return _carve(buffer, self._saved_regions(inputs))["states"]
 
-    def _scan(self, shard: _Shard, mode: str, *, state_in, state_out, o, chunk_states=None) -> None:
-        """chunk_scan in ``mode``; ``chunk_states`` [C_max, H, V, K] (modes "states", "output_states")."""
+    def _scan(self, shard: _Shard, mode: str, *, state_in, state_out, o, chunk_states=None,
+              clear_unsummarised: bool = False) -> None:
+        """chunk_scan in ``mode``; ``chunk_states`` [C_max, H, V, K] (modes "states", "output_states");
+        ``clear_unsummarised`` (mode "summary"): zero rows for the segments without a summary."""
         layout = shard.layout
         tile = shard.query_tile if mode in kcfg.OUTPUT_MODES else 0
         if chunk_states is None:  # not written in this mode: an empty placeholder of the right type
@@ -514,7 +519,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             seg_flags=layout.seg_flags, num_segments=layout.num_segments,
             seq_first_segment=layout.seq_first_segment, state_in=state_in,
             state_out=state_out, o=o, chunk_states=chunk_states,
-            num_householder=shard.inputs.num_householder).run()
+            num_householder=shard.inputs.num_householder, clear_unsummarised=int(clear_unsummarised)).run()
 
     @staticmethod
     def _fold_config(shard: _Shard, rows: int, chains: int | None = None) -> kcfg.SegmentFoldConfig:
@@ -714,8 +719,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
         grad_summaries = torch.empty(layout.max_segments, heads, value_dim + key_dim, key_dim, dtype=torch.float32,
                                      device=device)
         # ChunkGamma writes the gamma rows, the transition rows of the segments the forward did not summarise
-        # (each sequence's last), and copies the forward's transitions for the others
-        self._gamma(shard, do, grad_summaries, saved["transitions"])
+        # (each sequence's last), and copies the forward's transitions (transposed) for the others
+        self._gamma(shard, do, grad_summaries, saved["summaries"])
         # the summary's gamma: every row's start (rows) or the leading sequence's (packed); none on one
         # device, so that no chain applies its first segment's map
         gamma_rows = torch.empty_like(end_grads if shard.rows else end_grads[:1]) if summary else None
@@ -831,7 +836,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
             descending=1).run()
         return grad_out
 
-    def _gamma(self, shard: _Shard, do: torch.Tensor, summaries: torch.Tensor, transitions: torch.Tensor) -> None:
+    def _gamma(self, shard: _Shard, do: torch.Tensor, summaries: torch.Tensor, forward_summaries: torch.Tensor
+               ) -> None:
         layout = shard.layout
         kl.ChunkGammaLaunch(
             kcfg.ChunkGammaConfig(shard.dtype, shard.key_dim, shard.value_dim, shard.query_tile,
@@ -839,7 +845,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             k=shard.k, q=shard.q, do=do, ta=shard.ta, p=shard.p, scalars=shard.scalars,
             chunk_first_step=layout.chunk_first_step, chunk_steps=layout.chunk_steps,
             seg_first_chunk=layout.seg_first_chunk, seg_chunks=layout.seg_chunks, seg_order=layout.seg_order,
-            seg_flags=layout.seg_grad_flags, num_segments=layout.num_segments, transitions=transitions,
+            seg_flags=layout.seg_grad_flags, num_segments=layout.num_segments, forward_summaries=forward_summaries,
             summaries=summaries, num_householder=shard.inputs.num_householder).run()
 
     def _reverse(self, shard: _Shard, do: torch.Tensor, incoming: torch.Tensor, grad_out: torch.Tensor,
@@ -920,7 +926,7 @@ def _regions_of(sizes: _LayoutSizes, heads: int, key_dim: int, value_dim: int, d
     """``CuTeDSLGatedDeltaProductCPBackend._saved_regions`` from host values (cached: one tuple per key)."""
     chunks, segments = sizes.max_chunks, sizes.max_segments
     regions = [("states", torch.float32, (segments, heads, value_dim, key_dim)),
-               ("transitions", torch.float32, (segments, heads, key_dim, key_dim))]
+               ("summaries", torch.float32, (segments, heads, value_dim + key_dim, key_dim))]
     if save_prep:
         tile = kcfg.query_tile(n_h)
         regions += [("ta", dtype, (chunks, heads, 64, 64)), ("tb", dtype, (chunks, heads, 64, 64)),
@@ -1061,11 +1067,8 @@ def _placeholder(device: torch.device, dtype: torch.dtype, shape: tuple[int, ...
                  lambda: torch.empty(shape, dtype=dtype, device=device))
 
 
-def _kept_zeros(device: torch.device, shape: tuple[int, ...] = ()) -> torch.Tensor:
-    """float32 zeros on ``device``, kept per shape (``_kept``); only ever read: the 0-d one is an operand for
-    ``out=`` variants, which refuse a Python number, the others the zero start of a fold. Never a host
-    tensor: where() copies one to the device, and a copy from pageable host memory waits for the stream
-    first (an H100 run showed the forward's queue drained: phases 0.1-0.3 ms longer than their kernels)."""
+def _kept_zeros(device: torch.device, shape: tuple[int, ...]) -> torch.Tensor:
+    """float32 zeros on ``device``, kept per shape (``_kept``); only ever read: the zero start of a fold."""
     return _kept(("zeros", device, shape), device, lambda: torch.zeros(shape, dtype=torch.float32, device=device))
 
 
