@@ -61,18 +61,17 @@ from cp_linear.summary_exchange import SUMMARY_EXCHANGES, resolve_summary_exchan
 from cp_linear.zigzag import check_layout, chunk_length
 from cp_linear.validation import (
     GDP_VALUE_CHECKS,
-    gdp_bad_tokens,
     gdp_token_poison,
     gdp_trailing_bad,
     gdp_value_flags,
     nonfinite_rows,
     poison,
-    sanitize,
     sequence_start_index,
 )
 from jax_api._checks import is_concrete, raise_failed_value_checks
 from jax_api._mesh import place, run_mesh
 from jax_api.gdp.chunk import check_gdp_inputs, host_value_or_none
+from jax_api.gdp.isolation import contained_inputs
 from jax_api.gdp.ops import Residuals, gate_or_zeros, resolve_backend
 from jax_api.gdp.summary_exchange import scan_fold
 
@@ -333,9 +332,8 @@ def gdp_chunkwise_context_parallel_shard(q, k, v, g, beta, *, axis_name: str = "
             trailing_start_rank, leading_end_rank = inner_sequence_ranks(global_seq_idx[0], rank, local_len)
             scan_stops = jnp.stack([trailing_start_rank == rank, leading_end_rank == rank])
     # containment (cp_linear.validation): sanitised inputs; a poisoned trailing fragment travels as NaN
-    state_bad, read_bad = gdp_bad_tokens(q, k, v, g, beta, num_householder)
+    state_bad, read_bad, (q, k, v, g, beta) = contained_inputs(q, k, v, g, beta, num_householder, backend=backend)
     trailing_bad = gdp_trailing_bad(state_bad, start)
-    q, k, v, g, beta = (sanitize(x) for x in (q, k, v, g, beta))
     local_initial = routing = None
     if initial_state is not None or output_final_state:
         sequences = _state_rows(initial_state, num_sequences, global_seq_idx, q, v)

@@ -40,7 +40,8 @@ from cp_linear.kernels import configs as kcfg
 from cp_linear.kernels import launch as kl
 
 _SCALAR_TYPES = {"float32": np.float32, "int32": np.int32}
-_TENSOR_TYPES = {"float32": jnp.float32, "int32": jnp.int32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+_TENSOR_TYPES = {"float32": jnp.float32, "int32": jnp.int32, "uint8": jnp.uint8, "bfloat16": jnp.bfloat16,
+                 "float16": jnp.float16}
 _REGISTERED: dict[tuple[str, str], Any] = {}  # (target, platform) -> the registered function (kept alive)
 _LOCK = threading.Lock()
 

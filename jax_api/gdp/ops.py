@@ -27,7 +27,6 @@ from cp_linear.summary import as_packed_array
 from cp_linear.validation import (
     GDP_VALUE_CHECKS,
     NONFINITE,
-    gdp_bad_tokens,
     gdp_sequence_bad,
     gdp_token_poison,
     gdp_value_flags,
@@ -38,6 +37,7 @@ from cp_linear.validation import (
 )
 from jax_api._checks import is_concrete, raise_failed_value_checks
 from jax_api.gdp.chunk import JaxGDPBackend, check_gdp_inputs, host_value_or_none
+from jax_api.gdp.isolation import contained_inputs
 
 _PROTOCOL = ("cp_forward_prepare", "cp_forward_apply", "cp_backward_prepare", "cp_backward_apply")
 
@@ -225,7 +225,7 @@ def gated_delta_product(q, k, v, g, beta, *, scale: float | None = None, num_hou
                                   *(() if initial_state is None else (initial_state,)), what="gated_delta_product")
     # containment (cp_linear.validation): sanitised inputs, NaN by selection where an output depends on one
     q, k, v, g, beta = (jnp.asarray(x) for x in (q, k, v, g, beta))
-    state_bad, read_bad = gdp_bad_tokens(q, k, v, g, beta, num_householder)
+    state_bad, read_bad, clean = contained_inputs(q, k, v, g, beta, num_householder, backend=backend)
     start = sequence_start_index(cu, tokens) if packed else jnp.zeros((tokens,), jnp.int32)
     poisoned = gdp_token_poison(state_bad, read_bad, start)
     final_bad = gdp_sequence_bad(state_bad, cu)
@@ -238,8 +238,7 @@ def gated_delta_product(q, k, v, g, beta, *, scale: float | None = None, num_hou
         sequence = jnp.searchsorted(cu[1:], jnp.arange(tokens), side="right") if packed else None
         poisoned = poisoned | (initial_bad[sequence][None] if packed else initial_bad[:, None, :])
         initial_state = sanitize(initial_state)
-    q, k, v, g, beta = (sanitize(x) for x in (q, k, v, g, beta))
-    output, final_state = _one_device(q, k, v, g, beta, cu, initial_state, backend=backend, scale=scale,
+    output, final_state = _one_device(*clean, cu, initial_state, backend=backend, scale=scale,
                                       num_householder=num_householder,
                                       use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel))
     return poison(output, poisoned[..., None]), poison(final_state, final_bad[..., None, None])

@@ -28,10 +28,11 @@ import jax.numpy as jnp
 
 from cp_linear.gdp import GDPInputs
 from cp_linear.summary import as_packed_array
-from cp_linear.validation import gdp_bad_tokens, gdp_token_poison, gdp_trailing_bad, poison, sanitize
+from cp_linear.validation import gdp_token_poison, gdp_trailing_bad, poison
 from cp_linear.zigzag import gathered_chunk_order, zigzag_gdp_option_error
 from jax_api._chunks import local_chunks
 from jax_api.gdp.cp import incoming_state_summary, outgoing_grad_summary, poisoned_summary, shard_metadata
+from jax_api.gdp.isolation import contained_inputs
 from jax_api.gdp.ops import Residuals
 
 _NONDIFF = ("axis_name", "backend", "scale", "num_householder", "use_qk_l2norm_in_kernel")
@@ -121,10 +122,11 @@ def zigzag_gdp_shard(q, k, v, g, beta, *, axis_name: str, global_seq_idx, max_se
         shard_metadata(global_seq_idx, chunk, chunk_len, 2 * cp_size, max_sequences) for chunk in chunks))
     ranges = jnp.stack([chunks, jnp.stack(preceding_starts), jnp.stack(following_stops)], axis=1).astype(jnp.int32)
     # containment (cp_linear.validation) per chunk, as the contiguous layout per shard
-    state_bad, read_bad = (_halves(flags) for flags in gdp_bad_tokens(q, k, v, g, beta, num_householder))
+    *flags, clean = contained_inputs(q, k, v, g, beta, num_householder, backend=backend)
+    state_bad, read_bad = (_halves(chunk_flags) for chunk_flags in flags)
     trailing_bad = jnp.stack([gdp_trailing_bad(bad, start) for bad, start in zip(state_bad, starts)])
     output, incoming_bad = _zigzag_context_parallel(
-        *(sanitize(x) for x in (q, k, v, g, beta)), None if global_seq_idx is None else jnp.stack(cu_seqlens), ranges,
+        *clean, None if global_seq_idx is None else jnp.stack(cu_seqlens), ranges,
         trailing_bad, axis_name=axis_name, backend=backend, scale=scale, num_householder=num_householder,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     poisoned = [gdp_token_poison(*chunk_flags) for chunk_flags in zip(state_bad, read_bad, starts, incoming_bad)]

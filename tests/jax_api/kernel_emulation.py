@@ -9,9 +9,9 @@ calls included; only the implementation behind each target differs from the GPU'
 ``cp_linear.kernels.configs.all_configs()`` is covered (the GDP kernels and the short conv's), through
 the launch class ``LAUNCHES`` maps it to: a new kernel family needs only its config listed there.
 
-Every result buffer is filled with NaN (floats) or a large negative int before the emulation
-writes it, so a read of anything a kernel does not write shows up in the outputs (XLA's result
-buffers are uninitialised on the GPU too).
+Every result buffer is filled with NaN (floats), a large negative int (int32) or the type's largest
+value (uint8 flags) before the emulation writes it, so a read of anything a kernel does not write
+shows up in the outputs (XLA's result buffers are uninitialised on the GPU too).
 """
 
 from __future__ import annotations
@@ -33,7 +33,10 @@ _POISON_INT = -(2**30)
 
 
 def _poison(tensor: torch.Tensor) -> None:
-    tensor.fill_(float("nan") if tensor.is_floating_point() else _POISON_INT)
+    if tensor.is_floating_point():
+        tensor.fill_(float("nan"))
+    else:  # int32 tables; uint8 flags (which hold 0 or 1) get their largest value
+        tensor.fill_(_POISON_INT if tensor.dtype == torch.int32 else torch.iinfo(tensor.dtype).max)
 
 
 def _emulate(config, *arguments) -> None:

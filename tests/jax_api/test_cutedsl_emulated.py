@@ -179,6 +179,63 @@ def test_backward_options(emulated, backward, g_beta_limit):
         assert rel_err(_as64(ours), expected) < limit, name
 
 
+@pytest.mark.parametrize("n_h", [1, 2])
+def test_containment_takes_the_token_checks_kernel_with_the_jnp_results(emulated, monkeypatch, n_h):
+    """Traced inputs are contained: with the kernel backend the input pass is one token-checks launch
+    (``jax_api.gdp.isolation``), whose flags and sanitised copies give the outputs, final states and
+    gradients of the jnp pass (row reductions and selects) and of torch's contained op (``check_inputs=False``),
+    NaN where a non-finite input reaches."""
+    from cp_linear.kernels import configs as kcfg
+    from jax_api.gdp import isolation
+
+    lengths, heads, dim = [50, 37, 90], 2, 64
+    q, k, v, g, beta = _inputs(lengths, heads, dim, dim, n_h, seed=60 + n_h)
+    q[0, 10, 1, 3] = float("inf")  # read once: output 10 of head 1
+    k[0, 65 * n_h, 0, 7] = float("nan")  # token 65 (sequence 1), head 0: its state from there on
+    g[0, 100, 1] = float("nan")  # token 100 (sequence 2), head 1
+    beta[0, 123 * n_h + n_h - 1, 0] = float("-inf")  # token 123 (sequence 2), head 0: its last step
+    do = torch.randn(1, sum(lengths), heads, dim, generator=torch.Generator().manual_seed(61)).bfloat16()
+    cu = jnp.asarray(np.cumsum([0] + lengths), jnp.int32)
+    backend = jcd.CuTeDSLGatedDeltaProductCPBackend(sm_count=132, segment_chunks=2)
+
+    def new_step():  # a new function each time: jit's trace cache is keyed by the function
+        def step(q, k, v, g, beta, do):
+            (o, final), vjp = jax.vjp(lambda *a: gated_delta_product(
+                *a, cu_seqlens=cu, num_householder=n_h, use_qk_l2norm_in_kernel=True, backend=backend),
+                q, k, v, g, beta)
+            return o, final, vjp((do, jnp.zeros_like(final)))
+        return jax.jit(step)
+
+    def token_checks_launched() -> int:
+        return sum(n for config, n in LAUNCH_COUNTS.items() if isinstance(config, kcfg.TokenChecksConfig))
+
+    arrays = [_jax(x) for x in (q, k, v, g, beta, do)]
+    before = token_checks_launched()
+    kernel = jax.block_until_ready(new_step()(*arrays))
+    assert token_checks_launched() - before == 1
+    monkeypatch.setattr(isolation, "_token_checks_config", lambda *args: None)  # the jnp pass
+    jnp_pass = jax.block_until_ready(new_step()(*arrays))
+    assert token_checks_launched() - before == 1
+    o, final = np.asarray(kernel[0].astype(jnp.float32)), np.asarray(kernel[1])
+    assert np.isnan(o[0, 10, 1]).all() and np.isfinite(o[0, :10]).all()  # q: its own output only
+    assert np.isnan(o[0, 65:87, 0]).all() and np.isfinite(o[0, 65:87, 1]).all() and np.isfinite(o[0, 50:65]).all()
+    assert np.isnan(o[0, 100:, 1]).all() and np.isfinite(o[0, 87:100]).all() and np.isnan(final[2]).all()
+    for name, ours, theirs in zip(("o", "final", *GRAD_NAMES), (*kernel[:2], *kernel[2]),
+                                  (*jnp_pass[:2], *jnp_pass[2])):
+        np.testing.assert_array_equal(_as64(ours), _as64(theirs), err_msg=name)  # NaN where NaN, -0 == 0
+    # torch's contained op (check_inputs=False) on the same emulated kernels
+    import torch_api
+
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+    o_t, final_t = torch_api.gated_delta_product(
+        *leaves, cu_seqlens=torch.tensor(np.asarray(cu)), num_householder=n_h, use_qk_l2norm_in_kernel=True,
+        check_inputs=False, backend=tcd.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=2))
+    o_t.backward(do)
+    for name, ours, theirs in zip(("o", "final", *GRAD_NAMES), (*kernel[:2], *kernel[2]),
+                                  (o_t, final_t, *(leaf.grad for leaf in leaves))):
+        np.testing.assert_array_equal(_as64(ours), theirs.detach().double().numpy(), err_msg=f"torch {name}")
+
+
 def test_a_new_packing_reuses_the_program(emulated):
     """cu_seqlens is data: a second packing with the same T and N neither retraces nor recompiles,
     runs the same launches, and is right."""
@@ -204,8 +261,9 @@ def test_a_new_packing_reuses_the_program(emulated):
                                              num_householder=n_h, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
         assert rel_err(_as64(o), o_ref) < OUTPUT_LIMIT
     assert len(traces) == 1 and forward._cache_size() == 1
-    # no gradient: the lean plan (prep, summary scan, one fold of incoming states, output scan)
-    assert launches[0] == launches[1] == 4
+    # no gradient: the containment's token checks, then the lean plan (prep, summary scan, one fold of
+    # incoming states, output scan)
+    assert launches[0] == launches[1] == 5
 
 
 @pytest.mark.parametrize("layout", ["packed", "rows"])

@@ -136,6 +136,57 @@ def test_one_device_op_matches_torch_bit_for_bit(kernels_here, lengths, rows, he
             assert rel_err(np.asarray(ours.astype(jnp.float32)), theirs) < limit, name
 
 
+def _assert_same_values(name, ours, theirs):
+    """Equal values, NaN where NaN (the two frontends write NaN with their own bits; -0 == 0)."""
+    a = np.asarray(jax.device_get(ours.astype(jnp.float32)))
+    b = theirs.detach().float().cpu().numpy()
+    assert a.shape == b.shape, (name, a.shape, b.shape)
+    differ = int(np.count_nonzero(~((a == b) | (np.isnan(a) & np.isnan(b)))))
+    assert differ == 0, f"{name}: {differ} of {a.size} values differ between JAX and torch"
+
+
+def test_contained_op_matches_torch_contained(kernels_here):
+    """Non-finite inputs under jit (JAX's token-checks launch, ``jax_api.gdp.isolation``) against torch's
+    ``check_inputs=False`` (the same kernel): the same outputs, final states and gradients, NaN where a
+    non-finite input reaches, and some of each actually NaN and finite."""
+    import jax_api
+    import jax_api.gdp.cutedsl as jcd
+    import torch_api
+    import torch_api.gdp.cutedsl as tcd
+
+    lengths, heads, dim, n_h = [700, 300, 1000], 4, 128, 2
+    q, k, v, g, beta = emulation_inputs(lengths, heads, dim, dim, n_h, seed=5)
+    q[0, 10, 1, 3] = float("inf")
+    k[0, 900 * n_h, 0, 7] = float("nan")
+    g[0, 1500, 2] = float("nan")
+    beta[0, 1800 * n_h + 1, 3] = float("-inf")
+    do = torch.randn(1, sum(lengths), heads, dim, generator=torch.Generator().manual_seed(6)).bfloat16()
+    cu = torch.tensor(np.cumsum([0, *lengths]), dtype=torch.int32)
+    options = dict(num_householder=n_h, use_qk_l2norm_in_kernel=True)
+
+    leaves = [x.cuda().requires_grad_() for x in (q, k, v, g, beta)]
+    o_t, final_t = torch_api.gated_delta_product(*leaves, cu_seqlens=cu.cuda(), check_inputs=False,
+                                                 backend=tcd.CuTeDSLGatedDeltaProductCPBackend(), **options)
+    o_t.backward(do.cuda())
+    backend = jcd.CuTeDSLGatedDeltaProductCPBackend()
+
+    @jax.jit
+    def run(q, k, v, g, beta, cu, do):
+        (o, final), vjp = jax.vjp(lambda *a: jax_api.gated_delta_product(*a, cu_seqlens=cu, backend=backend,
+                                                                         **options), q, k, v, g, beta)
+        return o, final, vjp((do, jnp.zeros_like(final)))
+
+    o_j, final_j, grads_j = run(*(_jax(x) for x in (q, k, v, g, beta)), jnp.asarray(cu.numpy()), _jax(do))
+    assert "cp_linear_TokenChecksConfig" in run.lower(*(_jax(x) for x in (q, k, v, g, beta)),
+                                                      jnp.asarray(cu.numpy()), _jax(do)).as_text()
+    nan = np.isnan(np.asarray(o_j.astype(jnp.float32)))
+    assert nan[0, 10, 1].all() and nan[0, 900:1000, 0].all() and nan[0, 1500:, 2].all() and not nan[0, :10].any()
+    _assert_same_values("o", o_j, o_t)
+    _assert_same_values("final_state", final_j, final_t)
+    for name, ours, leaf in zip(GRAD_NAMES, grads_j, leaves):
+        _assert_same_values(name, ours, leaf.grad)
+
+
 def test_new_packings_reuse_the_program_and_the_kernels(kernels_here):
     """A jitted op sees a new packing as data: no retrace, no new kernel, no host callback."""
     import jax_api

@@ -1,0 +1,91 @@
+"""The containment's input pass in JAX: which tokens hold a non-finite input, and sanitised copies.
+
+Traced inputs cannot be checked on the host, so the JAX ops always contain non-finite values
+(``cp_linear.validation``; the torch ops do so with ``check_inputs=False``). The pass reads every input
+once; as jnp ops it is a row reduction per input plus a select per input, and the select's gradient,
+``where(isfinite(x), dx, 0)``, is one more pass per input in the backward. With the kernel backend it
+is one custom call of the token-checks kernel (``cp_linear.kernels.token_checks``, the launch torch's
+``contained_inputs`` makes): the flags and the copies in one pass, bit for bit the jnp results, and a
+gradient that passes through unchanged, as torch's ``_Sanitize``: at a replaced entry it is zero anyway,
+since everything the entry reaches is poisoned and a poisoned output passes no gradient.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from cp_linear.kernels import configs as kcfg
+from cp_linear.kernels import launch as kl
+from cp_linear.validation import gdp_bad_tokens, sanitize
+from jax_api.gdp import kernel_calls
+
+_INT32_ELEMENTS = 2**31  # the kernel indexes its row views with int32
+
+
+def contained_inputs(q, k, v, g, beta, num_householder: int, *, backend) -> tuple[jax.Array, jax.Array, tuple]:
+    """(state_bad, read_bad, (q, k, v, g, beta) sanitised): ``gdp_bad_tokens`` and ``sanitize`` of each
+    input; one token-checks launch when ``backend`` is the CuTeDSL kernel backend and the kernel takes
+    these inputs (``_token_checks_config``), else the jnp ops."""
+    config = _token_checks_config(q, k, v, g, beta, num_householder, backend)
+    if config is None:
+        state_bad, read_bad = gdp_bad_tokens(q, k, v, g, beta, num_householder)
+        return state_bad, read_bad, tuple(sanitize(x) for x in (q, k, v, g, beta))
+    *clean, state_bad, read_bad = _kernel_contained_inputs(q, k, v, g, beta, config, backend.cuda_graph)
+    return state_bad, read_bad, tuple(clean)
+
+
+def _token_checks_config(q, k, v, g, beta, num_householder: int, backend):
+    """The kernel's ``TokenChecksConfig`` when the kernel backend runs here and the kernel takes these
+    inputs: bf16 / fp16 q, k, v with K, V in ``HEAD_DIMS``, float32 g and beta, n_h in
+    ``TOKEN_CHECKS_HOUSEHOLDERS``, non-empty and indexable with int32; else None (shapes only)."""
+    from jax_api.gdp.cutedsl import CuTeDSLGatedDeltaProductCPBackend, unsupported_reason
+
+    if not isinstance(backend, CuTeDSLGatedDeltaProductCPBackend):
+        return None
+    if unsupported_reason(q, k, v, num_householder) is not None or q.ndim != 4:
+        return None
+    if jnp.dtype(g.dtype) != jnp.float32 or jnp.dtype(beta.dtype) != jnp.float32:
+        return None
+    if num_householder not in kcfg.TOKEN_CHECKS_HOUSEHOLDERS:
+        return None
+    if not all(0 < x.size < _INT32_ELEMENTS for x in (q, k, v, g, beta)):
+        return None
+    dtype = jnp.dtype(q.dtype).name
+    return kcfg.TokenChecksConfig(dtype, q.shape[-1], v.shape[-1], num_householder)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _kernel_contained_inputs(q, k, v, g, beta, config, cuda_graph):
+    """-> (q, k, v, g, beta sanitised, state_bad, read_bad): one ``TokenChecksLaunch`` on row views."""
+    heads = q.shape[2]
+
+    def rows(x):  # [rows, D/8, 8]: the kernel reads and writes 16-byte vectors
+        return x.reshape(-1, x.shape[-1] // config.vector, config.vector)
+
+    def by_head(x):  # [rows, H]
+        return x.reshape(-1, heads)
+
+    inputs = dict(q=rows(q), k=rows(k), v=rows(v), g=by_head(g), beta=by_head(beta))
+    results = dict(state_bad=inputs["g"].shape, read_bad=(q.shape[0] * q.shape[1], heads),
+                   **{f"{name}_out": array.shape for name, array in inputs.items()})
+    out = kernel_calls.launch(kl.TokenChecksLaunch, config, inputs=inputs, results=results, scalars={},
+                              cuda_graph=cuda_graph)
+    clean = tuple(out[f"{name}_out"].reshape(x.shape) for name, x in zip(inputs, (q, k, v, g, beta)))
+    return (*clean, out["state_bad"].reshape(g.shape) != 0, out["read_bad"].reshape(q.shape[:3]) != 0)
+
+
+def _contained_fwd(q, k, v, g, beta, config, cuda_graph):
+    return _kernel_contained_inputs(q, k, v, g, beta, config, cuda_graph), None
+
+
+def _contained_bwd(config, cuda_graph, _, cotangents):
+    return cotangents[:5]  # the sanitising passes the gradient through (module docstring); the flags have none
+
+
+_kernel_contained_inputs.defvjp(_contained_fwd, _contained_bwd)
+
+
+__all__ = ["contained_inputs"]
