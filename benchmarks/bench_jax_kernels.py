@@ -1,6 +1,6 @@
 """JAX vs torch on the same CuTeDSL GDP kernels: wall time per call at bench_gdp_fwd.py's shapes.
 
-    python benchmarks/bench_jax_kernels.py [--cases 1x8192:2 ...] [--repeat 20] [--out DIR] [--cp]
+    python benchmarks/bench_jax_kernels.py [--cases 1x8192:2 ...] [--repeat 20] [--out DIR] [--kernels] [--cp]
 
 Each case (H = 16, K = V = 128, bf16, qk l2norm; DOCSxDOC_TOKENS:NH, documents packed in one row)
 runs the public one-device op of both frontends on the same inputs with the kernel backends:
@@ -86,7 +86,17 @@ def make_inputs(docs: int, doc_tokens: int, heads: int, dim: int, nh: int, seed:
     return q, k, v, g, beta, cu, do
 
 
-def one_device_case(case: str, heads: int, dim: int, repeat: int) -> dict:
+def _print_kernels(label: str, fn, repeat: int, top: int = 10) -> None:
+    """The kernels ``fn`` launches, largest first (GPU ms per call; torch.profiler sees XLA's launches too)."""
+    from _bench_common import kernel_times
+
+    times = sorted(kernel_times(fn, repeat).items(), key=lambda item: -item[1])
+    total = sum(ms for _, ms in times)
+    print(f"  {label}: {total:.3f} ms of kernels in {len(times)} kinds: "
+          + "  ".join(f"{name[:60]} {ms:.3f}" for name, ms in times[:top]), flush=True)
+
+
+def one_device_case(case: str, heads: int, dim: int, repeat: int, kernels: bool = False) -> dict:
     import jax_api
     import jax_api.gdp.cutedsl as jcd
     import torch_api
@@ -118,6 +128,11 @@ def one_device_case(case: str, heads: int, dim: int, repeat: int) -> dict:
     row["torch_fwd_ms"] = wall_ms(torch_forward, torch_sync, repeat)
     row["torch_contained_fwd_ms"] = wall_ms(torch_contained_forward, torch_sync, repeat)
     row["jax_fwd_ms"] = wall_ms(lambda: jax_forward(jq, jk, jv, jg, jbeta, jcu), jax_sync, repeat)
+    if kernels:
+        _print_kernels(f"{case} torch fwd", torch_forward, repeat)
+        _print_kernels(f"{case} torch contained fwd", torch_contained_forward, repeat)
+        _print_kernels(f"{case} jax fwd", lambda: jax.block_until_ready(jax_forward(jq, jk, jv, jg, jbeta, jcu)),
+                       repeat)
 
     torch_bwd = tcd.CuTeDSLGatedDeltaProductCPBackend(backward="kernels")
     jax_bwd = jcd.CuTeDSLGatedDeltaProductCPBackend(backward="kernels")
@@ -143,6 +158,10 @@ def one_device_case(case: str, heads: int, dim: int, repeat: int) -> dict:
     row["torch_fwdbwd_ms"] = wall_ms(torch_train, torch_sync, repeat)
     row["torch_contained_fwdbwd_ms"] = wall_ms(lambda: torch_train(check_inputs=False), torch_sync, repeat)
     row["jax_fwdbwd_ms"] = wall_ms(lambda: jax_train(jq, jk, jv, jg, jbeta, jcu, jdo), jax_sync, repeat)
+    if kernels:
+        _print_kernels(f"{case} torch fwd+bwd", torch_train, repeat)
+        _print_kernels(f"{case} jax fwd+bwd", lambda: jax.block_until_ready(jax_train(jq, jk, jv, jg, jbeta, jcu, jdo)),
+                       repeat)
     row["jax/torch fwd"] = row["jax_fwd_ms"] / row["torch_fwd_ms"]
     row["jax/torch fwd+bwd"] = row["jax_fwdbwd_ms"] / row["torch_fwdbwd_ms"]
     row["jax/torch contained fwd"] = row["jax_fwd_ms"] / row["torch_contained_fwd_ms"]
@@ -187,6 +206,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--out", default="out/bench_jax_kernels")
+    parser.add_argument("--kernels", action="store_true", help="also print each variant's kernels (torch.profiler)")
     parser.add_argument("--cp", action="store_true", help="also the JAX CP op on 2 GPUs")
     parser.add_argument("--cp-tokens", type=int, default=65536)
     args = parser.parse_args()
@@ -194,7 +214,7 @@ def main() -> None:
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; torch {torch.__version__}", flush=True)
     rows = []
     for case in args.cases:
-        row = one_device_case(case, args.heads, args.dim, args.repeat)
+        row = one_device_case(case, args.heads, args.dim, args.repeat, kernels=args.kernels)
         rows.append(row)
         print(" | ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
         torch.cuda.empty_cache()
