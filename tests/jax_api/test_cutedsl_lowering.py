@@ -52,6 +52,8 @@ FORWARD = INFERENCE | _names(kcfg.SegmentFoldConfig(DIM, "apply_affine"))
 # states scan (mode "states": only with save_chunk_states=False)
 FORWARD_KEEPING_STATES = FORWARD - _names(kcfg.ChunkScanConfig("bfloat16", DIM, DIM, "output", 32)) | _names(
     kcfg.ChunkScanConfig("bfloat16", DIM, DIM, "output_states", 32))
+# the traced op's containment: flags and sanitised copies in one launch (jax_api.gdp.isolation)
+CONTAINMENT = _names(kcfg.TokenChecksConfig("bfloat16", DIM, DIM, N_H))
 BACKWARD = _names(kcfg.ChunkGammaConfig("bfloat16", DIM, DIM, 32, "wgmma"),
                   kcfg.ChunkReverseScanConfig("bfloat16", DIM, DIM, 32, 0, "wgmma"),
                   kcfg.ChunkReverseConfig("bfloat16", DIM, DIM, 32),
@@ -90,11 +92,12 @@ def _one_device(backward):
     return loss
 
 
-def test_the_forward_lowers_to_four_kernel_calls_and_nothing_else(hopper):
-    """No gradient: prep, the summary scan, the one fold (every segment's incoming state), the output scan."""
+def test_the_forward_lowers_to_five_kernel_calls_and_nothing_else(hopper):
+    """No gradient: the token checks, then prep, the summary scan, the one fold (every segment's incoming
+    state), the output scan."""
     text = jax.jit(_one_device("jax")).trace(*_arrays([100, 56, 100])).lower(lowering_platforms=("cuda",)).as_text()
     calls = _custom_calls(text)
-    assert len(calls) == 4 and set(calls) == INFERENCE, calls
+    assert len(calls) == 5 and set(calls) == CONTAINMENT | INFERENCE, calls
     assert "callback" not in text
 
 
@@ -103,10 +106,10 @@ def test_the_kernel_backward_lowers_to_kernel_calls_only_and_a_new_packing_to_th
     texts = [grad.trace(*_arrays(lengths)).lower(lowering_platforms=("cuda",)).as_text()
              for lengths in ([100, 56, 100], [3, 250, 3])]
     calls = _custom_calls(texts[0])
-    # forward 5 (the output scan keeping the chunk states); backward: prep again, gamma, the descending
-    # fold, the reverse scan, reverse, prep backward (the fold of the leading gamma builds the CP
-    # summary, unused on one device: dropped)
-    assert len(calls) == 11 and set(calls) == FORWARD_KEEPING_STATES | BACKWARD, calls
+    # the token checks; forward 5 (the output scan keeping the chunk states); backward: prep again, gamma,
+    # the descending fold, the reverse scan, reverse, prep backward (the fold of the leading gamma builds
+    # the CP summary, unused on one device: dropped)
+    assert len(calls) == 12 and set(calls) == CONTAINMENT | FORWARD_KEEPING_STATES | BACKWARD, calls
     assert "callback" not in texts[0]
     assert texts[0] == texts[1]
 
@@ -129,7 +132,7 @@ def test_cp_under_shard_map_lowers_to_kernel_calls_and_collectives(hopper):
         seq_idx = jnp.asarray(seq_idx_from_lengths(lengths), jnp.int32)
         texts.append(grad.trace(*arrays, seq_idx).lower(lowering_platforms=("cuda",)).as_text())
     assert set(_custom_calls(texts[0])) - {"Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape"} \
-        == FORWARD_KEEPING_STATES | BACKWARD
+        == CONTAINMENT | FORWARD_KEEPING_STATES | BACKWARD
     assert texts[0].count("all_gather") >= 2 and "callback" not in texts[0]
     assert texts[0] == texts[1]
 
@@ -189,9 +192,9 @@ _REGISTRATION_SCRIPT = textwrap.dedent('''
 
 @pytest.mark.timeout(900)
 def test_kernels_compile_and_register_once_per_config_for_the_gpu():
-    """In a fresh process that traces as on a GPU: the four configs of a forward that takes no gradient
-    compile for sm_90a once each (two packings, two traces), register as XLA FFI targets for the GPU platform, and the
-    lowered program calls exactly those targets."""
+    """In a fresh process that traces as on a GPU: the five configs of a forward that takes no gradient (the
+    token checks and four GDP kernels) compile for sm_90a once each (two packings, two traces), register as XLA
+    FFI targets for the GPU platform, and the lowered program calls exactly those targets."""
     pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (the cuda extra)")
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", CUTE_DSL_ARCH="sm_90a", JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -200,6 +203,6 @@ def test_kernels_compile_and_register_once_per_config_for_the_gpu():
                             timeout=850, env=env, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in result.stdout.splitlines() if " " in line)
-    assert lines["COMPILES"] == "[1, 1, 1, 1] 4", result.stdout
-    assert set(lines["REGISTERED"].split()) == INFERENCE, result.stdout
-    assert set(lines["CALLS"].split()) == INFERENCE and lines["SAME"] == "True", result.stdout
+    assert lines["COMPILES"] == "[1, 1, 1, 1, 1] 5", result.stdout
+    assert set(lines["REGISTERED"].split()) == CONTAINMENT | INFERENCE, result.stdout
+    assert set(lines["CALLS"].split()) == CONTAINMENT | INFERENCE and lines["SAME"] == "True", result.stdout
