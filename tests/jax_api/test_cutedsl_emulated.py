@@ -450,6 +450,37 @@ def test_cp_over_two_devices_matches_float64_and_the_torch_backend_bit_for_bit(e
         assert rel_err(_as64(ours).reshape(expected.shape), expected.numpy()) < GRAD_LIMIT, name
 
 
+def test_cp_containment_takes_the_token_checks_kernel_with_the_jnp_results(emulated, monkeypatch):
+    """Under shard_map (2 host devices) a NaN on rank 0 poisons its sequence on both ranks: the token-checks
+    launch gives the outputs and gradients of the jnp pass, the poison crossing ranks in the summary."""
+    from jax_api.gdp import isolation
+
+    n_h, heads, dim, lengths = 2, 2, 64, [60, 150, 46]  # shards [60, 68] | [82, 46]: sequence 1 spans both
+    q, k, v, g, beta = _inputs(lengths, heads, dim, dim, n_h, seed=9)
+    k[0, 100 * n_h, 0, 5] = float("nan")  # token 100 (sequence 1, rank 0), head 0
+    do = torch.randn(1, sum(lengths), heads, dim, generator=torch.Generator().manual_seed(10)).bfloat16()
+    mesh = jax.make_mesh((2,), ("cp",))
+    backend = jcd.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=2, backward="kernels", sm_count=132)
+    seq_idx = jnp.asarray(seq_idx_from_lengths(lengths), jnp.int32)
+
+    def new_step():  # a new function each time: jit's trace cache is keyed by the function
+        def loss(q, k, v, g, beta, do):
+            o = gdp_chunkwise_context_parallel(q, k, v, g, beta, mesh=mesh, global_seq_idx=seq_idx, max_sequences=2,
+                                               num_householder=n_h, use_qk_l2norm_in_kernel=True, backend=backend)
+            return jnp.sum(jnp.where(jnp.isnan(o), 0, o).astype(jnp.float32) * do.astype(jnp.float32)), o
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
+
+    arrays = [_jax(x) for x in (q, k, v, g, beta, do)]
+    (_, o_kernel), grads_kernel = new_step()(*arrays)
+    monkeypatch.setattr(isolation, "_token_checks_config", lambda *args: None)  # the jnp pass
+    (_, o_jnp), grads_jnp = new_step()(*arrays)
+    o = _as64(o_kernel)
+    assert np.isnan(o[0, 100:210, 0]).all() and np.isfinite(o[0, :100]).all() and np.isfinite(o[0, 210:]).all()
+    assert np.isfinite(o[0, :, 1]).all()
+    for name, ours, theirs in zip(("o", *GRAD_NAMES), (o_kernel, *grads_kernel), (o_jnp, *grads_jnp)):
+        np.testing.assert_array_equal(_as64(ours), _as64(theirs), err_msg=name)
+
+
 # --------------------------------------------------------------------------- backend choice
 
 
