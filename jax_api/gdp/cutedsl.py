@@ -257,10 +257,10 @@ class CuTeDSLGatedDeltaProductCPBackend:
             dict(scale=float(inputs.scale), use_l2=int(bool(inputs.use_qk_l2norm_in_kernel)), num_householder=n_h))
         shard.ta, shard.tb, shard.p, shard.scalars = prep["ta"], prep["tb"], prep["p"], prep["scalars"]
         if summaries:  # mode "summary" reads neither state_in nor o: tiny placeholders of the right type
-            # the kernel backward saves the summaries: every row defined (zero where no summary)
+            # a kernel backward that follows saves the summaries: every row defined (zero where no summary)
+            saves = self.backward == "kernels" and inputs.save_for_backward
             shard.summaries = self._scan(shard, "summary", state_in=jnp.zeros((1, 1, value_dim, key_dim), _F32),
-                                         o_shape=(1, 1, value_dim),
-                                         clear_unsummarised=self.backward == "kernels")["state_out"]
+                                         o_shape=(1, 1, value_dim), clear_unsummarised=saves)["state_out"]
         return shard
 
     def _scan(self, shard: _Shard, mode: str, *, state_in, o_shape: tuple, clear_unsummarised: bool = False) -> dict:
