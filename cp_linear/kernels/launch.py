@@ -861,6 +861,26 @@ class TokenChecksLaunch(_Launch):
 
 LAUNCHES[cfg.TokenChecksConfig] = TokenChecksLaunch
 
+_INT32_ELEMENTS = 2**31  # the token-checks kernel indexes its row views with int32
+
+
+def token_checks_config(dtypes: tuple[str, ...], key_dim: int, value_dim: int, num_householder: int,
+                        sizes: tuple[int, ...]) -> cfg.TokenChecksConfig | None:
+    """The token-checks config for inputs q, k, v, g, beta of ``dtypes`` (names) and element counts
+    ``sizes``, or None where the kernel does not take them: q, k, v of one tensor-core dtype with K, V in
+    ``HEAD_DIMS``, float32 g and beta, n_h in ``TOKEN_CHECKS_HOUSEHOLDERS``, every input non-empty and
+    indexable with int32. Host values only (both frontends, also while tracing)."""
+    dtype, k_dtype, v_dtype, g_dtype, beta_dtype = dtypes
+    if not dtype == k_dtype == v_dtype or dtype not in cfg.TENSOR_CORE_DTYPES:
+        return None
+    if (g_dtype, beta_dtype) != ("float32", "float32"):
+        return None
+    if key_dim not in cfg.HEAD_DIMS or value_dim not in cfg.HEAD_DIMS:
+        return None
+    if num_householder not in cfg.TOKEN_CHECKS_HOUSEHOLDERS or not all(0 < n < _INT32_ELEMENTS for n in sizes):
+        return None
+    return cfg.TokenChecksConfig(dtype, key_dim, value_dim, num_householder)
+
 
 # ---------------------------------------------------------------------------------------------- short conv
 

@@ -17,13 +17,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from cp_linear.kernels import configs as kcfg
 from cp_linear.kernels import launch as kl
 from cp_linear.validation import gdp_bad_tokens, sanitize
 from jax_api.gdp import kernel_calls
-
-_INT32_ELEMENTS = 2**31  # the kernel indexes its row views with int32
-
 
 def contained_inputs(q, k, v, g, beta, num_householder: int, *, backend) -> tuple[jax.Array, jax.Array, tuple]:
     """(state_bad, read_bad, (q, k, v, g, beta) sanitised): ``gdp_bad_tokens`` and ``sanitize`` of each
@@ -38,23 +34,18 @@ def contained_inputs(q, k, v, g, beta, num_householder: int, *, backend) -> tupl
 
 
 def _token_checks_config(q, k, v, g, beta, num_householder: int, backend):
-    """The kernel's ``TokenChecksConfig`` when the kernel backend runs here and the kernel takes these
-    inputs: bf16 / fp16 q, k, v with K, V in ``HEAD_DIMS``, float32 g and beta, n_h in
-    ``TOKEN_CHECKS_HOUSEHOLDERS``, non-empty and indexable with int32; else None (shapes only)."""
+    """The kernel's ``TokenChecksConfig`` when the kernel backend runs here (``unsupported_reason``) and the
+    kernel takes these inputs (``launch.token_checks_config``: dtypes, head dims, n_h, int32 sizes); else
+    None (shapes only)."""
     from jax_api.gdp.cutedsl import CuTeDSLGatedDeltaProductCPBackend, unsupported_reason
 
     if not isinstance(backend, CuTeDSLGatedDeltaProductCPBackend):
         return None
     if unsupported_reason(q, k, v, num_householder) is not None or q.ndim != 4:
         return None
-    if jnp.dtype(g.dtype) != jnp.float32 or jnp.dtype(beta.dtype) != jnp.float32:
-        return None
-    if num_householder not in kcfg.TOKEN_CHECKS_HOUSEHOLDERS:
-        return None
-    if not all(0 < x.size < _INT32_ELEMENTS for x in (q, k, v, g, beta)):
-        return None
-    dtype = jnp.dtype(q.dtype).name
-    return kcfg.TokenChecksConfig(dtype, q.shape[-1], v.shape[-1], num_householder)
+    tensors = (q, k, v, g, beta)
+    return kl.token_checks_config(tuple(jnp.dtype(x.dtype).name for x in tensors), q.shape[-1], v.shape[-1],
+                                  num_householder, tuple(x.size for x in tensors))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))

@@ -154,3 +154,24 @@ def test_rows_layout_cache_keeps_the_most_recent(empty_rows_cache, monkeypatch):
     cutedsl.rows_layout(cpu, 2, **_rows_args(tokens=300))  # drops tokens=200
     assert len(cutedsl._ROWS_LAYOUTS) == 2
     assert cutedsl.rows_layout(cpu, 2, **_rows_args(tokens=100))[1] is first
+
+
+def test_token_checks_config_names_the_inputs_the_kernel_takes():
+    """Both frontends ask ``launch.token_checks_config``: one tensor-core dtype for q, k, v, float32 g and
+    beta, K and V in HEAD_DIMS, n_h in TOKEN_CHECKS_HOUSEHOLDERS, sizes in (0, 2**31)."""
+    good = ("bfloat16", "bfloat16", "bfloat16", "float32", "float32")
+    sizes = (10, 20, 20, 5, 10)
+    assert kl.token_checks_config(good, 128, 64, 2, sizes) == kcfg.TokenChecksConfig("bfloat16", 128, 64, 2)
+    assert kl.token_checks_config(("float16",) * 3 + good[3:], 64, 64, 3, sizes) is not None
+    rejected = [
+        (("bfloat16", "float16", "bfloat16", "float32", "float32"), 128, 128, 2, sizes),  # mixed q, k, v
+        (("float32",) * 5, 128, 128, 2, sizes),  # no tensor-core dtype
+        (good[:3] + ("bfloat16", "float32"), 128, 128, 2, sizes),  # g not float32
+        (good, 32, 128, 2, sizes),  # K outside HEAD_DIMS
+        (good, 128, 256, 2, sizes),  # V outside HEAD_DIMS
+        (good, 128, 128, max(kcfg.TOKEN_CHECKS_HOUSEHOLDERS) + 1, sizes),
+        (good, 128, 128, 2, (10, 0, 20, 5, 10)),  # an empty input
+        (good, 128, 128, 2, (10, 2**31, 20, 5, 10)),  # past int32 indexing
+    ]
+    for arguments in rejected:
+        assert kl.token_checks_config(*arguments) is None, arguments

@@ -87,9 +87,6 @@ def sanitized(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 # --------------------------------------------------------------------------- flags and copies in one pass
 
-_INT32_ELEMENTS = 2**31  # the kernel indexes its row views with int32
-
-
 def contained_inputs(q, k, v, g, beta, num_householder: int
                      ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
     """(state_bad, read_bad, (q, k, v, g, beta) sanitised): ``bad_tokens`` and ``sanitized`` (the gradient
@@ -110,25 +107,15 @@ def contained_inputs(q, k, v, g, beta, num_householder: int
 
 
 def _token_checks_config(q, k, v, g, beta, num_householder: int):
-    """The kernel's ``TokenChecksConfig`` when it takes these dtypes and sizes: q, k, v of one kernel dtype
-    (bf16 / fp16) with K, V in ``HEAD_DIMS``, float32 g and beta, n_h in ``TOKEN_CHECKS_HOUSEHOLDERS``, one
-    device, non-empty and indexable with int32; else None. Host values only (also while tracing)."""
-    from cp_linear.kernels import configs as kcfg
+    """The kernel's ``TokenChecksConfig`` when it takes these inputs (``launch.token_checks_config``: dtypes,
+    head dims, n_h, int32 sizes) on one device; else None. Host values only (also while tracing)."""
+    from cp_linear.kernels import launch as kl
 
-    dtype = str(q.dtype).removeprefix("torch.")
-    if not q.dtype == k.dtype == v.dtype or dtype not in kcfg.TENSOR_CORE_DTYPES:
-        return None
-    if g.dtype != torch.float32 or beta.dtype != torch.float32 or q.dim() != 4:
-        return None
-    key_dim, value_dim = q.shape[-1], v.shape[-1]
-    if key_dim not in kcfg.HEAD_DIMS or value_dim not in kcfg.HEAD_DIMS:
-        return None
-    if num_householder not in kcfg.TOKEN_CHECKS_HOUSEHOLDERS:
-        return None
     tensors = (q, k, v, g, beta)
-    if any(x.device != q.device for x in tensors) or not all(0 < x.numel() < _INT32_ELEMENTS for x in tensors):
+    if q.dim() != 4 or any(x.device != q.device for x in tensors):
         return None
-    return kcfg.TokenChecksConfig(dtype, key_dim, value_dim, num_householder)
+    return kl.token_checks_config(tuple(str(x.dtype).removeprefix("torch.") for x in tensors), q.shape[-1],
+                                  v.shape[-1], num_householder, tuple(x.numel() for x in tensors))
 
 
 def _compiled_kernel_device(device: torch.device) -> bool:
