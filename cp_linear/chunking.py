@@ -128,7 +128,15 @@ def bounds_after_first(bounds: Array, values: Array, last: int | None = None) ->
     first bound is counted when it is <= the value (then subtracted), and when it is not, no later
     bound is <= the value either (clipped at 0). ``last``: also clipped to at most ``last`` (same clip)."""
     xp = array_api_compat.array_namespace(bounds)
-    return xp.clip(xp.searchsorted(bounds, values, side="right") - 1, 0, last)
+    return xp.clip(_searchsorted(xp, bounds, values, side="right") - 1, 0, last)
+
+
+def _searchsorted(xp, sorted_values: Array, values: Array, *, side: str) -> Array:
+    """``xp.searchsorted``; in JAX unrolled (its default method is a while loop: on a GPU, launches per
+    halving step and a loop the program cannot fuse; unrolled, XLA fuses the halvings into one pass)."""
+    if array_api_compat.is_jax_namespace(xp):
+        return xp.searchsorted(sorted_values, values, side=side, method="scan_unrolled")
+    return xp.searchsorted(sorted_values, values, side=side)
 
 
 def _sequence_of(xp, bounds: Array, positions: Array) -> Array:
@@ -176,7 +184,7 @@ def cu_seqlens_from_seq_idx(seq_idx: Array, max_sequences: int) -> Array:
     changes = xp.astype(seq_idx[1:] != seq_idx[:-1], xp.int32)
     run = xp.concat([xp.zeros((1,), dtype=xp.int32, device=device), xp.cumulative_sum(changes)])
     wanted = xp.arange(max_sequences + 1, dtype=run.dtype, device=device)
-    cu = xp.astype(xp.searchsorted(run, wanted, side="left"), xp.int32)
+    cu = xp.astype(_searchsorted(xp, run, wanted, side="left"), xp.int32)
     return xp.minimum(cu, xp.full(cu.shape, tokens, dtype=xp.int32, device=device))
 
 

@@ -630,16 +630,26 @@ class ForwardLayoutLaunch(_Launch):
         """The launch writing ``tables`` (arrays by ``LAYOUT_TABLES`` name, of ``sizes.table_sizes()``) and
         ``trailing`` (int32 [1]); ``summary_sequence`` may be ``cfg.TRAILING_SEQUENCE`` (what a CP summary
         of a packed shard asks: its index is data)."""
+        scalars = cls.scalars(num_householder=num_householder, sizes=sizes, summary_sequence=summary_sequence,
+                              grad_summary_sequence=grad_summary_sequence,
+                              every_segment_summary=every_segment_summary,
+                              every_segment_grad_summary=every_segment_grad_summary, values_only_from=values_only_from)
+        return cls(cfg.ForwardLayoutConfig(), cu_seqlens=cu_seqlens, **tables, trailing=trailing, **scalars)
+
+    @staticmethod
+    def scalars(*, num_householder: int, sizes: LayoutSizes, summary_sequence: int | None = None,
+                grad_summary_sequence: int | None = None, every_segment_summary: bool = False,
+                every_segment_grad_summary: bool = False, values_only_from: int | None = None) -> dict[str, int]:
+        """The launch's scalars by name (``of``'s arguments; what a JAX custom call takes as attributes)."""
         single = sizes.num_sequences == 1  # forward_layout's rule: its summary sequence can only be sequence 0
-        return cls(cfg.ForwardLayoutConfig(), cu_seqlens=cu_seqlens, **tables, trailing=trailing,
-                   num_householder=num_householder, tokens_per_chunk=sizes.tokens_per_chunk,
-                   segment_chunks=sizes.segment_chunks,
-                   summary_sequence=-1 if summary_sequence is None else summary_sequence,
-                   grad_summary_sequence=-1 if grad_summary_sequence is None else grad_summary_sequence,
-                   every_segment_summary=int(every_segment_summary or (single and summary_sequence is not None)),
-                   every_segment_grad_summary=int(every_segment_grad_summary
-                                                  or (single and grad_summary_sequence is not None)),
-                   values_only_from=-1 if values_only_from is None else values_only_from)
+        return dict(num_householder=num_householder, tokens_per_chunk=sizes.tokens_per_chunk,
+                    segment_chunks=sizes.segment_chunks,
+                    summary_sequence=-1 if summary_sequence is None else summary_sequence,
+                    grad_summary_sequence=-1 if grad_summary_sequence is None else grad_summary_sequence,
+                    every_segment_summary=int(every_segment_summary or (single and summary_sequence is not None)),
+                    every_segment_grad_summary=int(every_segment_grad_summary
+                                                   or (single and grad_summary_sequence is not None)),
+                    values_only_from=-1 if values_only_from is None else values_only_from)
 
 
 LAUNCHES[cfg.ForwardLayoutConfig] = ForwardLayoutLaunch

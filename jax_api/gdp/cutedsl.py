@@ -3,7 +3,8 @@
 (``torch_api/gdp/cutedsl.py``), so both frameworks compute bit for bit the same thing.
 
 A thin adapter, like its torch twin: it flattens the shard, builds the framework-neutral work
-layout (``cp_linear.kernels.launch.forward_layout``) with jax.numpy, and runs each typed launch as
+layout (``cp_linear.kernels.launch.forward_layout``: one layout-kernel launch for several sequences,
+jax.numpy slices for one), and runs each typed launch as
 one XLA custom call (``jax_api.gdp.kernel_calls``): the launch's output buffers are the custom
 call's results, allocated by XLA; the kernel runs on XLA's stream. Everything is traced, so it
 works under ``jax.jit``, inside ``jax.shard_map`` and under ``jax.grad`` (through the custom_vjp
@@ -24,9 +25,11 @@ False) runs torch's leaner plan: chunk_prep, the summary pass of the segments fo
 one, segment_fold of V rows from each sequence's initial state (or zero), the output pass.
 
 The backward runs the backward kernels (the default, ``backward="kernels"``, as in torch), or
-``JaxGDPBackend``'s float32 recomputation from the saved inputs with ``backward="jax"``::
+``JaxGDPBackend``'s float32 recomputation from the saved inputs with ``backward="jax"``. The kernel
+backward reads what the forward kept (as torch's saved buffer): the work layout, chunk_prep's results,
+the segment summaries and incoming states, the chunk states::
 
-    prepare   chunk_prep, chunk_gamma    backward summaries [gamma ; M_b] per segment (M_b = M^T taken
+    prepare   chunk_gamma                backward summaries [gamma ; M_b] per segment (M_b = M^T taken
                                          from the forward's summary where it made one)
               segment_fold (descending)  the leading sequence's gamma, every segment's outgoing gradient
     apply     segment_fold (descending)  again only when following summaries change the trailing
@@ -65,6 +68,7 @@ from jax_api.gdp.chunk import JaxGDPBackend, check_gdp_inputs
 
 KERNEL_DTYPE_NAMES = {jnp.dtype(jnp.bfloat16): "bfloat16", jnp.dtype(jnp.float16): "float16"}
 _KERNEL_BACKWARD = "kernel_backward"  # saved-context flag: the kernels' backward reads the segment states
+_SEGMENT_CHUNKS = "segment_chunks"  # saved-context metadata of the kernel backward: the kept layout's segment size
 _F32 = jnp.float32
 DEFAULT_SM_COUNT = 132  # an H100 / H200, where a device does not report its SM count
 
@@ -218,6 +222,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
 
     def _shard(self, inputs: GDPInputs, *, cp_summary: bool, summaries: bool = True,
                grad_summary_sequence: int | None = None) -> _Shard:
+        """The shard's work layout, chunk_prep, and (``summaries``) the summary pass."""
         q, k, v = _flat(inputs.q), _flat(inputs.k), _flat(inputs.v)
         batch, tokens = inputs.q.shape[:2]
         heads, key_dim, value_dim = q.shape[1], q.shape[2], v.shape[2]
@@ -227,25 +232,14 @@ class CuTeDSLGatedDeltaProductCPBackend:
         else:
             cu = jnp.asarray(inputs.cu_seqlens, jnp.int32)
         n_h = inputs.num_householder
-        row_block = self.row_block or kl.scan_row_block(key_dim, value_dim, n_h)
-        row_block = row_block if row_block <= min(key_dim, value_dim) else 0
         dtype = KERNEL_DTYPE_NAMES[jnp.dtype(q.dtype)]
-        scan_rows = kcfg.ChunkScanConfig(dtype, key_dim, value_dim, "output", 32, row_block).rows_per_cta
-        # the trailing sequence: the last nonempty one (a JAX layout pads N with empty sequences); read by
-        # the CP summary and the kernel backward (whose shard has the forward's cp_summary=True)
-        trailing = _last_nonempty(cu) if not rows and cp_summary else None
-        summary_sequence = trailing if cp_summary else None
-        # rows: every row continues on the next rank (CP summaries of every segment) and every row leads
-        # (backward summaries of every segment)
-        layout = kl.forward_layout(cu, total_tokens=q.shape[0], num_householder=n_h, heads=heads,
-                                   row_blocks=value_dim // scan_rows, sm_count=self.sm_count or _sm_count(),
-                                   segment_chunks=self.segment_chunks, summary_sequence=summary_sequence,
-                                   ctas_per_sm=self.ctas_per_sm, grad_summary_sequence=grad_summary_sequence,
-                                   every_segment_summary=cp_summary and rows,
-                                   every_segment_grad_summary=grad_summary_sequence is not None and rows,
-                                   values_only_from=kl.values_only_from(
-                                       rows=rows, cp_summary=cp_summary,
-                                       initial_states=inputs.initial_state is not None))
+        row_block, row_blocks = _scan_rows(dtype, key_dim, value_dim, n_h, self.row_block)
+        layout, trailing = self._layout(cu, rows=rows, total_tokens=q.shape[0], num_householder=n_h, heads=heads,
+                                        row_blocks=row_blocks, cp_summary=cp_summary,
+                                        grad_summary_sequence=grad_summary_sequence,
+                                        values_only_from=kl.values_only_from(
+                                            rows=rows, cp_summary=cp_summary,
+                                            initial_states=inputs.initial_state is not None))
         shard = _Shard(inputs=inputs, rows=rows, q=q, k=k, v=v, layout=layout, row_block=row_block, trailing=trailing)
         chunks, tile = layout.max_chunks, shard.query_tile
         prep = self._launch(
@@ -258,10 +252,63 @@ class CuTeDSLGatedDeltaProductCPBackend:
         shard.ta, shard.tb, shard.p, shard.scalars = prep["ta"], prep["tb"], prep["p"], prep["scalars"]
         if summaries:  # mode "summary" reads neither state_in nor o: tiny placeholders of the right type
             # a kernel backward that follows saves the summaries: every row defined (zero where no summary)
-            saves = self.backward == "kernels" and inputs.save_for_backward
             shard.summaries = self._scan(shard, "summary", state_in=jnp.zeros((1, 1, value_dim, key_dim), _F32),
-                                         o_shape=(1, 1, value_dim), clear_unsummarised=saves)["state_out"]
+                                         o_shape=(1, 1, value_dim),
+                                         clear_unsummarised=self._saves(inputs))["state_out"]
         return shard
+
+    def _saves(self, inputs: GDPInputs) -> bool:
+        """A kernel backward follows this forward: it keeps the layout, prep results and summaries."""
+        return self.backward == "kernels" and inputs.save_for_backward
+
+    def _layout(self, cu: jax.Array, *, rows: bool, total_tokens: int, num_householder: int, heads: int,
+                row_blocks: int, cp_summary: bool, grad_summary_sequence: int | None,
+                values_only_from: int | None) -> tuple[kl.ForwardLayout, jax.Array | None]:
+        """-> (``kl.forward_layout``'s tables, the trailing sequence: the last nonempty one, int32 [], for a
+        packed shard's CP summary, else None). A packing of several sequences: one ``ForwardLayoutLaunch``,
+        as torch's (in jax.numpy the tables take ~20 small ops, sequence searches and a sort among them);
+        one sequence (slices, no search) or rows (``cu_seqlens`` a constant, so XLA folds the tables into
+        constants): jax.numpy."""
+        sizes_args = dict(total_tokens=total_tokens, num_householder=num_householder, heads=heads,
+                          row_blocks=row_blocks, sm_count=self.sm_count or _sm_count(),
+                          segment_chunks=self.segment_chunks, ctas_per_sm=self.ctas_per_sm)
+        # rows: every row continues on the next rank (CP summaries of every segment) and every row leads
+        # (backward summaries of every segment)
+        flags = dict(grad_summary_sequence=grad_summary_sequence, every_segment_summary=cp_summary and rows,
+                     every_segment_grad_summary=grad_summary_sequence is not None and rows,
+                     values_only_from=values_only_from)
+        num_sequences = cu.shape[0] - 1
+        summarises_trailing = cp_summary and not rows
+        if not rows and num_sequences > 1 and kl.ForwardLayoutLaunch.takes(num_sequences):
+            sizes = kl.layout_sizes(num_sequences=num_sequences, **sizes_args)
+            results = {name: (size,) for name, size in sizes.table_sizes().items()}
+            scalars = kl.ForwardLayoutLaunch.scalars(
+                num_householder=num_householder, sizes=sizes,
+                summary_sequence=kcfg.TRAILING_SEQUENCE if summarises_trailing else None, **flags)
+            out = self._launch(kl.ForwardLayoutLaunch, kcfg.ForwardLayoutConfig(), dict(cu_seqlens=cu),
+                               dict(results, trailing=(1,)), scalars)
+            layout = kl.ForwardLayout(
+                num_householder=num_householder, tokens_per_chunk=sizes.tokens_per_chunk,
+                segment_chunks=sizes.segment_chunks, max_chunks=sizes.max_chunks, max_segments=sizes.max_segments,
+                num_sequences=num_sequences, **{name: out[name] for name in kl.LAYOUT_TABLES})
+            return layout, out["trailing"].reshape(()) if summarises_trailing else None
+        trailing = _last_nonempty(cu) if summarises_trailing else None
+        return kl.forward_layout(cu, summary_sequence=trailing, **flags, **sizes_args), trailing
+
+    def _saved_shard(self, inputs: GDPInputs, trailing, prep: tuple, tables: tuple, segment_chunks: int) -> _Shard:
+        """The backward's shard from what the forward kept: its layout tables (built with the backward's
+        flags) and its prep results. No layout build, no chunk_prep (torch's ``_saved_shard``)."""
+        q, k, v = _flat(inputs.q), _flat(inputs.k), _flat(inputs.v)
+        n_h = inputs.num_householder
+        row_block, _ = _scan_rows(KERNEL_DTYPE_NAMES[jnp.dtype(q.dtype)], q.shape[2], v.shape[2], n_h, self.row_block)
+        named = dict(zip(kl.LAYOUT_TABLES, tables))
+        layout = kl.ForwardLayout(num_householder=n_h, tokens_per_chunk=kcfg.tokens_per_chunk(n_h),
+                                  segment_chunks=segment_chunks, max_chunks=prep[0].shape[0],
+                                  max_segments=named["seg_flags"].shape[0],
+                                  num_sequences=named["seq_segments"].shape[0], **named)
+        ta, tb, p, scalars = prep
+        return _Shard(inputs=inputs, rows=inputs.cu_seqlens is None, q=q, k=k, v=v, layout=layout,
+                      row_block=row_block, trailing=trailing, ta=ta, tb=tb, p=p, scalars=scalars)
 
     def _scan(self, shard: _Shard, mode: str, *, state_in, o_shape: tuple, clear_unsummarised: bool = False) -> dict:
         """chunk_scan -> {"state_out": the segment summaries [S_max, H, V + K, K] (mode "summary"), or the
@@ -350,7 +397,9 @@ class CuTeDSLGatedDeltaProductCPBackend:
         if not self._use_kernels(inputs):
             return self._fallback.cp_forward_prepare(inputs)
         initial = _initial_states(inputs)
-        shard = self._shard(inputs, cp_summary=True)
+        # a kernel backward keeps this layout: build it with the backward's flags (the leading sequence's
+        # backward summaries, grad_summary_sequence 0), which the forward's kernels do not read
+        shard = self._shard(inputs, cp_summary=True, grad_summary_sequence=0 if self._saves(inputs) else None)
         value_dim = shard.value_dim
         # every sequence's fold from [0 ; I] (as torch's): the per-segment prefix maps serve apply (its
         # transition rows only where a state enters: the leading sequence, every row, every initial state),
@@ -409,10 +458,12 @@ class CuTeDSLGatedDeltaProductCPBackend:
             saved = CPSavedContext(
                 tensors=(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.cu_seqlens,
                          transition if shard.rows else transition[0], inputs.initial_state, incoming,
-                         shard.summaries, chunk_states),
+                         shard.summaries, chunk_states, shard.trailing, shard.ta, shard.tb, shard.p, shard.scalars,
+                         *(getattr(shard.layout, name) for name in kl.LAYOUT_TABLES)),
                 metadata={"scale": inputs.scale, "num_householder": inputs.num_householder,
                           "use_qk_l2norm_in_kernel": inputs.use_qk_l2norm_in_kernel,
-                          "output_final_state": inputs.output_final_state, _KERNEL_BACKWARD: True})
+                          "output_final_state": inputs.output_final_state, _KERNEL_BACKWARD: True,
+                          _SEGMENT_CHUNKS: shard.layout.segment_chunks})
         else:  # JaxGDPBackend's backward recomputes from the inputs and the incoming state
             saved = self._fallback.saved_context(inputs, preceding)
         return CPForwardResult(output, saved)
@@ -459,12 +510,13 @@ class CuTeDSLGatedDeltaProductCPBackend:
         metadata = dict(saved_context.metadata)
         if not metadata.pop(_KERNEL_BACKWARD, False):
             return self._fallback.cp_backward_prepare(output_grad, saved_context)
-        (q, k, v, g, beta, cu_seqlens, transition, initial_state, incoming, segment_summaries,
-         chunk_states) = saved_context.tensors
+        segment_chunks = metadata.pop(_SEGMENT_CHUNKS)
+        (q, k, v, g, beta, cu_seqlens, transition, initial_state, incoming, segment_summaries, chunk_states,
+         trailing, ta, tb, p, scalars, *tables) = saved_context.tensors
         inputs = GDPInputs(q, k, v, g, beta, cu_seqlens=cu_seqlens, initial_state=initial_state, **metadata)
         output_grad, final_grad = output_grad if inputs.output_final_state else (output_grad, None)
-        # the forward's layout (cp_summary as there): its seg_flags say which transitions it kept
-        shard = self._shard(inputs, cp_summary=True, summaries=False, grad_summary_sequence=0)
+        # the forward's layout (its seg_flags say which transitions it kept) and prep results
+        shard = self._saved_shard(inputs, trailing, (ta, tb, p, scalars), tuple(tables), segment_chunks)
         layout, heads, key_dim, value_dim = shard.layout, shard.heads, shard.key_dim, shard.value_dim
         if output_grad is None:
             do = jnp.zeros((shard.q.shape[0], heads, value_dim), shard.q.dtype)
@@ -577,6 +629,15 @@ class CuTeDSLGatedDeltaProductCPBackend:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _scan_rows(dtype: str, key_dim: int, value_dim: int, num_householder: int, row_block: int) -> tuple[int, int]:
+    """-> (ChunkScanConfig.row_block: the option, or ``launch.scan_row_block``'s choice for 0; the output scan's
+    CTAs per state, the layout's ``row_blocks``)."""
+    row_block = row_block or kl.scan_row_block(key_dim, value_dim, num_householder)
+    row_block = row_block if row_block <= min(key_dim, value_dim) else 0
+    scan_rows = kcfg.ChunkScanConfig(dtype, key_dim, value_dim, "output", 32, row_block).rows_per_cta
+    return row_block, value_dim // scan_rows
 
 
 def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:

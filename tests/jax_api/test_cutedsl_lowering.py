@@ -54,6 +54,8 @@ FORWARD_KEEPING_STATES = FORWARD - _names(kcfg.ChunkScanConfig("bfloat16", DIM, 
     kcfg.ChunkScanConfig("bfloat16", DIM, DIM, "output_states", 32))
 # the traced op's containment: flags and sanitised copies in one launch (jax_api.gdp.isolation)
 CONTAINMENT = _names(kcfg.TokenChecksConfig("bfloat16", DIM, DIM, N_H))
+# the work layout of a shard of several sequences: one launch (a single sequence's is jnp slices)
+LAYOUT = _names(kcfg.ForwardLayoutConfig())
 BACKWARD = _names(kcfg.ChunkGammaConfig("bfloat16", DIM, DIM, 32, "wgmma"),
                   kcfg.ChunkReverseScanConfig("bfloat16", DIM, DIM, 32, 0, "wgmma"),
                   kcfg.ChunkReverseConfig("bfloat16", DIM, DIM, 32),
@@ -92,13 +94,14 @@ def _one_device(backward):
     return loss
 
 
-def test_the_forward_lowers_to_five_kernel_calls_and_nothing_else(hopper):
-    """No gradient: the token checks, then prep, the summary scan, the one fold (every segment's incoming
-    state), the output scan."""
-    text = jax.jit(_one_device("jax")).trace(*_arrays([100, 56, 100])).lower(lowering_platforms=("cuda",)).as_text()
-    calls = _custom_calls(text)
-    assert len(calls) == 5 and set(calls) == CONTAINMENT | INFERENCE, calls
-    assert "callback" not in text
+def test_the_forward_lowers_to_six_kernel_calls_and_nothing_else(hopper):
+    """No gradient: the token checks, the layout, then prep, the summary scan, the one fold (every segment's
+    incoming state), the output scan; one sequence: the same without the layout kernel."""
+    for lengths, layout in (([100, 56, 100], LAYOUT), ([256], set())):
+        text = jax.jit(_one_device("jax")).trace(*_arrays(lengths)).lower(lowering_platforms=("cuda",)).as_text()
+        calls = _custom_calls(text)
+        assert len(calls) == 5 + len(layout) and set(calls) == CONTAINMENT | layout | INFERENCE, calls
+        assert "callback" not in text and "stablehlo.while" not in text and "stablehlo.sort" not in text
 
 
 def test_the_kernel_backward_lowers_to_kernel_calls_only_and_a_new_packing_to_the_same_program(hopper):
@@ -106,11 +109,12 @@ def test_the_kernel_backward_lowers_to_kernel_calls_only_and_a_new_packing_to_th
     texts = [grad.trace(*_arrays(lengths)).lower(lowering_platforms=("cuda",)).as_text()
              for lengths in ([100, 56, 100], [3, 250, 3])]
     calls = _custom_calls(texts[0])
-    # the token checks; forward 5 (the output scan keeping the chunk states); backward: prep again, gamma,
-    # the descending fold, the reverse scan, reverse, prep backward (the fold of the leading gamma builds
-    # the CP summary, unused on one device: dropped)
-    assert len(calls) == 12 and set(calls) == CONTAINMENT | FORWARD_KEEPING_STATES | BACKWARD, calls
-    assert "callback" not in texts[0]
+    # the token checks; forward 6 (the layout; the output scan keeping the chunk states); backward, from the
+    # forward's layout and prep results: gamma, the descending fold, the reverse scan, reverse, prep backward
+    # (the fold of the leading gamma builds the CP summary, unused on one device: dropped)
+    assert len(calls) == 12 and set(calls) == CONTAINMENT | LAYOUT | FORWARD_KEEPING_STATES | BACKWARD, calls
+    assert calls.count(kernel_calls.target_name(kcfg.ChunkPrepConfig("bfloat16", DIM, 32))) == 1, calls
+    assert "callback" not in texts[0] and "stablehlo.while" not in texts[0]
     assert texts[0] == texts[1]
 
 
@@ -132,7 +136,7 @@ def test_cp_under_shard_map_lowers_to_kernel_calls_and_collectives(hopper):
         seq_idx = jnp.asarray(seq_idx_from_lengths(lengths), jnp.int32)
         texts.append(grad.trace(*arrays, seq_idx).lower(lowering_platforms=("cuda",)).as_text())
     assert set(_custom_calls(texts[0])) - {"Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape"} \
-        == CONTAINMENT | FORWARD_KEEPING_STATES | BACKWARD
+        == CONTAINMENT | LAYOUT | FORWARD_KEEPING_STATES | BACKWARD
     assert texts[0].count("all_gather") >= 2 and "callback" not in texts[0]
     assert texts[0] == texts[1]
 
@@ -192,8 +196,8 @@ _REGISTRATION_SCRIPT = textwrap.dedent('''
 
 @pytest.mark.timeout(900)
 def test_kernels_compile_and_register_once_per_config_for_the_gpu():
-    """In a fresh process that traces as on a GPU: the five configs of a forward that takes no gradient (the
-    token checks and four GDP kernels) compile for sm_90a once each (two packings, two traces), register as XLA
+    """In a fresh process that traces as on a GPU: the six configs of a forward that takes no gradient (the
+    token checks, the layout and four GDP kernels) compile for sm_90a once each (two packings, two traces), register as XLA
     FFI targets for the GPU platform, and the lowered program calls exactly those targets."""
     pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (the cuda extra)")
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", CUTE_DSL_ARCH="sm_90a", JAX_PLATFORMS="cpu",
@@ -203,6 +207,6 @@ def test_kernels_compile_and_register_once_per_config_for_the_gpu():
                             timeout=850, env=env, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in result.stdout.splitlines() if " " in line)
-    assert lines["COMPILES"] == "[1, 1, 1, 1, 1] 5", result.stdout
-    assert set(lines["REGISTERED"].split()) == CONTAINMENT | INFERENCE, result.stdout
-    assert set(lines["CALLS"].split()) == CONTAINMENT | INFERENCE and lines["SAME"] == "True", result.stdout
+    assert lines["COMPILES"] == "[1, 1, 1, 1, 1, 1] 6", result.stdout
+    assert set(lines["REGISTERED"].split()) == CONTAINMENT | LAYOUT | INFERENCE, result.stdout
+    assert set(lines["CALLS"].split()) == CONTAINMENT | LAYOUT | INFERENCE and lines["SAME"] == "True", result.stdout
