@@ -163,8 +163,9 @@ def _reads_nonfinite(key_bad, key_positions, doc_ids, query_start, length):
     filled = jnp.where(key_positions >= 0, key_positions, jnp.iinfo(jnp.int32).min)
     order = jnp.argsort(filled)  # empty rows first, then ascending positions
     sorted_positions = filled[order]
-    start = jnp.searchsorted(sorted_positions, run_start[positions], side="left")
-    stop = jnp.searchsorted(sorted_positions, positions, side="right")
+    # unrolled: the default method is a while loop (a launch per halving on a GPU, and no fusion)
+    start = jnp.searchsorted(sorted_positions, run_start[positions], side="left", method="scan_unrolled")
+    stop = jnp.searchsorted(sorted_positions, positions, side="right", method="scan_unrolled")
     stop = jnp.where(docs > 0, stop, start)
     return any_in_ranges(jnp.take(key_bad, order, axis=1), start, stop)
 

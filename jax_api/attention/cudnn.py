@@ -182,7 +182,8 @@ def cudnn_window_attention(q, keys, values, key_positions, doc_ids, *, query_sta
     order = jnp.argsort(filled)  # empty rows first, then ascending positions
     positions = filled[order]
     query_positions = query_start + jnp.arange(length, dtype=jnp.int32)
-    local_rows = jnp.searchsorted(positions, query_positions)  # each local position is in the window once
+    # each local position is in the window once; unrolled (the default method is a while loop)
+    local_rows = jnp.searchsorted(positions, query_positions, method="scan_unrolled")
     offsets, lengths, overflow = window_segments(positions, doc_ids, local_rows, max_runs)
     offsets, lengths = (jnp.broadcast_to(x, (batch, x.shape[1])) for x in (offsets, lengths))
 

@@ -177,9 +177,10 @@ def launch(launch_cls, config, *, inputs: Mapping[str, Any], results: Mapping[st
     input_index, result_index = {n: i for i, n in enumerate(inputs)}, {n: i for i, n in enumerate(results)}
     aliased = {input_index[source]: result_index[result] for result, source in (aliases or {}).items()}
     for result, source in (aliases or {}).items():
-        if shapes[result] != jax.ShapeDtypeStruct(inputs[source].shape, inputs[source].dtype):
+        want, have = shapes[result], inputs[source]
+        if tuple(want.shape) != tuple(have.shape) or jnp.dtype(want.dtype) != jnp.dtype(have.dtype):
             raise ValueError(f"{launch_cls.__name__}: result {result} cannot reuse input {source}'s buffer: "
-                             f"{shapes[result]} vs {inputs[source].shape} {inputs[source].dtype}")
+                             f"{want.shape} {jnp.dtype(want.dtype).name} vs {have.shape} {jnp.dtype(have.dtype).name}")
     outputs = jax.ffi.ffi_call(name, tuple(shapes.values()), input_output_aliases=aliased or None)(
         *operands, **attributes)
     return {key: _make_varying(value, axes) for key, value in zip(shapes, outputs)}

@@ -235,7 +235,8 @@ def gated_delta_product(q, k, v, g, beta, *, scale: float | None = None, num_hou
         initial_state = jnp.asarray(initial_state)
         initial_bad = nonfinite_rows(initial_state, 2)  # [N, H]
         final_bad = final_bad | initial_bad
-        sequence = jnp.searchsorted(cu[1:], jnp.arange(tokens), side="right") if packed else None
+        sequence = jnp.searchsorted(cu[1:], jnp.arange(tokens), side="right",
+                                    method="scan_unrolled") if packed else None  # no while loop
         poisoned = poisoned | (initial_bad[sequence][None] if packed else initial_bad[:, None, :])
         initial_state = sanitize(initial_state)
     output, final_state = _one_device(*clean, cu, initial_state, backend=backend, scale=scale,
