@@ -12,9 +12,7 @@ values (one token-checks launch); torch does the same with ``check_inputs=False`
 columns, the like-for-like comparison) and by default checks them (one value-checks launch and a host
 read). Times: wall clock around the call and a device synchronisation (torch:
 ``torch.cuda.synchronize``; JAX: ``block_until_ready``), median of ``--repeat`` after warm-up, so
-host dispatch is included on both sides. The "donated" JAX columns donate q, k, v, g, beta (fresh copies
-made before each timed call), as a model step's activations are: the containment pass then works in place.
-``--cp``: the JAX CP op on 2 GPUs (jit + shard_map +
+host dispatch is included on both sides. ``--cp``: the JAX CP op on 2 GPUs (jit + shard_map +
 all-gathers) at cp_gdp_nccl.py's packing, forward and forward + backward; torch's CP forward on
 the same packing is timed by ``benchmarks/cp_gdp_nccl.py`` (NCCL, one process per GPU).
 Writes ``DIR/bench_jax_kernels.csv``.
@@ -45,25 +43,15 @@ from _bench_common import make_inputs as gdp_inputs, parse_case  # noqa: E402
 DEFAULT_CASES = ["1x8192:2", "1x32768:2", "1x131072:2", "1x32768:1", "32x1024:2"]
 
 
-def wall_ms(fn, sync, repeat: int, warmup: int = 3, setup=None) -> float:
-    """Median wall ms of ``fn()`` (or ``fn(*setup())``: the arguments made, and synchronised, untimed)."""
+def wall_ms(fn, sync, repeat: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        sync(fn())
     times = []
-    for index in range(warmup + repeat):
-        arguments = () if setup is None else setup()
-        sync(arguments)
+    for _ in range(repeat):
         start = time.perf_counter()
-        sync(fn(*arguments))
-        if index >= warmup:
-            times.append((time.perf_counter() - start) * 1e3)
+        sync(fn())
+        times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
-
-
-DONATED = (0, 1, 2, 3, 4)  # q, k, v, g, beta
-
-
-def fresh(*arrays):
-    """Copies of ``arrays`` (q, k, v, g, beta) that a donating call may consume, the rest as they are."""
-    return tuple(jnp.copy(x) if index in DONATED else x for index, x in enumerate(arrays))
 
 
 def torch_sync(_):
@@ -140,18 +128,10 @@ def one_device_case(case: str, heads: int, dim: int, repeat: int, kernels: bool 
     row["torch_fwd_ms"] = wall_ms(torch_forward, torch_sync, repeat)
     row["torch_contained_fwd_ms"] = wall_ms(torch_contained_forward, torch_sync, repeat)
     row["jax_fwd_ms"] = wall_ms(lambda: jax_forward(jq, jk, jv, jg, jbeta, jcu), jax_sync, repeat)
-    # q, k, v, g, beta donated, as the activations a model step hands the op: the containment's in-place pass
-    # then writes nothing on clean inputs (not donated, XLA copies each input first)
-    donated_forward = jax.jit(jax_forward, donate_argnums=DONATED)
-    row["jax_donated_fwd_ms"] = wall_ms(donated_forward, jax_sync, repeat,
-                                        setup=lambda: fresh(jq, jk, jv, jg, jbeta, jcu))
     if kernels:
         _print_kernels(f"{case} torch fwd", torch_forward, repeat)
         _print_kernels(f"{case} torch contained fwd", torch_contained_forward, repeat)
         _print_kernels(f"{case} jax fwd", lambda: jax.block_until_ready(jax_forward(jq, jk, jv, jg, jbeta, jcu)),
-                       repeat)
-        donated = [fresh(jq, jk, jv, jg, jbeta, jcu) for _ in range(2 * repeat + 10)]  # profiler warm-up too
-        _print_kernels(f"{case} jax donated fwd", lambda: jax.block_until_ready(donated_forward(*donated.pop())),
                        repeat)
 
     torch_bwd = tcd.CuTeDSLGatedDeltaProductCPBackend(backward="kernels")
@@ -178,9 +158,6 @@ def one_device_case(case: str, heads: int, dim: int, repeat: int, kernels: bool 
     row["torch_fwdbwd_ms"] = wall_ms(torch_train, torch_sync, repeat)
     row["torch_contained_fwdbwd_ms"] = wall_ms(lambda: torch_train(check_inputs=False), torch_sync, repeat)
     row["jax_fwdbwd_ms"] = wall_ms(lambda: jax_train(jq, jk, jv, jg, jbeta, jcu, jdo), jax_sync, repeat)
-    donated_train = jax.jit(jax_train, donate_argnums=DONATED)
-    row["jax_donated_fwdbwd_ms"] = wall_ms(donated_train, jax_sync, repeat,
-                                           setup=lambda: fresh(jq, jk, jv, jg, jbeta, jcu, jdo))
     if kernels:
         _print_kernels(f"{case} torch fwd+bwd", torch_train, repeat)
         _print_kernels(f"{case} jax fwd+bwd", lambda: jax.block_until_ready(jax_train(jq, jk, jv, jg, jbeta, jcu, jdo)),
@@ -189,8 +166,6 @@ def one_device_case(case: str, heads: int, dim: int, repeat: int, kernels: bool 
     row["jax/torch fwd+bwd"] = row["jax_fwdbwd_ms"] / row["torch_fwdbwd_ms"]
     row["jax/torch contained fwd"] = row["jax_fwd_ms"] / row["torch_contained_fwd_ms"]
     row["jax/torch contained fwd+bwd"] = row["jax_fwdbwd_ms"] / row["torch_contained_fwdbwd_ms"]
-    row["jax donated/torch fwd"] = row["jax_donated_fwd_ms"] / row["torch_fwd_ms"]
-    row["jax donated/torch fwd+bwd"] = row["jax_donated_fwdbwd_ms"] / row["torch_fwdbwd_ms"]
     return row
 
 
