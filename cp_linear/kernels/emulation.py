@@ -264,8 +264,7 @@ def emulate_value_checks(launch) -> None:
 
 def emulate_token_checks(launch) -> None:
     """``token_checks``: per (token, head) the state / read flags (bool as uint8 [B·T, H]) and the inputs
-    with every non-finite value replaced by +0 (the rest bit for bit), by rows as the kernel owns them;
-    ``in_place``: only the flagged (token, head)'s rows are stored."""
+    with every non-finite value replaced by +0 (the rest bit for bit), by rows as the kernel owns them."""
     import torch
 
     n_h = launch.config.num_householder
@@ -276,21 +275,11 @@ def emulate_token_checks(launch) -> None:
 
     steps = (rows_bad(launch.k) | rows_bad(launch.v)).reshape(-1, heads) | ~torch.isfinite(launch.beta)
     state = steps.reshape(-1, n_h, heads).any(1) | ~torch.isfinite(launch.g)
-    read = rows_bad(launch.q).reshape(-1, heads)
-    # in place: only the rows of a (token, head) with a non-finite value are stored (the outputs are the inputs)
-    token_rows = state | read  # [B·T, H]
-    step_rows = token_rows.repeat_interleave(n_h, dim=0)  # [B·T·n_h, H]
-    stored = dict(q=token_rows.reshape(-1, 1, 1), k=step_rows.reshape(-1, 1, 1), v=step_rows.reshape(-1, 1, 1),
-                  g=token_rows, beta=step_rows)
-    cleaned = {}
-    for name in ("q", "k", "v", "g", "beta"):  # every value read before any is written (aliased outputs)
-        x = getattr(launch, name)
-        cleaned[name] = torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype))
     launch.state_bad.copy_(state.to(launch.state_bad.dtype))
-    launch.read_bad.copy_(read.to(launch.read_bad.dtype))
-    for name, clean in cleaned.items():
-        out = getattr(launch, name + "_out")
-        out.copy_(torch.where(stored[name], clean, out) if int(launch.in_place) else clean)
+    launch.read_bad.copy_(rows_bad(launch.q).reshape(-1, heads).to(launch.read_bad.dtype))
+    for name in ("q", "k", "v", "g", "beta"):
+        x = getattr(launch, name)
+        getattr(launch, name + "_out").copy_(torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype)))
 
 
 def _short_conv_pre(launch):

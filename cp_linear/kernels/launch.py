@@ -850,8 +850,7 @@ class TokenChecksLaunch(_Launch):
     of q; step j of that token is row (b·T·n_h + t·n_h + j)·H + h of k and v. Writes
     ``state_bad`` / ``read_bad`` (bool as uint8 [B·T, H]; ``cp_linear.validation.gdp_bad_tokens``) and the
     inputs with NaN / ±Inf replaced by 0 (``torch.nan_to_num(x, 0.0, 0.0, 0.0)``, bit for bit) into the
-    ``*_out`` tensors, shaped as their inputs. ``in_place`` 1: each ``*_out`` is its input's buffer (JAX
-    aliases them) and only the (token, head) rows that held a non-finite value are stored."""
+    ``*_out`` tensors, shaped as their inputs."""
 
     KERNEL: ClassVar[str] = "cp_linear.kernels.token_checks:TokenChecksKernel"
     OUTPUTS: ClassVar[tuple[str, ...]] = ("state_bad", "read_bad", "q_out", "k_out", "v_out", "g_out", "beta_out")
@@ -868,7 +867,6 @@ class TokenChecksLaunch(_Launch):
     v_out: Any = _spec(None, "value_vectors", "vector", align=16)
     g_out: Any = _spec(None, None, dtype="float32")
     beta_out: Any = _spec(None, None, dtype="float32")
-    in_place: Any = _scalar("int32")
 
 
 LAUNCHES[cfg.TokenChecksConfig] = TokenChecksLaunch

@@ -19,10 +19,6 @@ input with each 16-byte load. A 16-bit value is non-finite when its exponent bit
 are tested in float32 (x != x or |x| = inf). Each lane's two flags are ORed over its sub-warp with
 three butterfly shuffles (no atomics, no shared memory); lane 0 stores them as bytes. Rows past R
 (the last CTA) load the last row and store nothing.
-
-``in_place`` (a run-time scalar): the ``*_out`` tensors are the inputs themselves (JAX aliases them), so a
-sub-warp stores its cleaned rows only when one of its values was non-finite: a clean input costs one read,
-as the value checks do. Otherwise (torch: fresh outputs) every row is stored.
 """
 
 from __future__ import annotations
@@ -87,16 +83,15 @@ class TokenChecksKernel:
                  v_out: cute.Tensor,  # as v
                  g_out: cute.Tensor,  # as g
                  beta_out: cute.Tensor,  # as beta
-                 in_place: Int32,  # 1: the outputs are the inputs (store only rows that change)
                  stream):
         blocks = (q.shape[0] + TOKEN_HEADS - 1) // TOKEN_HEADS
-        self.kernel(q, k, v, g, beta, state_bad, read_bad, q_out, k_out, v_out, g_out, beta_out, in_place).launch(
+        self.kernel(q, k, v, g, beta, state_bad, read_bad, q_out, k_out, v_out, g_out, beta_out).launch(
             grid=(blocks, 1, 1), block=(THREADS, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, g: cute.Tensor, beta: cute.Tensor,
                state_bad: cute.Tensor, read_bad: cute.Tensor, q_out: cute.Tensor, k_out: cute.Tensor,
-               v_out: cute.Tensor, g_out: cute.Tensor, beta_out: cute.Tensor, in_place: Int32):
+               v_out: cute.Tensor, g_out: cute.Tensor, beta_out: cute.Tensor):
         n_h = self.n_h
         tidx, _, _ = cute.arch.thread_idx()
         block, _, _ = cute.arch.block_idx()
@@ -129,17 +124,7 @@ class TokenChecksKernel:
         state = _clean_words(k_regs, self.exponent) | _clean_words(v_regs, self.exponent)
         beta_bad, g_bad = _nonfinite(beta_value), _nonfinite(g_value)
         state = state | beta_bad | g_bad
-        # OR the flags over the sub-warp (every lane takes part in the shuffles)
-        bits = cutlass.select_(state, Int32(STATE_BIT), Int32(0)) | cutlass.select_(read, Int32(READ_BIT), Int32(0))
-        offset = 1
-        while offset < LANES:
-            bits = bits | cute.arch.shuffle_sync_bfly(bits, offset=offset)
-            offset *= 2
-        if inside & (lane == 0):
-            state_bad[token, head] = Uint8(bits & STATE_BIT)
-            read_bad[token, head] = Uint8((bits & READ_BIT) >> 1)
-        # the sub-warp's rows: always into fresh outputs; in place only where a value was replaced
-        if inside & ((in_place == Int32(0)) | (bits != Int32(0))):
+        if inside:
             for i in cutlass.range_constexpr(self.key_loads):
                 q_out[row, lane + i * LANES, None].store(q_regs[i, None].load())
             for j in cutlass.range_constexpr(n_h):
@@ -153,3 +138,12 @@ class TokenChecksKernel:
             if lane == 0:
                 g_out[token, head] = cutlass.select_(g_bad, Float32(0.0), g_value)
 
+        # OR the flags over the sub-warp (every lane takes part in the shuffles)
+        bits = cutlass.select_(state, Int32(STATE_BIT), Int32(0)) | cutlass.select_(read, Int32(READ_BIT), Int32(0))
+        offset = 1
+        while offset < LANES:
+            bits = bits | cute.arch.shuffle_sync_bfly(bits, offset=offset)
+            offset *= 2
+        if inside & (lane == 0):
+            state_bad[token, head] = Uint8(bits & STATE_BIT)
+            read_bad[token, head] = Uint8((bits & READ_BIT) >> 1)

@@ -7,10 +7,7 @@ once; as jnp ops it is a row reduction per input plus a select per input, and th
 is one custom call of the token-checks kernel (``cp_linear.kernels.token_checks``, the launch torch's
 ``contained_inputs`` makes): the flags and the copies in one pass, bit for bit the jnp results, and a
 gradient that passes through unchanged, as torch's ``_Sanitize``: at a replaced entry it is zero anyway,
-since everything the entry reaches is poisoned and a poisoned output passes no gradient. The copies are
-made in place (the results alias the inputs and the kernel stores only rows that held a non-finite
-value), so where the raw inputs die at the call, as activations inside a model step do, clean inputs cost
-one read; XLA copies an input that is still needed (a non-donated jit argument) before the call.
+since everything the entry reaches is poisoned and a poisoned output passes no gradient.
 """
 
 from __future__ import annotations
@@ -65,11 +62,8 @@ def _kernel_contained_inputs(q, k, v, g, beta, config, cuda_graph):
     inputs = dict(q=rows(q), k=rows(k), v=rows(v), g=by_head(g), beta=by_head(beta))
     results = dict(state_bad=inputs["g"].shape, read_bad=(q.shape[0] * q.shape[1], heads),
                    **{f"{name}_out": array.shape for name, array in inputs.items()})
-    # in place: each copy reuses its input's buffer, and only rows holding a non-finite value are stored, so
-    # clean inputs cost one read (XLA copies an input first where it is still needed, a jit argument say)
-    out = kernel_calls.launch(kl.TokenChecksLaunch, config, inputs=inputs, results=results,
-                              scalars=dict(in_place=1), cuda_graph=cuda_graph,
-                              aliases={f"{name}_out": name for name in inputs})
+    out = kernel_calls.launch(kl.TokenChecksLaunch, config, inputs=inputs, results=results, scalars={},
+                              cuda_graph=cuda_graph)
     clean = tuple(out[f"{name}_out"].reshape(x.shape) for name, x in zip(inputs, (q, k, v, g, beta)))
     return (*clean, out["state_bad"].reshape(g.shape) != 0, out["read_bad"].reshape(q.shape[:3]) != 0)
 

@@ -143,14 +143,12 @@ def _check_tensor(launch_cls, config, name: str, spec: kl.TensorSpec, shape, dty
 
 
 def launch(launch_cls, config, *, inputs: Mapping[str, Any], results: Mapping[str, tuple], scalars: Mapping[str, Any],
-           cuda_graph: bool = False, aliases: Mapping[str, str] | None = None) -> dict[str, jax.Array]:
+           cuda_graph: bool = False) -> dict[str, jax.Array]:
     """Run one kernel launch as an XLA custom call -> its outputs by name.
 
     inputs: every input tensor of the launch by name (jax arrays); results: every output tensor
     by name as a shape tuple (the dtype comes from the launch's spec); scalars: every scalar by
     name (host numbers). Shapes and dtypes are checked against the launch's specs at trace time.
-    aliases: result name -> input name whose buffer the result reuses (XLA's input_output_aliases:
-    the kernel writes into its input; XLA copies the operand first when it is still needed).
     Inside ``shard_map`` the operands are typed alike (varying over every axis any of them varies
     over) and so are the results.
     """
@@ -174,15 +172,7 @@ def launch(launch_cls, config, *, inputs: Mapping[str, Any], results: Mapping[st
         name = ensure_registered(config, cuda_graph=cuda_graph)
     else:
         name = target_name(config, cuda_graph=cuda_graph)
-    input_index, result_index = {n: i for i, n in enumerate(inputs)}, {n: i for i, n in enumerate(results)}
-    aliased = {input_index[source]: result_index[result] for result, source in (aliases or {}).items()}
-    for result, source in (aliases or {}).items():
-        want, have = shapes[result], inputs[source]
-        if tuple(want.shape) != tuple(have.shape) or jnp.dtype(want.dtype) != jnp.dtype(have.dtype):
-            raise ValueError(f"{launch_cls.__name__}: result {result} cannot reuse input {source}'s buffer: "
-                             f"{want.shape} {jnp.dtype(want.dtype).name} vs {have.shape} {jnp.dtype(have.dtype).name}")
-    outputs = jax.ffi.ffi_call(name, tuple(shapes.values()), input_output_aliases=aliased or None)(
-        *operands, **attributes)
+    outputs = jax.ffi.ffi_call(name, tuple(shapes.values()))(*operands, **attributes)
     return {key: _make_varying(value, axes) for key, value in zip(shapes, outputs)}
 
 

@@ -85,35 +85,17 @@ def assert_same(got, want):
         assert torch.equal(bits(x).cpu(), bits(y).cpu()), name
 
 
-def launch_on(config, inputs, outputs, *, in_place: bool, run=run_emulated):
-    """The launch on row views (``TokenChecksLaunch``'s doc) of ``inputs`` (q, k, v, g, beta) and ``outputs``
-    (the two flags, then the five copies; the inputs themselves in place) -> (state, read, copies)."""
-    heads = inputs[0].shape[2]
+def emulated(config, q, k, v, g, beta):
+    """The launch on row views (``TokenChecksLaunch``'s doc), carried out by the emulation."""
+    heads = q.shape[2]
     rows = lambda x: x.view(-1, x.shape[-1] // 8, 8)  # noqa: E731
     by_head = lambda x: x.view(-1, heads)  # noqa: E731
-    flags, clean = outputs[:2], outputs[2:]
-    run(kl.TokenChecksLaunch(config, *(rows(x) for x in inputs[:3]), *(by_head(x) for x in inputs[3:]),
-                             *(by_head(f) for f in flags), *(rows(x) for x in clean[:3]), by_head(clean[3]),
-                             by_head(clean[4]), int(in_place)))
+    flags = [torch.full(q.shape[:3], 7, dtype=torch.uint8) for _ in range(2)]  # every entry must be written
+    clean = [torch.full_like(x, 3.0) for x in (q, k, v, g, beta)]
+    run_emulated(kl.TokenChecksLaunch(config, rows(q), rows(k), rows(v), by_head(g), by_head(beta),
+                                      *(by_head(f) for f in flags), *(rows(x) for x in clean[:3]),
+                                      by_head(clean[3]), by_head(clean[4])))
     return flags[0].view(torch.bool), flags[1].view(torch.bool), clean
-
-
-def sentinel_outputs(q, k, v, g, beta):
-    """Flags of 7 and copies of 3.0: every entry a launch must write shows if it does not."""
-    return [*(torch.full(q.shape[:3], 7, dtype=torch.uint8, device=q.device) for _ in range(2)),
-            *(torch.full_like(x, 3.0) for x in (q, k, v, g, beta))]
-
-
-def emulated(config, q, k, v, g, beta):
-    """Fresh outputs (``in_place`` 0), carried out by the emulation."""
-    return launch_on(config, (q, k, v, g, beta), sentinel_outputs(q, k, v, g, beta), in_place=False)
-
-
-def stored_rows(state, read, n_h):
-    """Per input, where an in-place launch stores: every row of a (token, head) with a non-finite value."""
-    token = state | read  # [B, T, H]
-    step = token.repeat_interleave(n_h, dim=1)
-    return dict(q=token[..., None], k=step[..., None], v=step[..., None], g=token, beta=step)
 
 
 SIZES = [pytest.param(64, 64, id="K64-V64"), pytest.param(64, 128, id="K64-V128"),
@@ -130,23 +112,6 @@ def test_emulation_equals_bad_tokens_and_nan_to_num_bit_for_bit(dtype, n_h, key_
     want = reference(*tensors, n_h)
     assert want[0].any() and not want[0].all() and want[1].any()  # a mix of bad and clean tokens
     assert_same(got, want)
-
-
-@pytest.mark.parametrize("n_h", [1, 3])
-def test_emulation_in_place_cleans_the_inputs_and_stores_only_the_flagged_rows(n_h):
-    """in_place 1: with the inputs as outputs, the inputs become the reference copies; with other buffers,
-    only the rows of flagged (token, head)s are stored (the rest keep what they held)."""
-    tensors = sprinkle(make_inputs(torch.bfloat16, key_dim=128, value_dim=64, n_h=n_h, seed=n_h))
-    config = kcfg.TokenChecksConfig("bfloat16", 128, 64, n_h)
-    want = reference(*tensors, n_h)
-    inputs = [x.clone() for x in tensors]
-    flags = sentinel_outputs(*tensors)[:2]
-    assert_same(launch_on(config, inputs, [*flags, *inputs], in_place=True), want)
-    state, read, clean = launch_on(config, tensors, sentinel_outputs(*tensors), in_place=True)
-    stored = stored_rows(state, read, n_h)
-    for name, got, copy in zip(NAMES, clean, want[2]):
-        assert torch.equal(bits(got), bits(torch.where(stored[name], copy, torch.full_like(copy, 3.0)))), name
-        assert stored[name].any() and not stored[name].all(), name
 
 
 # (input, step): one NaN in the last element of that step's row (entry) of token 5, head 1, batch row 1
@@ -189,7 +154,7 @@ def test_configs_are_in_the_library_and_ci_and_reject_unsupported_sizes():
 
 def test_launch_lists_inputs_then_outputs_and_derives_its_extents_from_the_config():
     assert kl.TokenChecksLaunch.argument_roles() == (
-        NAMES, ("state_bad", "read_bad", "q_out", "k_out", "v_out", "g_out", "beta_out"), ("in_place",))
+        NAMES, ("state_bad", "read_bad", "q_out", "k_out", "v_out", "g_out", "beta_out"), ())
     config = kcfg.TokenChecksConfig("bfloat16", 64, 128, 2)
     specs = dict(kl.TokenChecksLaunch.argument_specs())
     assert [kl._extent(config, e) for e in specs["v"].shape] == [None, 16, 8]
@@ -197,7 +162,7 @@ def test_launch_lists_inputs_then_outputs_and_derives_its_extents_from_the_confi
     assert specs["state_bad"].dtype == "uint8" and specs["g"].dtype == "float32"
     pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (the cuda extra)")
     fake = kl.fake_arguments(config)
-    assert len(fake) == 13 and [str(t.element_type) for t in fake[5:7]] == ["Uint8", "Uint8"]
+    assert len(fake) == 12 and [str(t.element_type) for t in fake[5:7]] == ["Uint8", "Uint8"]
 
 
 # --------------------------------------------------------------------------- compiled for sm_90a (no GPU)
@@ -365,17 +330,7 @@ def test_kernel_on_gpu_equals_the_torch_path_bit_for_bit(shape, dtype, n_h, key_
     assert config is not None and isolation._kernel_reads(*tensors)
     state, read, *clean = isolation._kernel_contained_inputs(config, *tensors)
     torch.cuda.synchronize()
-    want = reference(*tensors, n_h)
-    assert_same((state, read, clean), want)
-    # in place (JAX's aliased launch): the inputs become the copies; into other buffers, only flagged rows
-    inputs = [x.clone() for x in tensors]
-    flags = sentinel_outputs(*tensors)[:2]
-    run = kl._Launch.run
-    assert_same(launch_on(config, inputs, [*flags, *inputs], in_place=True, run=run), want)
-    state, read, got = launch_on(config, tensors, sentinel_outputs(*tensors), in_place=True, run=run)
-    stored = stored_rows(state, read, n_h)
-    for name, x, copy in zip(NAMES, got, want[2]):
-        assert torch.equal(bits(x), bits(torch.where(stored[name], copy, torch.full_like(copy, 3.0)))), name
+    assert_same((state, read, clean), reference(*tensors, n_h))
 
 
 @pytest.mark.gpu

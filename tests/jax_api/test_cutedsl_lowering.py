@@ -104,34 +104,6 @@ def test_the_forward_lowers_to_six_kernel_calls_and_nothing_else(hopper):
         assert "callback" not in text and "stablehlo.while" not in text and "stablehlo.sort" not in text
 
 
-def test_the_containment_call_writes_its_copies_into_the_inputs(hopper):
-    """The token-checks call aliases each sanitised copy to its input (q, k, v, g, beta: operands 0-4 ->
-    results 2-6) and asks for the in-place mode; the other calls alias nothing."""
-    text = jax.jit(_one_device("jax")).trace(*_arrays([100, 56, 100])).lower(lowering_platforms=("cuda",)).as_text()
-    lines = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
-    (checks,) = [line for line in lines if "TokenChecksConfig" in line]
-    aliases = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", checks)
-    assert sorted((int(operand), int(result)) for result, operand in aliases) == [(i, i + 2) for i in range(5)]
-    assert "in_place = 1 : i32" in checks, checks
-    assert not any("output_operand_alias" in line for line in lines if line is not checks)
-
-
-def test_an_alias_must_match_its_input(hopper):
-    from cp_linear.kernels import launch as kl
-
-    config = kcfg.TokenChecksConfig("bfloat16", DIM, DIM, N_H)
-    rows, heads = 8, 2
-    inputs = dict(q=jnp.zeros((rows * heads, DIM // 8, 8), jnp.bfloat16),
-                  k=jnp.zeros((rows * N_H * heads, DIM // 8, 8), jnp.bfloat16),
-                  v=jnp.zeros((rows * N_H * heads, DIM // 8, 8), jnp.bfloat16),
-                  g=jnp.zeros((rows, heads)), beta=jnp.zeros((rows * N_H, heads)))
-    results = dict(state_bad=(rows, heads), read_bad=(rows, heads), q_out=inputs["q"].shape, k_out=inputs["k"].shape,
-                   v_out=inputs["v"].shape, g_out=(rows, heads), beta_out=(rows * N_H, heads))
-    with pytest.raises(ValueError, match="q_out cannot reuse input k's buffer"):
-        kernel_calls.launch(kl.TokenChecksLaunch, config, inputs=inputs, results=results, scalars=dict(in_place=1),
-                            aliases={"q_out": "k"})
-
-
 def test_the_kernel_backward_lowers_to_kernel_calls_only_and_a_new_packing_to_the_same_program(hopper):
     grad = jax.jit(jax.value_and_grad(_one_device("kernels"), argnums=(0, 1, 2, 3, 4)))
     texts = [grad.trace(*_arrays(lengths)).lower(lowering_platforms=("cuda",)).as_text()

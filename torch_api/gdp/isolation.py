@@ -153,7 +153,7 @@ def _kernel_contained_inputs(config, q, k, v, g, beta) -> tuple[torch.Tensor, ..
     q, k, v, g, beta = (x.detach() for x in (q, k, v, g, beta))
     kl.TokenChecksLaunch(config, rows(q), rows(k), rows(v), by_head(g), by_head(beta), by_head(state_bad),
                          by_head(read_bad), *(rows(x) for x in clean[:3]), by_head(clean[3]),
-                         by_head(clean[4]), 0).run()  # in_place 0: fresh outputs, every row stored
+                         by_head(clean[4])).run()
     return (state_bad.view(torch.bool), read_bad.view(torch.bool), *clean)
 
 
