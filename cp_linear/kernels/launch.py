@@ -571,6 +571,12 @@ class LayoutSizes:
                     seq_segments=sequences, seg_first_chunk=segments, seg_chunks=segments, seg_flags=segments,
                     num_segments=1, seg_grad_flags=segments, seg_order=segments)
 
+    def layout(self, num_householder: int, tables: dict) -> ForwardLayout:
+        """The ``ForwardLayout`` of these bounds over ``tables`` (arrays by ``LAYOUT_TABLES`` name)."""
+        return ForwardLayout(num_householder=num_householder, tokens_per_chunk=self.tokens_per_chunk,
+                             segment_chunks=self.segment_chunks, max_chunks=self.max_chunks,
+                             max_segments=self.max_segments, num_sequences=self.num_sequences, **tables)
+
 
 def layout_sizes(*, total_tokens: int, num_householder: int, num_sequences: int, heads: int, row_blocks: int,
                  sm_count: int, segment_chunks: int | None = None, ctas_per_sm: float = 2) -> LayoutSizes:
@@ -793,12 +799,11 @@ def forward_layout(cu_seqlens, *, total_tokens: int, num_householder: int, heads
         else:
             key = partial + (1 - xp.astype(seg_real, i32))
         seg_order = as32(xp.argsort(key, stable=True))
-    return ForwardLayout(
-        num_householder=n_h, tokens_per_chunk=per_chunk, segment_chunks=segment_chunks, max_chunks=max_chunks,
-        max_segments=max_segments, num_sequences=num_sequences, chunk_first_step=as32(chunk_first_step),
-        chunk_steps=as32(chunk_steps), num_chunks=num_chunks, seq_first_segment=seq_first_segment,
-        seq_segments=as32(seq_segments), seg_first_chunk=as32(seg_first_chunk), seg_chunks=as32(seg_chunks),
-        seg_flags=seg_flags, num_segments=num_segments, seg_grad_flags=seg_grad_flags, seg_order=seg_order)
+    return sizes.layout(n_h, dict(
+        chunk_first_step=as32(chunk_first_step), chunk_steps=as32(chunk_steps), num_chunks=num_chunks,
+        seq_first_segment=seq_first_segment, seq_segments=as32(seq_segments), seg_first_chunk=as32(seg_first_chunk),
+        seg_chunks=as32(seg_chunks), seg_flags=seg_flags, num_segments=num_segments, seg_grad_flags=seg_grad_flags,
+        seg_order=seg_order))
 
 
 

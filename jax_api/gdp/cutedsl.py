@@ -287,10 +287,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
                 summary_sequence=kcfg.TRAILING_SEQUENCE if summarises_trailing else None, **flags)
             out = self._launch(kl.ForwardLayoutLaunch, kcfg.ForwardLayoutConfig(), dict(cu_seqlens=cu),
                                dict(results, trailing=(1,)), scalars)
-            layout = kl.ForwardLayout(
-                num_householder=num_householder, tokens_per_chunk=sizes.tokens_per_chunk,
-                segment_chunks=sizes.segment_chunks, max_chunks=sizes.max_chunks, max_segments=sizes.max_segments,
-                num_sequences=num_sequences, **{name: out[name] for name in kl.LAYOUT_TABLES})
+            layout = sizes.layout(num_householder, {name: out[name] for name in kl.LAYOUT_TABLES})
             return layout, out["trailing"].reshape(()) if summarises_trailing else None
         trailing = _last_nonempty(cu) if summarises_trailing else None
         return kl.forward_layout(cu, summary_sequence=trailing, **flags, **sizes_args), trailing
@@ -302,10 +299,9 @@ class CuTeDSLGatedDeltaProductCPBackend:
         n_h = inputs.num_householder
         row_block, _ = _scan_rows(KERNEL_DTYPE_NAMES[jnp.dtype(q.dtype)], q.shape[2], v.shape[2], n_h, self.row_block)
         named = dict(zip(kl.LAYOUT_TABLES, tables))
-        layout = kl.ForwardLayout(num_householder=n_h, tokens_per_chunk=kcfg.tokens_per_chunk(n_h),
-                                  segment_chunks=segment_chunks, max_chunks=prep[0].shape[0],
-                                  max_segments=named["seg_flags"].shape[0],
-                                  num_sequences=named["seq_segments"].shape[0], **named)
+        sizes = kl.LayoutSizes(kcfg.tokens_per_chunk(n_h), segment_chunks, max_chunks=prep[0].shape[0],
+                               max_segments=named["seg_flags"].shape[0], num_sequences=named["seq_segments"].shape[0])
+        layout = sizes.layout(n_h, named)
         ta, tb, p, scalars = prep
         return _Shard(inputs=inputs, rows=inputs.cu_seqlens is None, q=q, k=k, v=v, layout=layout,
                       row_block=row_block, trailing=trailing, ta=ta, tb=tb, p=p, scalars=scalars)

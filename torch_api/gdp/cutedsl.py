@@ -387,10 +387,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         """The backward's shard from the forward's saved buffer: its layout tables, and its prep results
         (``save_prep``) or chunk_prep rerun. No layout build, no host work beyond shapes."""
         n_h = inputs.num_householder
-        layout = kl.ForwardLayout(
-            num_householder=n_h, tokens_per_chunk=sizes.tokens_per_chunk, segment_chunks=sizes.segment_chunks,
-            max_chunks=sizes.max_chunks, max_segments=sizes.max_segments, num_sequences=sizes.num_sequences,
-            **{name: saved[name] for name in _TABLES})
+        layout = sizes.layout(n_h, {name: saved[name] for name in _TABLES})
         shard = self._new_shard(inputs, layout, saved, None, sizes.row_block, summaries=False)
         if not self.save_prep:
             self._prep(shard)
@@ -414,10 +411,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
             grad_summary_sequence=0 if kernel_backward else None, values_only_from=values_only_from).run()
         if not kernel_backward:
             tables["seg_grad_flags"] = None  # forward_layout(grad_flags=False): no backward reads them
-        layout = kl.ForwardLayout(
-            num_householder=inputs.num_householder, tokens_per_chunk=sizes.tokens_per_chunk,
-            segment_chunks=sizes.segment_chunks, max_chunks=sizes.max_chunks, max_segments=sizes.max_segments,
-            num_sequences=sizes.num_sequences, **tables)
+        layout = sizes.layout(inputs.num_householder, tables)
         if not cp_summary:
             return layout, None
         return layout, 0 if single else trailing.view(())
