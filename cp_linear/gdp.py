@@ -18,6 +18,12 @@ registers it as a pytree (arrays are leaves, the rest static).
                    as its output, and ``cp_backward_prepare`` takes ``(do, d_final_state)``
     save_for_backward   False when no backward will run (inference, no_grad): a backend may then
                    skip what it keeps only for its backward (the kernel backend's saved buffer)
+    token_flags    None, or (state_bad, read_bad) uint8 [B, T, H] (nonzero: flagged) when the inputs are
+                   raw and may hold NaN / ±Inf (containment, ``cp_linear.validation``): the backend must
+                   compute as if the k, v rows of every step of a state_bad token and the q row of a
+                   read_bad token were zero, and every non-finite g and beta 0 (what it gives the finite
+                   outputs equals the sanitised inputs'). Only a backend with ``zeroes_flagged_rows`` True
+                   receives them (the kernel backends: the chunk kernels zero those rows as they load)
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ class GDPInputs:
     initial_state: Array | None = None
     output_final_state: bool = False
     save_for_backward: bool = True
+    token_flags: tuple[Array, Array] | None = None
 
     @property
     def is_packed(self) -> bool:

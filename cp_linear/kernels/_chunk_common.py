@@ -25,9 +25,13 @@ SOLVE_BLOCK = 16
 @cute.jit
 def load_chunk_inputs(g2s, tidx, q: cute.Tensor, k: cute.Tensor, g: cute.Tensor, beta: cute.Tensor, head,
                       first, steps, num_householder, s_k: cute.Tensor, s_q: cute.Tensor, s_gate: cute.Tensor,
-                      s_beta: cute.Tensor, key_dim: cutlass.Constexpr):
+                      s_beta: cute.Tensor, key_dim: cutlass.Constexpr, state_bad=None, read_bad=None):
     """k rows [first, first + steps) and the chunk's q rows into shared memory (waits for them); step
-    gates (a token's gate on its first step) and betas, zero past the chunk."""
+    gates (a token's gate on its first step) and betas, zero past the chunk.
+
+    Contained inputs (``state_bad`` / ``read_bad`` given: uint8 [T_all, H] token flags): the k rows of a
+    state_bad token and the q row of a read_bad token are zeroed, and a non-finite gate or beta reads 0
+    (``cp_linear.kernels.token_checks``)."""
     first_token = first // num_householder
     tokens = steps // num_householder
     g_k = cute.local_tile(cute.domain_offset((first, 0), k[None, head, None]), (C, key_dim), (0, 0))
@@ -35,12 +39,42 @@ def load_chunk_inputs(g2s, tidx, q: cute.Tensor, k: cute.Tensor, g: cute.Tensor,
     _mma.copy_rows_g2s(g2s, tidx, g_k, s_k, steps)
     _mma.copy_rows_g2s(g2s, tidx, g_q, s_q, tokens)
     cute.arch.cp_async_commit_group()
+    contained = cutlass.const_expr(state_bad is not None)
+    if cutlass.const_expr(contained):
+        k_flags = _mma.row_flags_fragment(g2s, tidx, (C, key_dim))
+        q_flags = _mma.row_flags_fragment(g2s, tidx, (C, key_dim))
+        _mma.load_row_flags(g2s, tidx, (C, key_dim), token_flags(state_bad, first_token, head), steps,
+                            num_householder, k_flags)
+        _mma.load_row_flags(g2s, tidx, (C, key_dim), token_flags(read_bad, first_token, head), tokens, 1, q_flags)
     if tidx < C:
         step = first + cutlass.min(tidx, steps - 1)
-        s_beta[tidx] = zero_unless(tidx < steps, beta[step, head])
-        s_gate[tidx] = zero_unless((tidx < steps) & (tidx % num_householder == 0), g[step // num_householder, head])
+        beta_value = beta[step, head]
+        gate_value = g[step // num_householder, head]
+        if cutlass.const_expr(contained):
+            beta_value = zero_unless(finite(beta_value), beta_value)
+            gate_value = zero_unless(finite(gate_value), gate_value)
+        s_beta[tidx] = zero_unless(tidx < steps, beta_value)
+        s_gate[tidx] = zero_unless((tidx < steps) & (tidx % num_householder == 0), gate_value)
     cute.arch.cp_async_wait_group(0)
+    if cutlass.const_expr(contained):
+        _mma.zero_flagged_rows(g2s, tidx, s_k, k_flags)
+        _mma.zero_flagged_rows(g2s, tidx, s_q, q_flags)
     cute.arch.sync_threads()
+
+
+def contained_flags(kernel, state_bad: cute.Tensor, read_bad: cute.Tensor) -> tuple:
+    """(state_bad, read_bad) for a kernel whose config is contained, else () (placeholders it never reads)."""
+    return (state_bad, read_bad) if kernel.contained else ()
+
+
+def token_flags(flags: cute.Tensor, first_token, head) -> cute.Tensor:
+    """One head's token flags (uint8 [T_all, H]) from ``first_token`` on, as a 1-D view."""
+    return cute.domain_offset((first_token,), flags[None, head])
+
+
+@cute.jit
+def finite(value: Float32):
+    return (value == value) & (cute.math.abs(value) != Float32(float("inf")))
 
 
 @cute.jit

@@ -76,6 +76,39 @@ def copy_rows_g2s(tiled_copy: cute.TiledCopy, tidx, src: cute.Tensor, dst: cute.
     copy_rows(tiled_copy, tidx, src, dst, valid_rows, True)
 
 
+@cute.jit
+def load_row_flags(tiled_copy: cute.TiledCopy, tidx, tile_shape, flags: cute.Tensor, valid_rows, rows_per_flag,
+                   out: cute.Tensor):
+    """out[m] <- the flag of this thread's m-th row of a [rows, cols] tile copied with ``tiled_copy``:
+    ``flags[row // rows_per_flag]`` (uint8: one head's token flags from the tile's first token), the index
+    clamped to the rows below ``valid_rows`` (rows past them are zero-filled anyway). Issue it with the
+    tile's copies and read ``out`` after their wait (``zero_flagged_rows``): the loads then cost no round
+    trip of their own. Rows of the same index m are the same rows in every tile of as many rows."""
+    thr = tiled_copy.get_slice(tidx)
+    coords = thr.partition_S(cute.make_identity_tensor(tile_shape))
+    last = cutlass.max(valid_rows - 1, 0)
+    for m in cutlass.range_constexpr(cute.size(coords.shape[1])):
+        out[m] = flags[cutlass.min(coords[0, m, 0][0], last) // rows_per_flag]
+
+
+@cute.jit
+def zero_flagged_rows(tiled_copy: cute.TiledCopy, tidx, dst: cute.Tensor, row_flags: cute.Tensor):
+    """Zero this thread's rows of the shared tile ``dst`` whose ``load_row_flags`` value is nonzero. Call it
+    after the copies' wait and before the barrier that publishes the tile: a thread zeroes only the vectors
+    it copied itself, so no barrier is needed in between."""
+    thr = tiled_copy.get_slice(tidx)
+    d = thr.partition_D(dst)
+    for m in cutlass.range_constexpr(cute.size(d.shape[1])):
+        if row_flags[m] != cutlass.Uint8(0):
+            d[None, m, None].fill(0)
+
+
+def row_flags_fragment(tiled_copy: cute.TiledCopy, tidx, tile_shape) -> cute.Tensor:
+    """A uint8 register tensor for ``load_row_flags`` of a tile of ``tile_shape``."""
+    rows = cute.size(tiled_copy.get_slice(tidx).partition_S(cute.make_identity_tensor(tile_shape)).shape[1])
+    return cute.make_rmem_tensor(cute.make_layout((rows,)), cutlass.Uint8)
+
+
 def make_s2g_copy(dtype, threads: int, cols: int = 64):
     """16-byte vector stores from a shared tile (rows of ``cols`` elements, 16-byte aligned) to global
     memory: full 32-byte sectors, unlike per-element stores from MMA fragments."""

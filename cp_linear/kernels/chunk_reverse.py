@@ -29,6 +29,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from cp_linear.kernels import _chunk_common as chunk_common
 from cp_linear.kernels import _mma
 from cp_linear.kernels._common import cutlass_dtype
 from cp_linear.kernels.chunk_scan import _scaled_as_a, staged_tile
@@ -70,15 +71,30 @@ class _GradientRowsKernel:
         self.warps = self.rows // 16
         self.threads = 32 * self.warps
         self.wgmma = config.mma == "wgmma"
+        self.contained = config.contained
+
+    def row_flags(self, g2s, tidx, state_bad, read_bad):
+        """Contained: the token flags and this thread's k and q row flags of the stage in flight, else None."""
+        if not self.contained:
+            return None
+        return (state_bad, read_bad, _mma.row_flags_fragment(g2s, tidx, (C, self.key_dim)),
+                _mma.row_flags_fragment(g2s, tidx, (self.query_tile, self.key_dim)))
 
     @cute.jit
     def load_chunk(self, g2s, tidx, chunk, head, value_col, is_value_rows, k, q, do, ta, p, chunk_first_step,
-                   chunk_steps, s_k, s_q, s_do, s_ta, s_p, num_householder):
+                   chunk_steps, s_k, s_q, s_do, s_ta, s_p, num_householder, flags):
+        """Issue one chunk's copies into one stage; contained, also the loads of its row flags (``flags``)."""
         K, R, NQ = self.key_dim, self.rows, self.query_tile
         first = chunk_first_step[chunk]
         steps = chunk_steps[chunk]
         first_token = first // num_householder
         tokens = steps // num_householder
+        if cutlass.const_expr(self.contained):
+            state_bad, read_bad, step_flags, token_flags = flags
+            _mma.load_row_flags(g2s, tidx, (C, K), chunk_common.token_flags(state_bad, first_token, head), steps,
+                                num_householder, step_flags)
+            _mma.load_row_flags(g2s, tidx, (NQ, K), chunk_common.token_flags(read_bad, first_token, head), tokens,
+                                1, token_flags)
         _mma.copy_rows_g2s(g2s, tidx, cute.local_tile(cute.domain_offset((first, 0), k[None, head, None]), (C, K),
                                                       (0, 0)), s_k, steps)
         _mma.copy_rows_g2s(g2s, tidx, cute.local_tile(cute.domain_offset((first_token, 0), q[None, head, None]),
@@ -115,7 +131,7 @@ class _GradientRowsKernel:
     def reverse_chunks(self, tiled_mma, g2s, s2g, tidx, grad, grad_coords, k, q, do, ta, p, scalars, chunk_first_step,
                        chunk_steps, head, first_chunk, chunk_count, row0, value_col, is_value_rows, num_householder,
                        s_k_all, s_q_all, s_qc, s_do_all, s_ta_all, s_p_all, s_scalars, s_out, chunk_grads,
-                       store_grads: cutlass.Constexpr):
+                       store_grads: cutlass.Constexpr, flags):
         """grad <- the segment's chunks applied in reverse; with ``store_grads``, rnd(grad) at each
         chunk's end goes to ``chunk_grads[chunk, head, row0 + r]`` first."""
         K, R, NQ, NH = self.key_dim, self.rows, self.query_tile, num_householder
@@ -124,7 +140,7 @@ class _GradientRowsKernel:
         last_chunk = first_chunk + chunk_count - 1
         self.load_chunk(g2s, tidx, last_chunk, head, value_col, is_value_rows, k, q, do, ta, p,
                         chunk_first_step, chunk_steps, s_k_all[None, None, 0], s_q_all[None, None, 0],
-                        s_do_all[None, None, 0], s_ta_all[None, None, 0], s_p_all[None, None, 0], NH)
+                        s_do_all[None, None, 0], s_ta_all[None, None, 0], s_p_all[None, None, 0], NH, flags)
         per_thread = 4 * C // self.threads
         scalar_next = cute.make_rmem_tensor(cute.make_layout((per_thread,)), Float32)
         for j in cutlass.range_constexpr(per_thread):
@@ -139,6 +155,9 @@ class _GradientRowsKernel:
             if cutlass.const_expr(store_grads):  # staged, then stored as whole rows after the sync below
                 _mma.stage_accumulator_stmatrix(grad_mma, tidx, grad, s_out)
             cute.arch.cp_async_wait_group(0)
+            if cutlass.const_expr(self.contained):  # k rows of state_bad tokens, q rows of read_bad ones
+                _mma.zero_flagged_rows(g2s, tidx, s_k_all[None, None, stage], flags[2])
+                _mma.zero_flagged_rows(g2s, tidx, s_q_all[None, None, stage], flags[3])
             if cutlass.const_expr(self.wgmma):
                 cute.arch.fence_view_async_shared()  # cp.async data -> the tensor cores' reads
             cute.arch.sync_threads()
@@ -150,7 +169,7 @@ class _GradientRowsKernel:
                 self.load_chunk(g2s, tidx, chunk - 1, head, value_col, is_value_rows, k, q, do, ta, p,
                                 chunk_first_step, chunk_steps, s_k_all[None, None, other],
                                 s_q_all[None, None, other], s_do_all[None, None, other],
-                                s_ta_all[None, None, other], s_p_all[None, None, other], NH)
+                                s_ta_all[None, None, other], s_p_all[None, None, other], NH, flags)
                 for j in cutlass.range_constexpr(per_thread):
                     index = tidx + j * self.threads
                     scalar_next[j] = scalars[chunk - 1, head, index // C, index % C]
@@ -207,12 +226,14 @@ class ChunkGammaKernel(_GradientRowsKernel):
                  seg_order: cute.Tensor, seg_flags: cute.Tensor,  # int32 [S_max]
                  num_segments: cute.Tensor,  # int32 [1]
                  forward_summaries: cute.Tensor,  # [S_max, H, V + K, K] float32: the forward's [E^T ; M^T] rows
+                 state_bad: cute.Tensor, read_bad: cute.Tensor,  # [T_all, H] uint8 (read when contained)
                  summaries: cute.Tensor,  # [S_max, H, V + K, K] float32 (out): rows [gamma ; M_b]
                  num_householder: Int32, stream):
         tiled_mma = _mma.make_tiled_mma(self.dtype, self.warps)
         g2s = _mma.make_g2s_copy(self.dtype, self.threads)
         self.kernel(k, q, do, ta, p, scalars, chunk_first_step, chunk_steps, seg_first_chunk, seg_chunks, seg_order,
-                    seg_flags, num_segments, forward_summaries, summaries, num_householder, tiled_mma, g2s).launch(
+                    seg_flags, num_segments, forward_summaries, state_bad, read_bad, summaries, num_householder,
+                    tiled_mma, g2s).launch(
             grid=(k.shape[1], seg_first_chunk.shape[0], (self.value_dim + self.key_dim) // self.rows),
             block=(self.threads, 1, 1), stream=stream)
 
@@ -221,7 +242,7 @@ class ChunkGammaKernel(_GradientRowsKernel):
                scalars: cute.Tensor, chunk_first_step: cute.Tensor, chunk_steps: cute.Tensor,
                seg_first_chunk: cute.Tensor, seg_chunks: cute.Tensor, seg_order: cute.Tensor,
                seg_flags: cute.Tensor, num_segments: cute.Tensor, forward_summaries: cute.Tensor,
-               summaries: cute.Tensor,
+               state_bad: cute.Tensor, read_bad: cute.Tensor, summaries: cute.Tensor,
                num_householder: Int32, tiled_mma: cute.TiledMma, g2s: cute.TiledCopy):
         V, R, NQ = self.value_dim, self.rows, self.query_tile
         tidx, _, _ = cute.arch.thread_idx()
@@ -266,7 +287,7 @@ class ChunkGammaKernel(_GradientRowsKernel):
                                 chunk_first_step, chunk_steps, head, seg_first_chunk[segment], seg_chunks[segment],
                                 row0, value_col, is_value_rows, num_householder, smem["s_k_all"], smem["s_q_all"],
                                 smem["s_qc"], smem["s_do_all"], smem["s_ta_all"], smem["s_p_all"], smem["s_scalars"],
-                                None, None, False)
+                                None, None, False, self.row_flags(g2s, tidx, state_bad, read_bad))
             for e in cutlass.range_constexpr(cute.size(grad)):
                 r, c = grad_coords[e]
                 summaries[segment, head, row0 + r, c] = grad[e]
@@ -284,6 +305,7 @@ class ChunkReverseScanKernel(_GradientRowsKernel):
                  seg_first_chunk: cute.Tensor, seg_chunks: cute.Tensor, seg_order: cute.Tensor,  # int32 [S_max]
                  num_segments: cute.Tensor,  # int32 [1]
                  grad_out: cute.Tensor,  # [S_max, H, V, K] float32: each segment's outgoing state gradient
+                 state_bad: cute.Tensor, read_bad: cute.Tensor,  # [T_all, H] uint8 (read when contained)
                  chunk_grads: cute.Tensor,  # [C_max, H, V, K] input dtype (out): the gradient at each chunk's end
                  grad_in: cute.Tensor,  # [S_max, H, V, K] float32 (out): the gradient at each segment's start
                  num_householder: Int32, stream):
@@ -291,7 +313,8 @@ class ChunkReverseScanKernel(_GradientRowsKernel):
         g2s = _mma.make_g2s_copy(self.dtype, self.threads)
         s2g = _mma.make_s2g_copy(self.dtype, self.threads)
         self.kernel(k, q, do, ta, p, scalars, chunk_first_step, chunk_steps, seg_first_chunk, seg_chunks, seg_order,
-                    num_segments, grad_out, chunk_grads, grad_in, num_householder, tiled_mma, g2s, s2g).launch(
+                    num_segments, grad_out, state_bad, read_bad, chunk_grads, grad_in, num_householder, tiled_mma, g2s,
+                    s2g).launch(
             grid=(k.shape[1], seg_first_chunk.shape[0], self.value_dim // self.rows),
             block=(self.threads, 1, 1), stream=stream)
 
@@ -299,8 +322,8 @@ class ChunkReverseScanKernel(_GradientRowsKernel):
     def kernel(self, k: cute.Tensor, q: cute.Tensor, do: cute.Tensor, ta: cute.Tensor, p: cute.Tensor,
                scalars: cute.Tensor, chunk_first_step: cute.Tensor, chunk_steps: cute.Tensor,
                seg_first_chunk: cute.Tensor, seg_chunks: cute.Tensor, seg_order: cute.Tensor,
-               num_segments: cute.Tensor, grad_out: cute.Tensor, chunk_grads: cute.Tensor, grad_in: cute.Tensor,
-               num_householder: Int32,
+               num_segments: cute.Tensor, grad_out: cute.Tensor, state_bad: cute.Tensor, read_bad: cute.Tensor,
+               chunk_grads: cute.Tensor, grad_in: cute.Tensor, num_householder: Int32,
                tiled_mma: cute.TiledMma, g2s: cute.TiledCopy, s2g: cute.TiledCopy):
         R = self.rows
         tidx, _, _ = cute.arch.thread_idx()
@@ -318,7 +341,7 @@ class ChunkReverseScanKernel(_GradientRowsKernel):
                                 chunk_first_step, chunk_steps, head, seg_first_chunk[segment], seg_chunks[segment],
                                 row0, value_col, True, num_householder, smem["s_k_all"], smem["s_q_all"],
                                 smem["s_qc"], smem["s_do_all"], smem["s_ta_all"], smem["s_p_all"], smem["s_scalars"],
-                                smem["s_out"], chunk_grads, True)
+                                smem["s_out"], chunk_grads, True, self.row_flags(g2s, tidx, state_bad, read_bad))
             for e in cutlass.range_constexpr(cute.size(grad)):
                 r, c = grad_coords[e]
                 grad_in[segment, head, row0 + r, c] = grad[e]
@@ -428,6 +451,7 @@ class ChunkReverseKernel:
         self.query_tile = config.query_tile
         self.warps = self.value_dim // 16
         self.threads = 32 * self.warps
+        self.contained = config.contained
 
     @cute.jit
     def __call__(self,
@@ -437,6 +461,7 @@ class ChunkReverseKernel:
                  num_chunks: cute.Tensor,  # int32 [1]
                  chunk_states: cute.Tensor,  # [C_max, H, V, K] input dtype: the state at each chunk's start
                  chunk_grads: cute.Tensor,  # [C_max, H, V, K] input dtype: the state gradient at each chunk's end
+                 state_bad: cute.Tensor, read_bad: cute.Tensor,  # [T_all, H] uint8 (read when contained)
                  dv: cute.Tensor,  # [S_all, H, V] input dtype (out)
                  dq_scan: cute.Tensor,  # [T_all, H, K] float32 (out)
                  dk_scan: cute.Tensor,  # [S_all, H, K] float32 (out)
@@ -451,7 +476,7 @@ class ChunkReverseKernel:
         stores = dict(square=_mma.make_s2g_copy(Float32, self.threads, C),
                       values=_mma.make_s2g_copy(self.dtype, self.threads, self.value_dim))
         self.kernel(k, v, q, do, ta, tb, p, scalars, chunk_first_step, chunk_steps, num_chunks, chunk_states,
-                    chunk_grads, dv, dq_scan, dk_scan, d_ta, d_tb, d_p, d_scalars, num_householder, rows_mma,
+                    chunk_grads, state_bad, read_bad, dv, dq_scan, dk_scan, d_ta, d_tb, d_p, d_scalars, num_householder, rows_mma,
                     steps_mma, g2s, stores["square"], stores["values"]).launch(
             grid=(chunk_first_step.shape[0], k.shape[1], 1), block=(self.threads, 1, 1), stream=stream)
 
@@ -459,7 +484,8 @@ class ChunkReverseKernel:
     def kernel(self, k: cute.Tensor, v: cute.Tensor, q: cute.Tensor, do: cute.Tensor, ta: cute.Tensor,
                tb: cute.Tensor, p: cute.Tensor, scalars: cute.Tensor, chunk_first_step: cute.Tensor,
                chunk_steps: cute.Tensor, num_chunks: cute.Tensor, chunk_states: cute.Tensor,
-               chunk_grads: cute.Tensor, dv: cute.Tensor, dq_scan: cute.Tensor, dk_scan: cute.Tensor,
+               chunk_grads: cute.Tensor, state_bad: cute.Tensor, read_bad: cute.Tensor, dv: cute.Tensor,
+               dq_scan: cute.Tensor, dk_scan: cute.Tensor,
                d_ta: cute.Tensor, d_tb: cute.Tensor, d_p: cute.Tensor, d_scalars: cute.Tensor,
                num_householder: Int32, rows_mma: cute.TiledMma, steps_mma: cute.TiledMma, g2s: cute.TiledCopy,
                s2g_square: cute.TiledCopy, s2g_values: cute.TiledCopy):
@@ -481,7 +507,8 @@ class ChunkReverseKernel:
             step_coords = rows_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((V, C)))
             first, steps = chunk_first_step[chunk], chunk_steps[chunk]
             self.load(g2s, tidx, chunk, head, k, v, q, do, ta, tb, p, scalars, chunk_states, chunk_grads, first, steps,
-                      s_k, s_v, s_q, s_do, s_ta, s_tb, s_p, s_x, s_dx, s_sc, NH)
+                      s_k, s_v, s_q, s_do, s_ta, s_tb, s_p, s_x, s_dx, s_sc, NH,
+                      *chunk_common.contained_flags(self, state_bad, read_bad))
             self.values_phase(rows_mma, tidx, step_coords, s_sc, s_k, s_v, s_do, s_ta, s_tb, s_p, s_x, s_dx, s_dd,
                               s_d, s_z, s_red, s_stage, s2g_values, dv, d_scalars, chunk, head, first, steps)
             cute.arch.sync_threads()
@@ -491,8 +518,9 @@ class ChunkReverseKernel:
 
     @cute.jit
     def load(self, g2s, tidx, chunk, head, k, v, q, do, ta, tb, p, scalars, chunk_states, chunk_grads, first, steps,
-             s_k, s_v, s_q, s_do, s_ta, s_tb, s_p, s_x, s_dx, s_sc, num_householder):
-        """Load the chunk's tiles, its start state and end gradient, and wait for them."""
+             s_k, s_v, s_q, s_do, s_ta, s_tb, s_p, s_x, s_dx, s_sc, num_householder, state_bad=None, read_bad=None):
+        """Load the chunk's tiles, its start state and end gradient, and wait for them; contained (token flags
+        given), zero the k and v rows of state_bad tokens and the q rows of read_bad ones."""
         K, V, NQ = self.key_dim, self.value_dim, self.query_tile
         first_token = first // num_householder
         tokens = steps // num_householder
@@ -510,10 +538,22 @@ class ChunkReverseKernel:
                                                       (NQ, V), (0, 0)), s_do, tokens)
         _mma.copy_rows_g2s(g2s, tidx, p[chunk, head, None, None], s_p, NQ)
         cute.arch.cp_async_commit_group()
+        contained = cutlass.const_expr(state_bad is not None)
+        if cutlass.const_expr(contained):
+            step_flags = _mma.row_flags_fragment(g2s, tidx, (C, K))
+            token_flags = _mma.row_flags_fragment(g2s, tidx, (NQ, K))
+            _mma.load_row_flags(g2s, tidx, (C, K), chunk_common.token_flags(state_bad, first_token, head), steps,
+                                num_householder, step_flags)
+            _mma.load_row_flags(g2s, tidx, (NQ, K), chunk_common.token_flags(read_bad, first_token, head), tokens, 1,
+                                token_flags)
         for i in cutlass.range_constexpr(4 * C // self.threads):
             index = tidx + i * self.threads
             s_sc[index // C, index % C] = scalars[chunk, head, index // C, index % C]
         cute.arch.cp_async_wait_group(0)
+        if cutlass.const_expr(contained):
+            _mma.zero_flagged_rows(g2s, tidx, s_k, step_flags)
+            _mma.zero_flagged_rows(g2s, tidx, s_v, step_flags)
+            _mma.zero_flagged_rows(g2s, tidx, s_q, token_flags)
         cute.arch.sync_threads()
 
     @cute.jit

@@ -43,6 +43,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from cp_linear.kernels import _chunk_common as chunk_common
 from cp_linear.kernels import _mma
 from cp_linear.kernels._common import cutlass_dtype
 from cp_linear.kernels.configs import CHUNK_SIZE, SUMMARY_FLAG, VALUES_ONLY_FLAG, ChunkScanConfig
@@ -74,6 +75,7 @@ class ChunkScanKernel:
         self.output_states = config.mode == "output_states"  # chunk states staged after each step
         self.reads_queries = config.mode in ("output", "output_states")
         self.wgmma = config.mma == "wgmma"
+        self.contained = config.contained
 
     def row_blocks(self) -> int:
         stacked = self.value_dim + (self.key_dim if self.summary else 0)
@@ -97,6 +99,8 @@ class ChunkScanKernel:
                  num_segments: cute.Tensor,  # int32 [1]
                  seq_first_segment: cute.Tensor,  # int32 [N + 1] (read by the output modes)
                  state_in: cute.Tensor,  # [S_max, H, V, K] float32 (modes other than "summary")
+                 state_bad: cute.Tensor,  # [T_all, H] uint8 (read when contained)
+                 read_bad: cute.Tensor,  # [T_all, H] uint8 (read when contained, in the output modes)
                  state_out: cute.Tensor,  # [N, H, K, V] float32 (out, the output modes: final states) or
                                           # [S_max, H, V + K, K] (out, mode "summary")
                  o: cute.Tensor,  # [T_all, H, V] input dtype (out, modes "output", "output_states")
@@ -108,18 +112,28 @@ class ChunkScanKernel:
         g2s = _mma.make_g2s_copy(self.dtype, self.threads)
         s2g = _mma.make_s2g_copy(self.dtype, self.threads)  # the chunk states only
         self.kernel(k, v, q, ta, tb, p, scalars, chunk_first_step, chunk_steps, seg_first_chunk, seg_chunks,
-                    seg_order, seg_flags, num_segments, seq_first_segment, state_in, state_out, o, chunk_states,
-                    num_householder, clear_unsummarised, tiled_mma, g2s, s2g).launch(
+                    seg_order, seg_flags, num_segments, seq_first_segment, state_in, state_bad, read_bad, state_out,
+                    o, chunk_states, num_householder, clear_unsummarised, tiled_mma, g2s, s2g).launch(
             grid=(k.shape[1], seg_first_chunk.shape[0], self.row_blocks()), block=(self.threads, 1, 1),
             stream=stream)
 
     @cute.jit
     def load_chunk(self, g2s, tidx, chunk, head, value_col, is_value_rows, k, v, q, ta, tb, p,
-                   chunk_first_step, chunk_steps, s_k, s_v, s_ta, s_tb, s_q, s_p, num_householder):
-        """Issue the cp.async copies of one chunk's tiles into one stage (rows past the chunk are zero)."""
+                   chunk_first_step, chunk_steps, s_k, s_v, s_ta, s_tb, s_q, s_p, num_householder, row_flags):
+        """Issue the cp.async copies of one chunk's tiles into one stage (rows past the chunk are zero);
+        contained, also the loads of the flags of this thread's k / v and q rows (``row_flags``, read after
+        the wait by ``clean_chunk``)."""
         K, R, NQ = self.key_dim, self.rows, self.query_tile
         first = chunk_first_step[chunk]
         steps = chunk_steps[chunk]
+        if cutlass.const_expr(self.contained):
+            state_bad, read_bad, step_flags, token_flags = row_flags
+            _mma.load_row_flags(g2s, tidx, (C, K), chunk_common.token_flags(state_bad, first // num_householder, head),
+                                steps, num_householder, step_flags)
+            if cutlass.const_expr(self.reads_queries):
+                _mma.load_row_flags(g2s, tidx, (NQ, K),
+                                    chunk_common.token_flags(read_bad, first // num_householder, head),
+                                    steps // num_householder, 1, token_flags)
         _mma.copy_rows_g2s(g2s, tidx, cute.local_tile(cute.domain_offset((first, 0), k[None, head, None]), (C, K),
                                                       (0, 0)), s_k, steps)
         if is_value_rows:
@@ -135,6 +149,18 @@ class ChunkScanKernel:
             _mma.copy_rows_g2s(g2s, tidx, p[chunk, head, None, None], s_p, NQ)
         cute.arch.cp_async_commit_group()
 
+    @cute.jit
+    def clean_chunk(self, g2s, tidx, is_value_rows, s_k, s_v, s_q, row_flags):
+        """Contained: zero the k and v rows of state_bad tokens and the q rows of read_bad tokens that this
+        thread copied (after the copies' wait, before the barrier)."""
+        if cutlass.const_expr(self.contained):
+            _, _, step_flags, token_flags = row_flags
+            _mma.zero_flagged_rows(g2s, tidx, s_k, step_flags)
+            if is_value_rows:
+                _mma.zero_flagged_rows(g2s, tidx, s_v, step_flags)
+            if cutlass.const_expr(self.reads_queries):
+                _mma.zero_flagged_rows(g2s, tidx, s_q, token_flags)
+
     def _tile(self, allocator, rows: int, cols: int) -> cute.Tensor:
         return staged_tile(allocator, self.dtype, rows, cols, self.wgmma)
 
@@ -143,7 +169,7 @@ class ChunkScanKernel:
                p: cute.Tensor, scalars: cute.Tensor, chunk_first_step: cute.Tensor, chunk_steps: cute.Tensor,
                seg_first_chunk: cute.Tensor, seg_chunks: cute.Tensor, seg_order: cute.Tensor, seg_flags: cute.Tensor,
                num_segments: cute.Tensor, seq_first_segment: cute.Tensor, state_in: cute.Tensor,
-               state_out: cute.Tensor, o: cute.Tensor,
+               state_bad: cute.Tensor, read_bad: cute.Tensor, state_out: cute.Tensor, o: cute.Tensor,
                chunk_states: cute.Tensor, num_householder: Int32, clear_unsummarised: Int32, tiled_mma: cute.TiledMma,
                g2s: cute.TiledCopy, s2g: cute.TiledCopy):
         K, V, R, NQ, NH = self.key_dim, self.value_dim, self.rows, self.query_tile, num_householder
@@ -210,10 +236,14 @@ class ChunkScanKernel:
                 flat = cute.make_tensor(s_v_all.iterator, cute.make_layout(elements))
                 for i in cutlass.range(elements // self.threads, unroll=8):
                     flat[tidx + i * self.threads] = self.dtype(0.0)
+            row_flags = None  # contained: the token flags and this thread's row flags of the stage in flight
+            if cutlass.const_expr(self.contained):
+                row_flags = (state_bad, read_bad, _mma.row_flags_fragment(g2s, tidx, (C, K)),
+                             _mma.row_flags_fragment(g2s, tidx, (NQ if self.reads_queries else C, K)))
             self.load_chunk(g2s, tidx, first_chunk, head, value_col, is_value_rows, k, v, q, ta, tb, p,
                             chunk_first_step, chunk_steps, s_k_all[None, None, 0], s_v_all[None, None, 0],
                             s_ta_all[None, None, 0], s_tb_all[None, None, 0], s_q_all[None, None, 0],
-                            s_p_all[None, None, 0], NH)
+                            s_p_all[None, None, 0], NH, row_flags)
             if cutlass.const_expr(self.reads_queries):
                 self.find_final_sequence(tidx, seq_first_segment, segment, s_sequence)
             # the chunk's 4 x 64 float32 scalars travel through registers, one chunk ahead
@@ -235,6 +265,8 @@ class ChunkScanKernel:
                 if cutlass.const_expr(self.states):
                     _mma.stage_accumulator_stmatrix(state_mma, tidx, state, s_out)
                 cute.arch.cp_async_wait_group(0)
+                self.clean_chunk(g2s, tidx, is_value_rows, s_k_all[None, None, stage], s_v_all[None, None, stage],
+                                 s_q_all[None, None, stage], row_flags)
                 if cutlass.const_expr(self.wgmma):
                     cute.arch.fence_view_async_shared()  # cp.async/st.shared data -> the async proxy of wgmma
                 cute.arch.sync_threads()
@@ -244,7 +276,7 @@ class ChunkScanKernel:
                                     chunk_first_step, chunk_steps, s_k_all[None, None, other],
                                     s_v_all[None, None, other], s_ta_all[None, None, other],
                                     s_tb_all[None, None, other], s_q_all[None, None, other],
-                                    s_p_all[None, None, other], NH)
+                                    s_p_all[None, None, other], NH, row_flags)
                     for j in cutlass.range_constexpr(per_thread):
                         index = tidx + j * self.threads
                         scalar_next[j] = scalars[chunk + 1, head, index // C, index % C]

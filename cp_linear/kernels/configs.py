@@ -8,7 +8,7 @@ n_h, the qk l2norm switch and the scale — is a run-time argument and never rec
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from cp_linear.chunking import CHUNK_SIZE  # steps per chunk at most (whole tokens: 64 // n_h of them); chunks start at sequence starts
 HEAD_DIMS = (64, 128)  # supported K and V
@@ -81,6 +81,7 @@ class ChunkPrepConfig:
     dtype: str
     key_dim: int
     query_tile: int
+    contained: bool = False  # read raw inputs with token flags: zero flagged rows as they load (token_checks)
 
     def validate(self) -> None:
         _check_tensor_core_dtype(self.dtype)
@@ -107,6 +108,7 @@ class ChunkScanConfig:
     query_tile: int = 0
     row_block: int = 0  # state rows per CTA (16 per warp); 0: 128 when K = V = 128, else 64
     mma: str = "sync"  # "sync": warp mma.sync; "wgmma": Hopper warpgroup MMA (not yet measured on a GPU)
+    contained: bool = False  # read raw inputs with token flags: zero flagged rows as they load (token_checks)
 
     @property
     def rows_per_cta(self) -> int:
@@ -157,6 +159,7 @@ class ChunkGammaConfig:
     value_dim: int
     query_tile: int
     mma: str = "sync"  # "sync": warp mma.sync; "wgmma": Hopper warpgroup MMAs (``gamma_step_wgmma``)
+    contained: bool = False  # read raw inputs with token flags: zero flagged rows as they load (token_checks)
 
     @property
     def rows_per_cta(self) -> int:
@@ -182,6 +185,7 @@ class ChunkReverseScanConfig:
     query_tile: int
     row_block: int = 0  # gradient rows per CTA (16 per warp); 0: 64
     mma: str = "sync"  # as ChunkGammaConfig.mma
+    contained: bool = False  # read raw inputs with token flags: zero flagged rows as they load (token_checks)
 
     @property
     def rows_per_cta(self) -> int:
@@ -208,6 +212,7 @@ class ChunkReverseConfig:
     value_dim: int
     query_tile: int
     mma: str = "sync"  # "sync": warp mma.sync (8 warps); "wgmma": two warpgroups (chunk_reverse_wgmma, V = 128)
+    contained: bool = False  # read raw inputs with token flags: zero flagged rows as they load (token_checks)
 
     def validate(self) -> None:
         _check_tensor_core_dtype(self.dtype)
@@ -248,6 +253,7 @@ class TokenChecksConfig:
     key_dim: int
     value_dim: int
     num_householder: int
+    copies: bool = True  # False: the flags only (the contained GDP kernels zero the flagged rows themselves)
 
     @property
     def vector(self) -> int:
@@ -422,16 +428,19 @@ def backward_configs() -> list:
 
 
 def all_configs() -> list:
-    """Every kernel config (forward and backward, the value checks and the containment checks), for
-    ahead-of-time compilation (the CLI and CI)."""
-    return (tensor_core_configs() + backward_configs() + [ValueChecksConfig(dtype) for dtype in TENSOR_CORE_DTYPES]
+    """Every kernel config (forward and backward, each also contained, the value checks and the containment
+    checks), for ahead-of-time compilation (the CLI and CI)."""
+    gdp = tensor_core_configs() + backward_configs()
+    contained = [replace(config, contained=True) for config in gdp if hasattr(config, "contained")]
+    return (gdp + contained + [ValueChecksConfig(dtype) for dtype in TENSOR_CORE_DTYPES]
             + token_checks_configs() + short_conv_configs() + [ForwardLayoutConfig()])
 
 
 def token_checks_configs() -> list:
-    """The containment checks per dtype, K, V and n_h."""
-    return [TokenChecksConfig(dtype, key_dim, value_dim, n_h) for dtype in TENSOR_CORE_DTYPES for key_dim in HEAD_DIMS
-            for value_dim in HEAD_DIMS for n_h in TOKEN_CHECKS_HOUSEHOLDERS]
+    """The containment checks per dtype, K, V and n_h, with copies and flags only."""
+    return [TokenChecksConfig(dtype, key_dim, value_dim, n_h, copies) for dtype in TENSOR_CORE_DTYPES
+            for key_dim in HEAD_DIMS for value_dim in HEAD_DIMS for n_h in TOKEN_CHECKS_HOUSEHOLDERS
+            for copies in (True, False)]
 
 
 def short_conv_configs() -> list:
@@ -449,9 +458,15 @@ def ci_configs() -> list:
     bfloat16 variant (kernel, mma, mode, row block, query tile) at K = V = 128, and each kernel once at
     K = 64. The float16 and mixed-size configs differ only in types and extents; the GPU session
     compiles the whole library."""
-    chosen, variants_seen, small_seen = [], set(), set()
+    chosen, variants_seen, small_seen, contained_seen = [], set(), set(), set()
     for config in all_configs():
         if getattr(config, "dtype", "bfloat16") != "bfloat16":
+            continue
+        if getattr(config, "contained", False):  # contained: the flag loads, once per kernel and MMA kind
+            kind = (type(config), getattr(config, "mma", None))
+            if getattr(config, "key_dim", 0) == getattr(config, "value_dim", 128) == 128 and kind not in contained_seen:
+                contained_seen.add(kind)
+                chosen.append(config)
             continue
         key_dim = getattr(config, "key_dim", 128)  # a kernel without head sizes (the value checks): K = V = 128
         value_dim = getattr(config, "value_dim", key_dim)
@@ -470,5 +485,7 @@ def describe(config) -> str:
     """Short human-readable form, e.g. ``ChunkScanConfig(bfloat16, K=128, V=64, output, NQ=32, R=0)``."""
     labels = {"dtype": "", "key_dim": "K=", "value_dim": "V=", "threads": "threads=", "query_tile": "NQ=", "row_block": "R=", "mma": "",
               "mode": "", "num_householder": "n_h="}
-    parts = [f"{labels.get(f.name, f.name + '=')}{getattr(config, f.name)}" for f in fields(config)]
+    # the containment flags appear only where set: the other configs keep their names
+    parts = [f"{labels.get(f.name, f.name + '=')}{getattr(config, f.name)}" for f in fields(config)
+             if not (f.name == "contained" and not config.contained) and not (f.name == "copies" and config.copies)]
     return f"{type(config).__name__}({', '.join(parts)})"

@@ -245,7 +245,34 @@ def run_emulated(launch) -> None:
                   kl.ForwardLayoutLaunch: emulate_forward_layout}
     if type(launch) not in emulations:
         raise TypeError(f"no emulation for {type(launch).__name__}")
+    if getattr(launch.config, "contained", False):
+        launch = contained_launch(launch)
     emulations[type(launch)](launch)
+
+
+def contained_launch(launch):
+    """The inputs a contained kernel computes with, as ``launch`` with them replaced (its outputs are the same
+    tensors): the k and v rows of every step of a ``state_bad`` token and the q row of a ``read_bad`` token
+    zero (the kernels zero these rows as they load them), and every non-finite g or beta 0."""
+    import dataclasses
+
+    import torch
+
+    n_h = int(launch.num_householder)
+    state_steps = launch.state_bad.bool().repeat_interleave(n_h, 0)[..., None]  # [S_all, H, 1]
+    read = launch.read_bad.bool()[..., None]  # [T_all, H, 1]
+    zero = torch.zeros((), dtype=launch.k.dtype)
+    names = {f.name for f in dataclasses.fields(launch)}
+    changes = dict(k=torch.where(state_steps, zero, launch.k))
+    if launch.q.shape[0] == read.shape[0]:  # a mode that reads no queries may pass a placeholder
+        changes["q"] = torch.where(read, zero, launch.q)
+    if "v" in names:
+        changes["v"] = torch.where(state_steps, zero, launch.v)
+    for name in ("g", "beta"):
+        if name in names:
+            x = getattr(launch, name)
+            changes[name] = torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype))
+    return dataclasses.replace(launch, **changes)
 
 
 def emulate_value_checks(launch) -> None:
@@ -277,6 +304,8 @@ def emulate_token_checks(launch) -> None:
     state = steps.reshape(-1, n_h, heads).any(1) | ~torch.isfinite(launch.g)
     launch.state_bad.copy_(state.to(launch.state_bad.dtype))
     launch.read_bad.copy_(rows_bad(launch.q).reshape(-1, heads).to(launch.read_bad.dtype))
+    if not launch.config.copies:  # flags only
+        return
     for name in ("q", "k", "v", "g", "beta"):
         x = getattr(launch, name)
         getattr(launch, name + "_out").copy_(torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype)))

@@ -122,6 +122,8 @@ class ChunkPrepLaunch(_Launch):
     chunk_first_step: Any = _spec(None, dtype="int32")
     chunk_steps: Any = _spec(None, dtype="int32")
     num_chunks: Any = _spec(1, dtype="int32")
+    state_bad: Any = _spec(None, None, dtype="uint8")  # [T_all, H] token flags: read by a contained config
+    read_bad: Any = _spec(None, None, dtype="uint8")
     ta: Any = _spec(None, None, 64, 64, align=16)
     tb: Any = _spec(None, None, 64, 64, align=16)
     p: Any = _spec(None, None, "query_tile", 64)
@@ -160,6 +162,8 @@ class ChunkScanLaunch(_Launch):
     num_segments: Any = _spec(1, dtype="int32")
     seq_first_segment: Any = _spec(None, dtype="int32")
     state_in: Any = _spec(None, None, "value_dim", "key_dim", dtype="float32")
+    state_bad: Any = _spec(None, None, dtype="uint8")  # [T_all, H] token flags: read by a contained config
+    read_bad: Any = _spec(None, None, dtype="uint8")
     state_out: Any = _spec(None, None, "state_rows", "state_cols", dtype="float32")
     o: Any = _spec(None, None, "value_dim")
     chunk_states: Any = _spec(None, None, "chunk_state_size", align=16)  # written by 16-byte rows
@@ -216,6 +220,8 @@ class ChunkGammaLaunch(_Launch):
     seg_flags: Any = _spec(None, dtype="int32")
     num_segments: Any = _spec(1, dtype="int32")
     forward_summaries: Any = _spec(None, None, "gamma_rows", "key_dim", dtype="float32", align=16)
+    state_bad: Any = _spec(None, None, dtype="uint8")  # [T_all, H] token flags: read by a contained config
+    read_bad: Any = _spec(None, None, dtype="uint8")
     summaries: Any = _spec(None, None, "gamma_rows", "key_dim", dtype="float32")
     num_householder: Any = _scalar("int32")
 
@@ -241,6 +247,8 @@ class ChunkReverseScanLaunch(_Launch):
     seg_order: Any = _spec(None, dtype="int32")  # grid slot -> segment (forward_layout: longest first)
     num_segments: Any = _spec(1, dtype="int32")
     grad_out: Any = _spec(None, None, "value_dim", "key_dim", dtype="float32")
+    state_bad: Any = _spec(None, None, dtype="uint8")  # [T_all, H] token flags: read by a contained config
+    read_bad: Any = _spec(None, None, dtype="uint8")
     chunk_grads: Any = _spec(None, None, "value_dim", "key_dim", align=16)  # written as 16-byte rows
     grad_in: Any = _spec(None, None, "value_dim", "key_dim", dtype="float32")
     num_householder: Any = _scalar("int32")
@@ -271,6 +279,8 @@ class ChunkReverseLaunch(_Launch):
     num_chunks: Any = _spec(1, dtype="int32")
     chunk_states: Any = _spec(None, None, "value_dim", "key_dim", align=16)
     chunk_grads: Any = _spec(None, None, "value_dim", "key_dim", align=16)
+    state_bad: Any = _spec(None, None, dtype="uint8")  # [T_all, H] token flags: read by a contained config
+    read_bad: Any = _spec(None, None, dtype="uint8")
     # every output but d_scalars is stored as 16-byte rows (staged in shared memory)
     dv: Any = _spec(None, None, "value_dim", align=16)  # the input dtype: the final gradient, rounded once
     dq_scan: Any = _spec(None, None, "key_dim", dtype="float32", align=16)
@@ -296,6 +306,8 @@ class ChunkPrepBackwardLaunch(_Launch):
     chunk_first_step: Any = _spec(None, dtype="int32")
     chunk_steps: Any = _spec(None, dtype="int32")
     num_chunks: Any = _spec(1, dtype="int32")
+    state_bad: Any = _spec(None, None, dtype="uint8")  # [T_all, H] token flags: read by a contained config
+    read_bad: Any = _spec(None, None, dtype="uint8")
     d_ta: Any = _spec(None, None, 64, 64, dtype="float32", align=16)  # staged in shared memory by 16-byte copies
     d_tb: Any = _spec(None, None, 64, 64, dtype="float32", align=16)
     d_p: Any = _spec(None, None, "query_tile", 64, dtype="float32", align=16)
@@ -514,6 +526,20 @@ class KernelShard:
     @property
     def query_tile(self) -> int:
         return cfg.query_tile(self.inputs.num_householder)
+
+    @property
+    def contained(self) -> bool:
+        """The inputs are raw, with token flags (``GDPInputs.token_flags``): the chunk kernels' configs are
+        contained (they zero the flagged rows as they load them)."""
+        return self.inputs.token_flags is not None
+
+    def token_flag_arguments(self, placeholder) -> dict:
+        """``state_bad`` and ``read_bad`` of a chunk kernel's launch: the token flags as [T_all, H] (uint8), or
+        ``placeholder`` (any uint8 [1, 1]) for both when the configs are not contained (nothing reads them)."""
+        if not self.contained:
+            return dict(state_bad=placeholder, read_bad=placeholder)
+        return {name: flags.reshape(-1, self.heads) for name, flags in zip(("state_bad", "read_bad"),
+                                                                          self.inputs.token_flags)}
 
 
 @dataclass

@@ -68,6 +68,7 @@ class TokenChecksKernel:
         self.n_h = config.num_householder
         self.key_loads = config.key_vectors // LANES  # vectors per lane of a q or k row
         self.value_loads = config.value_vectors // LANES
+        self.copies = config.copies
 
     @cute.jit
     def __call__(self,
@@ -124,19 +125,20 @@ class TokenChecksKernel:
         state = _clean_words(k_regs, self.exponent) | _clean_words(v_regs, self.exponent)
         beta_bad, g_bad = _nonfinite(beta_value), _nonfinite(g_value)
         state = state | beta_bad | g_bad
-        if inside:
-            for i in cutlass.range_constexpr(self.key_loads):
-                q_out[row, lane + i * LANES, None].store(q_regs[i, None].load())
-            for j in cutlass.range_constexpr(n_h):
-                step_row = (first_step + j) * heads + head
+        if cutlass.const_expr(self.copies):  # else flags only: the contained GDP kernels zero flagged rows
+            if inside:
                 for i in cutlass.range_constexpr(self.key_loads):
-                    k_out[step_row, lane + i * LANES, None].store(k_regs[j * self.key_loads + i, None].load())
-                for i in cutlass.range_constexpr(self.value_loads):
-                    v_out[step_row, lane + i * LANES, None].store(v_regs[j * self.value_loads + i, None].load())
-            if lane < n_h:
-                beta_out[beta_step, head] = cutlass.select_(beta_bad, Float32(0.0), beta_value)
-            if lane == 0:
-                g_out[token, head] = cutlass.select_(g_bad, Float32(0.0), g_value)
+                    q_out[row, lane + i * LANES, None].store(q_regs[i, None].load())
+                for j in cutlass.range_constexpr(n_h):
+                    step_row = (first_step + j) * heads + head
+                    for i in cutlass.range_constexpr(self.key_loads):
+                        k_out[step_row, lane + i * LANES, None].store(k_regs[j * self.key_loads + i, None].load())
+                    for i in cutlass.range_constexpr(self.value_loads):
+                        v_out[step_row, lane + i * LANES, None].store(v_regs[j * self.value_loads + i, None].load())
+                if lane < n_h:
+                    beta_out[beta_step, head] = cutlass.select_(beta_bad, Float32(0.0), beta_value)
+                if lane == 0:
+                    g_out[token, head] = cutlass.select_(g_bad, Float32(0.0), g_value)
 
         # OR the flags over the sub-warp (every lane takes part in the shuffles)
         bits = cutlass.select_(state, Int32(STATE_BIT), Int32(0)) | cutlass.select_(read, Int32(READ_BIT), Int32(0))

@@ -47,7 +47,7 @@ _HIGHEST = jax.lax.Precision.HIGHEST  # float32 matmuls stay float32 on GPUs too
 
 jax.tree_util.register_dataclass(
     GDPInputs,
-    data_fields=["q", "k", "v", "g", "beta", "cu_seqlens", "initial_state"],
+    data_fields=["q", "k", "v", "g", "beta", "cu_seqlens", "initial_state", "token_flags"],
     meta_fields=["scale", "num_householder", "use_qk_l2norm_in_kernel", "output_final_state", "save_for_backward"],
 )
 

@@ -113,27 +113,28 @@ def outgoing_grad_summary(gathered: jax.Array, start, stop) -> jax.Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnames=_NONDIFF)
 def _context_parallel(q, k, v, g, beta, local_initial, cu_seqlens, preceding_rank_start, following_rank_stop,
-                      trailing_bad, scan_stops, axis_name, backend, scale, num_householder, use_qk_l2norm_in_kernel,
-                      output_final_state, summary_exchange):
+                      trailing_bad, scan_stops, token_flags, axis_name, backend, scale, num_householder,
+                      use_qk_l2norm_in_kernel, output_final_state, summary_exchange):
     outputs, _ = _context_parallel_fwd(
         q, k, v, g, beta, local_initial, cu_seqlens, preceding_rank_start, following_rank_stop, trailing_bad,
-        scan_stops, axis_name=axis_name, backend=backend, scale=scale, num_householder=num_householder,
+        scan_stops, token_flags, axis_name=axis_name, backend=backend, scale=scale, num_householder=num_householder,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, output_final_state=output_final_state,
         summary_exchange=summary_exchange, save_for_backward=False)  # the primal: no gradient follows
     return outputs
 
 
 def _context_parallel_fwd(q, k, v, g, beta, local_initial, cu_seqlens, preceding_rank_start, following_rank_stop,
-                          trailing_bad, scan_stops, axis_name, backend, scale, num_householder,
+                          trailing_bad, scan_stops, token_flags, axis_name, backend, scale, num_householder,
                           use_qk_l2norm_in_kernel, output_final_state, summary_exchange, save_for_backward=True):
     """Returns ((output, local final states or None, incoming_bad), residuals). ``local_initial``: the
     initial states of the local sequences [n, H, K, V] or None. ``trailing_bad`` bool [B or 1, H]: heads
     whose trailing fragment holds a non-finite input travel as NaN; ``incoming_bad`` (same shape) says
     which heads of the incoming state came in non-finite (they enter the backend as zeros).
     ``summary_exchange`` "all_gather" | "scan" (resolved); ``scan_stops`` bool [2]: the scan's folds
-    stop at this rank (forward, backward; ``jax_api.gdp.summary_exchange``)."""
+    stop at this rank (forward, backward; ``jax_api.gdp.summary_exchange``). ``token_flags``: the
+    containment's flags for a backend that zeroes flagged rows (``GDPInputs.token_flags``), or None."""
     inputs = GDPInputs(q, k, v, g, beta, scale, num_householder, use_qk_l2norm_in_kernel, cu_seqlens,
-                       local_initial, output_final_state, save_for_backward)
+                       local_initial, output_final_state, save_for_backward, token_flags)
     summary, local = backend.cp_forward_prepare(inputs)
     packed_summary = poisoned_summary(summary, trailing_bad)  # [(B,) H, K, V + K]
     rank = jax.lax.axis_index(axis_name)
@@ -176,8 +177,8 @@ def _context_parallel_bwd(axis_name, backend, scale, num_householder, use_qk_l2n
             following = outgoing_grad_summary(gathered, rank + 1, following_rank_stop)
     grads = backend.cp_backward_apply(context, following)
     initial_grad = None if len(grads) < 6 else grads[5]
-    # cu_seqlens, rank bounds, poison marks, scan stops: integers
-    return (*grads[:5], initial_grad, None, None, None, None, None)
+    # cu_seqlens, rank bounds, poison marks, scan stops, token flags: integers
+    return (*grads[:5], initial_grad, None, None, None, None, None, None)
 
 
 _context_parallel.defvjp(_context_parallel_fwd, _context_parallel_bwd)
@@ -332,7 +333,8 @@ def gdp_chunkwise_context_parallel_shard(q, k, v, g, beta, *, axis_name: str = "
             trailing_start_rank, leading_end_rank = inner_sequence_ranks(global_seq_idx[0], rank, local_len)
             scan_stops = jnp.stack([trailing_start_rank == rank, leading_end_rank == rank])
     # containment (cp_linear.validation): sanitised inputs; a poisoned trailing fragment travels as NaN
-    state_bad, read_bad, (q, k, v, g, beta) = contained_inputs(q, k, v, g, beta, num_householder, backend=backend)
+    state_bad, read_bad, (q, k, v, g, beta), token_flags = contained_inputs(q, k, v, g, beta, num_householder,
+                                                                           backend=backend)
     trailing_bad = gdp_trailing_bad(state_bad, start)
     local_initial = routing = None
     if initial_state is not None or output_final_state:
@@ -350,7 +352,7 @@ def gdp_chunkwise_context_parallel_shard(q, k, v, g, beta, *, axis_name: str = "
                                       local_initial)
     output, local_final, incoming_bad = _context_parallel(
         q, k, v, g, beta, local_initial, cu_seqlens, preceding_rank_start, following_rank_stop, trailing_bad,
-        scan_stops, axis_name=axis_name, backend=backend, scale=scale, num_householder=num_householder,
+        scan_stops, token_flags, axis_name=axis_name, backend=backend, scale=scale, num_householder=num_householder,
         use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel), output_final_state=bool(output_final_state),
         summary_exchange=exchange)
     output = poison(output, gdp_token_poison(state_bad, read_bad, start, incoming_bad)[..., None])

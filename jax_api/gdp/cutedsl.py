@@ -63,6 +63,7 @@ from cp_linear.summary import (
     compose_backward,
     compose_forward,
 )
+from cp_linear.validation import zero_flagged_inputs
 from jax_api.gdp import kernel_calls
 from jax_api.gdp.chunk import JaxGDPBackend, check_gdp_inputs
 
@@ -188,6 +189,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
     _warned: set = field(default_factory=set, compare=False, hash=False, repr=False)
 
     supports_sequence_states = True
+    zeroes_flagged_rows = True  # takes GDPInputs.token_flags: contained chunk kernels, no sanitised copies
 
     def __post_init__(self):
         if self.segment_chunks is not None and (not isinstance(self.segment_chunks, int) or self.segment_chunks < 1):
@@ -243,9 +245,9 @@ class CuTeDSLGatedDeltaProductCPBackend:
         shard = _Shard(inputs=inputs, rows=rows, q=q, k=k, v=v, layout=layout, row_block=row_block, trailing=trailing)
         chunks, tile = layout.max_chunks, shard.query_tile
         prep = self._launch(
-            kl.ChunkPrepLaunch, kcfg.ChunkPrepConfig(dtype, key_dim, tile),
+            kl.ChunkPrepLaunch, kcfg.ChunkPrepConfig(dtype, key_dim, tile, shard.contained),
             dict(q=q, k=k, g=_flat(inputs.g).astype(_F32), beta=_flat(inputs.beta).astype(_F32),
-                 **shard.tables("chunk_first_step", "chunk_steps", "num_chunks")),
+                 **shard.tables("chunk_first_step", "chunk_steps", "num_chunks"), **_token_flags(shard)),
             dict(ta=(chunks, heads, 64, 64), tb=(chunks, heads, 64, 64), p=(chunks, heads, tile, 64),
                  scalars=(chunks, heads, 4, 64)),
             dict(scale=float(inputs.scale), use_l2=int(bool(inputs.use_qk_l2norm_in_kernel)), num_householder=n_h))
@@ -322,10 +324,12 @@ class CuTeDSLGatedDeltaProductCPBackend:
         out = self._launch(
             kl.ChunkScanLaunch,
             kcfg.ChunkScanConfig(shard.dtype, shard.key_dim, shard.value_dim, mode, tile, shard.row_block,
-                                  kl.scan_mma(self.mma, shard.dtype, shard.key_dim, shard.value_dim)),
+                                  kl.scan_mma(self.mma, shard.dtype, shard.key_dim, shard.value_dim),
+                                  shard.contained),
             dict(k=shard.k, v=shard.v, q=shard.q, ta=shard.ta, tb=shard.tb, p=shard.p, scalars=shard.scalars,
                  **shard.tables("chunk_first_step", "chunk_steps", "seg_first_chunk", "seg_chunks", "seg_order",
-                                "seg_flags", "num_segments", "seq_first_segment"), state_in=state_in),
+                                "seg_flags", "num_segments", "seq_first_segment"), state_in=state_in,
+                 **_token_flags(shard)),
             dict(state_out=state_out_shape, o=o_shape, chunk_states=chunk_states_shape),
             dict(num_householder=shard.inputs.num_householder, clear_unsummarised=int(clear_unsummarised)))
         return out
@@ -391,7 +395,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         map, kept for apply) -> the trailing sequence's packed ``[E | M]`` (M = 0 and E + M S0 for its
         ``inputs.initial_state`` row S0 when the trailing sequence starts inside the shard)."""
         if not self._use_kernels(inputs):
-            return self._fallback.cp_forward_prepare(inputs)
+            return self._fallback.cp_forward_prepare(_without_flags(inputs))
         initial = _initial_states(inputs)
         # a kernel backward keeps this layout: build it with the backward's flags (the leading sequence's
         # backward summaries, grad_summary_sequence 0), which the forward's kernels do not read
@@ -455,13 +459,14 @@ class CuTeDSLGatedDeltaProductCPBackend:
                 tensors=(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.cu_seqlens,
                          transition if shard.rows else transition[0], inputs.initial_state, incoming,
                          shard.summaries, chunk_states, shard.trailing, shard.ta, shard.tb, shard.p, shard.scalars,
+                         *(inputs.token_flags or (None, None)),
                          *(getattr(shard.layout, name) for name in kl.LAYOUT_TABLES)),
                 metadata={"scale": inputs.scale, "num_householder": inputs.num_householder,
                           "use_qk_l2norm_in_kernel": inputs.use_qk_l2norm_in_kernel,
                           "output_final_state": inputs.output_final_state, _KERNEL_BACKWARD: True,
                           _SEGMENT_CHUNKS: shard.layout.segment_chunks})
         else:  # JaxGDPBackend's backward recomputes from the inputs and the incoming state
-            saved = self._fallback.saved_context(inputs, preceding)
+            saved = self._fallback.saved_context(_without_flags(inputs), preceding)
         return CPForwardResult(output, saved)
 
     # ------------------------------------------------------------------ one device
@@ -508,8 +513,10 @@ class CuTeDSLGatedDeltaProductCPBackend:
             return self._fallback.cp_backward_prepare(output_grad, saved_context)
         segment_chunks = metadata.pop(_SEGMENT_CHUNKS)
         (q, k, v, g, beta, cu_seqlens, transition, initial_state, incoming, segment_summaries, chunk_states,
-         trailing, ta, tb, p, scalars, *tables) = saved_context.tensors
-        inputs = GDPInputs(q, k, v, g, beta, cu_seqlens=cu_seqlens, initial_state=initial_state, **metadata)
+         trailing, ta, tb, p, scalars, state_bad, read_bad, *tables) = saved_context.tensors
+        token_flags = None if state_bad is None else (state_bad, read_bad)
+        inputs = GDPInputs(q, k, v, g, beta, cu_seqlens=cu_seqlens, initial_state=initial_state,
+                           token_flags=token_flags, **metadata)
         output_grad, final_grad = output_grad if inputs.output_final_state else (output_grad, None)
         # the forward's layout (its seg_flags say which transitions it kept) and prep results
         shard = self._saved_shard(inputs, trailing, (ta, tb, p, scalars), tuple(tables), segment_chunks)
@@ -568,11 +575,11 @@ class CuTeDSLGatedDeltaProductCPBackend:
         layout = shard.layout
         out = self._launch(
             kl.ChunkGammaLaunch, kcfg.ChunkGammaConfig(shard.dtype, shard.key_dim, shard.value_dim, shard.query_tile,
-                                                       kl.gradient_rows_mma(self.mma)),
+                                                       kl.gradient_rows_mma(self.mma), shard.contained),
             dict(k=shard.k, q=shard.q, do=do, ta=shard.ta, p=shard.p, scalars=shard.scalars,
                  **shard.tables("chunk_first_step", "chunk_steps", "seg_first_chunk", "seg_chunks", "seg_order"),
                  seg_flags=layout.seg_grad_flags, num_segments=layout.num_segments,
-                 forward_summaries=segment_summaries),
+                 forward_summaries=segment_summaries, **_token_flags(shard)),
             dict(summaries=(layout.max_segments, shard.heads, shard.value_dim + shard.key_dim, shard.key_dim)),
             dict(num_householder=shard.inputs.num_householder))
         return out["summaries"]
@@ -591,27 +598,29 @@ class CuTeDSLGatedDeltaProductCPBackend:
                                                                                          key_dim)
         scan = self._launch(
             kl.ChunkReverseScanLaunch,
-            kcfg.ChunkReverseScanConfig(shard.dtype, key_dim, value_dim, tile, 0, kl.gradient_rows_mma(self.mma)),
+            kcfg.ChunkReverseScanConfig(shard.dtype, key_dim, value_dim, tile, 0, kl.gradient_rows_mma(self.mma),
+                                        shard.contained),
             dict(k=shard.k, q=shard.q, do=do, ta=shard.ta, p=shard.p, scalars=shard.scalars,
                  **shard.tables("chunk_first_step", "chunk_steps", "seg_first_chunk", "seg_chunks", "seg_order",
                                 "num_segments"),
-                 grad_out=grad_out),
+                 grad_out=grad_out, **_token_flags(shard)),
             dict(chunk_grads=(chunks, heads, value_dim, key_dim), grad_in=grad_out.shape),
             dict(num_householder=inputs.num_householder))
         reverse = self._launch(
             kl.ChunkReverseLaunch,
-            kcfg.ChunkReverseConfig(shard.dtype, key_dim, value_dim, tile, kl.reverse_mma(self.mma, value_dim)),
+            kcfg.ChunkReverseConfig(shard.dtype, key_dim, value_dim, tile, kl.reverse_mma(self.mma, value_dim),
+                                    shard.contained),
             dict(k=shard.k, v=shard.v, q=shard.q, do=do, ta=shard.ta, tb=shard.tb, p=shard.p, scalars=shard.scalars,
                  **shard.tables("chunk_first_step", "chunk_steps", "num_chunks"),
-                 chunk_states=chunk_states, chunk_grads=scan["chunk_grads"]),
+                 chunk_states=chunk_states, chunk_grads=scan["chunk_grads"], **_token_flags(shard)),
             dict(dv=(steps_all, heads, value_dim), dq_scan=(tokens_all, heads, key_dim),
                  dk_scan=(steps_all, heads, key_dim), d_ta=(chunks, heads, 64, 64), d_tb=(chunks, heads, 64, 64),
                  d_p=(chunks, heads, tile, 64), d_scalars=(chunks, heads, 4, 64)),
             dict(num_householder=inputs.num_householder))
         prep = self._launch(
-            kl.ChunkPrepBackwardLaunch, kcfg.ChunkPrepBackwardConfig(shard.dtype, key_dim, tile),
+            kl.ChunkPrepBackwardLaunch, kcfg.ChunkPrepBackwardConfig(shard.dtype, key_dim, tile, shard.contained),
             dict(q=shard.q, k=shard.k, g=_flat(inputs.g).astype(_F32), beta=_flat(inputs.beta).astype(_F32),
-                 **shard.tables("chunk_first_step", "chunk_steps", "num_chunks"),
+                 **shard.tables("chunk_first_step", "chunk_steps", "num_chunks"), **_token_flags(shard),
                  **{name: reverse[name] for name in ("d_ta", "d_tb", "d_p", "d_scalars", "dq_scan", "dk_scan")}),
             dict(dq=(tokens_all, heads, key_dim), dk=(steps_all, heads, key_dim), dg=(tokens_all, heads),
                  dbeta=(steps_all, heads)),
@@ -625,6 +634,21 @@ class CuTeDSLGatedDeltaProductCPBackend:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _without_flags(inputs: GDPInputs) -> GDPInputs:
+    """``inputs`` for a path that takes no token flags (the fallback, JaxGDPBackend's backward): the flagged
+    rows zero (``zero_flagged_inputs``), as the contained kernels see them."""
+    if inputs.token_flags is None:
+        return inputs
+    q, k, v, g, beta = zero_flagged_inputs(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, *inputs.token_flags,
+                                           inputs.num_householder)
+    return replace(inputs, q=q, k=k, v=v, g=g, beta=beta, token_flags=None)
+
+
+def _token_flags(shard: _Shard) -> dict[str, jax.Array]:
+    """The chunk launches' ``state_bad`` / ``read_bad``: the shard's token flags, or a uint8 [1, 1] zero each."""
+    return shard.token_flag_arguments(jnp.zeros((1, 1), jnp.uint8))
 
 
 def _scan_rows(dtype: str, key_dim: int, value_dim: int, num_householder: int, row_block: int) -> tuple[int, int]:

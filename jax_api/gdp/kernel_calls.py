@@ -43,6 +43,7 @@ _SCALAR_TYPES = {"float32": np.float32, "int32": np.int32}
 _TENSOR_TYPES = {"float32": jnp.float32, "int32": jnp.int32, "uint8": jnp.uint8, "bfloat16": jnp.bfloat16,
                  "float16": jnp.float16}
 _REGISTERED: dict[tuple[str, str], Any] = {}  # (target, platform) -> the registered function (kept alive)
+_ON_TRACE: dict[str, tuple] = {}  # platform -> (config -> function, pass_owned_tensor): ``register_on_trace``
 _LOCK = threading.Lock()
 
 
@@ -86,6 +87,13 @@ def ensure_registered(config, *, cuda_graph: bool = False) -> str:
 
         register_kernel(config, compiled(config), platform="gpu", cuda_graph=cuda_graph)
     return name
+
+
+def register_on_trace(make_function, *, platform: str = "cpu", pass_owned_tensor: bool = False) -> None:
+    """Register ``make_function(config)`` as ``config``'s implementation on ``platform`` when a launch of it is
+    first traced (the CPU tests' emulations). Only the configs a process uses take a handler: jax_tvm_ffi
+    holds at most 1024, fewer than the library's configs (with and without containment, graph or not)."""
+    _ON_TRACE[platform] = (make_function, pass_owned_tensor)
 
 
 def registered_targets(platform: str = "gpu") -> list[str]:
@@ -172,10 +180,14 @@ def launch(launch_cls, config, *, inputs: Mapping[str, Any], results: Mapping[st
         name = ensure_registered(config, cuda_graph=cuda_graph)
     else:
         name = target_name(config, cuda_graph=cuda_graph)
+    for platform, (make_function, owned) in list(_ON_TRACE.items()):
+        if (name, platform) not in _REGISTERED:
+            register_kernel(config, make_function(config), platform=platform, cuda_graph=cuda_graph,
+                            pass_owned_tensor=owned)
     outputs = jax.ffi.ffi_call(name, tuple(shapes.values()))(*operands, **attributes)
     return {key: _make_varying(value, axes) for key, value in zip(shapes, outputs)}
 
 
 
-__all__ = ["argument_spec", "ensure_registered", "launch", "match_varying", "register_kernel", "registered_targets",
-           "target_name"]
+__all__ = ["argument_spec", "ensure_registered", "launch", "match_varying", "register_kernel", "register_on_trace",
+           "registered_targets", "target_name"]

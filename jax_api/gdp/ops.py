@@ -104,24 +104,25 @@ _NONDIFF = ("backend", "scale", "num_householder", "use_qk_l2norm_in_kernel")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnames=_NONDIFF)
-def _one_device(q, k, v, g, beta, cu_seqlens, initial_state, backend, scale, num_householder,
+def _one_device(q, k, v, g, beta, cu_seqlens, initial_state, token_flags, backend, scale, num_householder,
                 use_qk_l2norm_in_kernel):
     # the primal runs only where no gradient is taken: the backend may keep nothing for a backward
-    outputs, _ = _forward(q, k, v, g, beta, cu_seqlens, initial_state, backend, scale, num_householder,
+    outputs, _ = _forward(q, k, v, g, beta, cu_seqlens, initial_state, token_flags, backend, scale, num_householder,
                           use_qk_l2norm_in_kernel, save_for_backward=False)
     return outputs
 
 
-def _one_device_fwd(q, k, v, g, beta, cu_seqlens, initial_state, backend, scale, num_householder,
+def _one_device_fwd(q, k, v, g, beta, cu_seqlens, initial_state, token_flags, backend, scale, num_householder,
                     use_qk_l2norm_in_kernel):
-    return _forward(q, k, v, g, beta, cu_seqlens, initial_state, backend, scale, num_householder,
+    return _forward(q, k, v, g, beta, cu_seqlens, initial_state, token_flags, backend, scale, num_householder,
                     use_qk_l2norm_in_kernel, save_for_backward=True)
 
 
-def _forward(q, k, v, g, beta, cu_seqlens, initial_state, backend, scale, num_householder, use_qk_l2norm_in_kernel,
-             *, save_for_backward: bool):
+def _forward(q, k, v, g, beta, cu_seqlens, initial_state, token_flags, backend, scale, num_householder,
+             use_qk_l2norm_in_kernel, *, save_for_backward: bool):
     inputs = GDPInputs(q, k, v, g, beta, scale, num_householder, use_qk_l2norm_in_kernel, cu_seqlens,
-                       initial_state, output_final_state=True, save_for_backward=save_for_backward)
+                       initial_state, output_final_state=True, save_for_backward=save_for_backward,
+                       token_flags=token_flags)
     if not save_for_backward and hasattr(backend, "one_device_forward"):
         # the primal (no gradient follows): the backend's one-device plan (the kernels' leaner inference plan)
         output, final_state, _ = backend.one_device_forward(inputs, initial_state)
@@ -134,7 +135,7 @@ def _forward(q, k, v, g, beta, cu_seqlens, initial_state, backend, scale, num_ho
 def _one_device_bwd(backend, scale, num_householder, use_qk_l2norm_in_kernel, residuals: Residuals, cotangents):
     summary, context = backend.cp_backward_prepare(cotangents, residuals.saved_context())
     grads = backend.cp_backward_apply(context, empty_stack(summary))
-    return (*grads[:5], None, grads.dinitial_state)  # cu_seqlens: integer metadata
+    return (*grads[:5], None, grads.dinitial_state, None)  # cu_seqlens, token_flags: integer metadata
 
 
 _one_device.defvjp(_one_device_fwd, _one_device_bwd)
@@ -225,7 +226,7 @@ def gated_delta_product(q, k, v, g, beta, *, scale: float | None = None, num_hou
                                   *(() if initial_state is None else (initial_state,)), what="gated_delta_product")
     # containment (cp_linear.validation): sanitised inputs, NaN by selection where an output depends on one
     q, k, v, g, beta = (jnp.asarray(x) for x in (q, k, v, g, beta))
-    state_bad, read_bad, clean = contained_inputs(q, k, v, g, beta, num_householder, backend=backend)
+    state_bad, read_bad, inputs, token_flags = contained_inputs(q, k, v, g, beta, num_householder, backend=backend)
     start = sequence_start_index(cu, tokens) if packed else jnp.zeros((tokens,), jnp.int32)
     poisoned = gdp_token_poison(state_bad, read_bad, start)
     final_bad = gdp_sequence_bad(state_bad, cu)
@@ -239,7 +240,7 @@ def gated_delta_product(q, k, v, g, beta, *, scale: float | None = None, num_hou
                                     method="scan_unrolled") if packed else None  # no while loop
         poisoned = poisoned | (initial_bad[sequence][None] if packed else initial_bad[:, None, :])
         initial_state = sanitize(initial_state)
-    output, final_state = _one_device(*clean, cu, initial_state, backend=backend, scale=scale,
+    output, final_state = _one_device(*inputs, cu, initial_state, token_flags, backend=backend, scale=scale,
                                       num_householder=num_householder,
                                       use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel))
     return poison(output, poisoned[..., None]), poison(final_state, final_bad[..., None, None])

@@ -122,7 +122,7 @@ def zigzag_gdp_shard(q, k, v, g, beta, *, axis_name: str, global_seq_idx, max_se
         shard_metadata(global_seq_idx, chunk, chunk_len, 2 * cp_size, max_sequences) for chunk in chunks))
     ranges = jnp.stack([chunks, jnp.stack(preceding_starts), jnp.stack(following_stops)], axis=1).astype(jnp.int32)
     # containment (cp_linear.validation) per chunk, as the contiguous layout per shard
-    *flags, clean = contained_inputs(q, k, v, g, beta, num_householder, backend=backend)
+    *flags, clean, _ = contained_inputs(q, k, v, g, beta, num_householder, backend=backend, copies=True)
     state_bad, read_bad = (_halves(chunk_flags) for chunk_flags in flags)
     trailing_bad = jnp.stack([gdp_trailing_bad(bad, start) for bad, start in zip(state_bad, starts)])
     output, incoming_bad = _zigzag_context_parallel(

@@ -141,9 +141,11 @@ def test_configs_are_in_the_library_and_ci_and_reject_unsupported_sizes():
     library = set(kcfg.all_configs())
     for dtype in kcfg.TENSOR_CORE_DTYPES:
         for n_h in kcfg.TOKEN_CHECKS_HOUSEHOLDERS:
-            assert kcfg.TokenChecksConfig(dtype, 64, 128, n_h) in library
+            for copies in (True, False):  # with the sanitised copies, and the flags only (JAX)
+                assert kcfg.TokenChecksConfig(dtype, 64, 128, n_h, copies) in library
     ci = [c for c in kcfg.ci_configs() if isinstance(c, kcfg.TokenChecksConfig)]
-    assert {c.num_householder for c in ci if c.key_dim == 128} == {1, 2, 3} and len(ci) == 4
+    assert {(c.num_householder, c.copies) for c in ci if c.key_dim == 128} == {
+        (n_h, copies) for n_h in (1, 2, 3) for copies in (True, False)} and len(ci) == 7
     described = kcfg.describe(kcfg.TokenChecksConfig("float16", 64, 128, 3))
     assert described == "TokenChecksConfig(float16, K=64, V=128, n_h=3)"
     for bad, match in [(("float32", 64, 64, 1), "dtype must be one of"), (("bfloat16", 96, 64, 1), "key_dim"),
@@ -176,19 +178,21 @@ def test_kernel_compiles_for_sm90a_with_vector_loads_and_stores_and_no_spills(tm
          "TokenChecksConfig", "--jobs", "2", "--keep-ptx", str(tmp_path)],
         capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert "4 of 4 compiled" in result.stdout
+    assert "7 of 7 compiled" in result.stdout
     for line in (line for line in result.stdout.splitlines() if line.startswith("ok ")):
         assert "spills 0/0 B" in line or "registers" not in line, line
     ptx_files = sorted(tmp_path.glob("TokenChecksConfig-*.ptx"))
-    assert len(ptx_files) == 4
+    assert len(ptx_files) == 7
     configs = [c for c in kcfg.ci_configs() if isinstance(c, kcfg.TokenChecksConfig)]
     for path in ptx_files:
         config = next(c for c in configs if path.name.startswith(
-            f"TokenChecksConfig-{c.dtype}-K-{c.key_dim}-V-{c.value_dim}-n-h-{c.num_householder}-"))
+            f"TokenChecksConfig-{c.dtype}-K-{c.key_dim}-V-{c.value_dim}-n-h-{c.num_householder}-")
+            and ("copies-False" in path.name) == (not c.copies))
         per_lane = (config.key_dim + config.num_householder * (config.key_dim + config.value_dim)) // 64
         ptx = Path(path).read_text()
         assert ptx.count("ld.global.v4.b32") == per_lane, path.name  # every q, k, v vector: 16 bytes
-        assert ptx.count("st.global.v4.b32") == per_lane, path.name
+        # the copies' stores; the flags-only kernel stores nothing but its two flag bytes
+        assert ptx.count("st.global.v4.b32") == (per_lane if config.copies else 0), path.name
         assert ptx.count("shfl.sync.bfly.b32") == 3, path.name  # the flags ORed over 8 lanes
         assert "atom." not in ptx and "red." not in ptx, path.name
 

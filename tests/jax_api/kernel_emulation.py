@@ -22,7 +22,6 @@ from collections import Counter
 
 import torch
 
-from cp_linear.kernels import configs as kcfg
 from cp_linear.kernels import launch as kl
 from cp_linear.kernels.emulation import run_emulated
 
@@ -51,27 +50,9 @@ def _emulate(config, *arguments) -> None:
         LAUNCH_COUNTS[config] += 1
 
 
-def every_config() -> list:
-    """Every config the backends can ask for (the library's, plus the row-block variants)."""
-    configs = set(kcfg.all_configs())
-    for dtype in kcfg.TENSOR_CORE_DTYPES:
-        for key_dim in kcfg.HEAD_DIMS:
-            for value_dim in kcfg.HEAD_DIMS:
-                for row_block in (0, 64, 128):
-                    if row_block > min(key_dim, value_dim):
-                        continue
-                    for mma in kcfg.MMA_KINDS:
-                        for mode in ("summary", "states"):
-                            configs.add(kcfg.ChunkScanConfig(dtype, key_dim, value_dim, mode, 0, row_block, mma))
-                        for tile in kcfg.QUERY_TILES:
-                            for mode in kcfg.OUTPUT_MODES:
-                                configs.add(kcfg.ChunkScanConfig(dtype, key_dim, value_dim, mode, tile, row_block,
-                                                                 mma))
-    return sorted(configs, key=kcfg.describe)
-
-
 def register_emulated_kernels() -> None:
-    """Register the emulation of every kernel config as its custom call's CPU implementation (once)."""
+    """Make the emulation of each kernel config its custom call's CPU implementation, registered when a
+    launch of the config is first traced (jax_tvm_ffi holds 1024 handlers: fewer than every config)."""
     import tvm_ffi
 
     from jax_api.gdp import kernel_calls
@@ -79,9 +60,6 @@ def register_emulated_kernels() -> None:
     with _LOCK:
         if _DONE:
             return
-        for config in every_config():
-            function = tvm_ffi.convert(functools.partial(_emulate, config))
-            for cuda_graph in (False, True):
-                kernel_calls.register_kernel(config, function, platform="cpu", cuda_graph=cuda_graph,
-                                             pass_owned_tensor=True)
+        kernel_calls.register_on_trace(lambda config: tvm_ffi.convert(functools.partial(_emulate, config)),
+                                       platform="cpu", pass_owned_tensor=True)
         _DONE.append(True)

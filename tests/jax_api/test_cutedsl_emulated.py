@@ -181,10 +181,11 @@ def test_backward_options(emulated, backward, g_beta_limit):
 
 @pytest.mark.parametrize("n_h", [1, 2])
 def test_containment_takes_the_token_checks_kernel_with_the_jnp_results(emulated, monkeypatch, n_h):
-    """Traced inputs are contained: with the kernel backend the input pass is one token-checks launch
-    (``jax_api.gdp.isolation``), whose flags and sanitised copies give the outputs, final states and
-    gradients of the jnp pass (row reductions and selects) and of torch's contained op (``check_inputs=False``),
-    NaN where a non-finite input reaches."""
+    """Traced inputs are contained: with the kernel backend the input pass is one flags-only token-checks
+    launch (``jax_api.gdp.isolation``) and every chunk kernel runs contained (zeroing the flagged rows as it
+    loads them); that gives the outputs, final states and gradients of the jnp pass (row reductions and
+    sanitising selects) and of torch's contained op (``check_inputs=False``, sanitised copies), NaN where a
+    non-finite input reaches."""
     from cp_linear.kernels import configs as kcfg
     from jax_api.gdp import isolation
 
@@ -211,8 +212,13 @@ def test_containment_takes_the_token_checks_kernel_with_the_jnp_results(emulated
 
     arrays = [_jax(x) for x in (q, k, v, g, beta, do)]
     before = token_checks_launched()
+    LAUNCH_COUNTS.clear()
     kernel = jax.block_until_ready(new_step()(*arrays))
-    assert token_checks_launched() - before == 1
+    assert token_checks_launched() == 1
+    assert all(not config.copies for config in LAUNCH_COUNTS if isinstance(config, kcfg.TokenChecksConfig))
+    chunk_kinds = {type(config).__name__ for config in LAUNCH_COUNTS if hasattr(config, "contained")}
+    assert len(chunk_kinds) == 6 and all(config.contained for config in LAUNCH_COUNTS if hasattr(config, "contained"))
+    before = 0
     monkeypatch.setattr(isolation, "_token_checks_config", lambda *args: None)  # the jnp pass
     jnp_pass = jax.block_until_ready(new_step()(*arrays))
     assert token_checks_launched() - before == 1

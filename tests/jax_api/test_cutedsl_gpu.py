@@ -146,8 +146,9 @@ def _assert_same_values(name, ours, theirs):
 
 
 def test_contained_op_matches_torch_contained(kernels_here):
-    """Non-finite inputs under jit (JAX's token-checks launch, ``jax_api.gdp.isolation``) against torch's
-    ``check_inputs=False`` (the same kernel): the same outputs, final states and gradients, NaN where a
+    """Non-finite inputs under jit (JAX's flags-only token-checks launch and contained chunk kernels, which
+    zero the flagged rows as they load them: ``jax_api.gdp.isolation``) against torch's ``check_inputs=False``
+    (the token-checks kernel's sanitised copies): the same outputs, final states and gradients, NaN where a
     non-finite input reaches, and some of each actually NaN and finite."""
     import jax_api
     import jax_api.gdp.cutedsl as jcd
@@ -177,8 +178,9 @@ def test_contained_op_matches_torch_contained(kernels_here):
         return o, final, vjp((do, jnp.zeros_like(final)))
 
     o_j, final_j, grads_j = run(*(_jax(x) for x in (q, k, v, g, beta)), jnp.asarray(cu.numpy()), _jax(do))
-    assert "cp_linear_TokenChecksConfig" in run.lower(*(_jax(x) for x in (q, k, v, g, beta)),
-                                                      jnp.asarray(cu.numpy()), _jax(do)).as_text()
+    text = run.lower(*(_jax(x) for x in (q, k, v, g, beta)), jnp.asarray(cu.numpy()), _jax(do)).as_text()
+    # the flags-only token checks, then contained chunk kernels (no sanitised copies)
+    assert "cp_linear_TokenChecksConfig" in text and "copies_False" in text and "contained_True" in text
     nan = np.isnan(np.asarray(o_j.astype(jnp.float32)))
     assert nan[0, 10, 1].all() and nan[0, 900:1000, 0].all() and nan[0, 1500:, 2].all() and not nan[0, :10].any()
     _assert_same_values("o", o_j, o_t)

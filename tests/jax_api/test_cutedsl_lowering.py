@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -44,22 +45,30 @@ def _names(*configs) -> set[str]:
 
 # a few sequences x 2 heads leave SMs idle: the folds run 16-row CTAs (launch.fold_config)
 FOLD = kcfg.SegmentFoldConfig(DIM, "fold", 16)
+
+
+def contained(config):
+    """The traced op's chunk kernels run contained: they zero the rows the token flags mark as they load them."""
+    return replace(config, contained=True)
+
+
+PREP = contained(kcfg.ChunkPrepConfig("bfloat16", DIM, 32))
 # no gradient taken: the lean one-device plan (no prefix maps, no apply_affine)
-INFERENCE = _names(kcfg.ChunkPrepConfig("bfloat16", DIM, 32), kcfg.ChunkScanConfig("bfloat16", DIM, DIM, "summary"),
-                   FOLD, kcfg.ChunkScanConfig("bfloat16", DIM, DIM, "output", 32))
+INFERENCE = _names(PREP, contained(kcfg.ChunkScanConfig("bfloat16", DIM, DIM, "summary")), FOLD,
+                   contained(kcfg.ChunkScanConfig("bfloat16", DIM, DIM, "output", 32)))
 FORWARD = INFERENCE | _names(kcfg.SegmentFoldConfig(DIM, "apply_affine"))
 # the kernel backward's forward keeps the chunk states (mode "output_states"), so its backward runs no
 # states scan (mode "states": only with save_chunk_states=False)
-FORWARD_KEEPING_STATES = FORWARD - _names(kcfg.ChunkScanConfig("bfloat16", DIM, DIM, "output", 32)) | _names(
-    kcfg.ChunkScanConfig("bfloat16", DIM, DIM, "output_states", 32))
-# the traced op's containment: flags and sanitised copies in one launch (jax_api.gdp.isolation)
-CONTAINMENT = _names(kcfg.TokenChecksConfig("bfloat16", DIM, DIM, N_H))
+FORWARD_KEEPING_STATES = (FORWARD - _names(contained(kcfg.ChunkScanConfig("bfloat16", DIM, DIM, "output", 32)))
+                          | _names(contained(kcfg.ChunkScanConfig("bfloat16", DIM, DIM, "output_states", 32))))
+# the traced op's containment: the flags only, in one launch (jax_api.gdp.isolation)
+CONTAINMENT = _names(kcfg.TokenChecksConfig("bfloat16", DIM, DIM, N_H, copies=False))
 # the work layout of a shard of several sequences: one launch (a single sequence's is jnp slices)
 LAYOUT = _names(kcfg.ForwardLayoutConfig())
-BACKWARD = _names(kcfg.ChunkGammaConfig("bfloat16", DIM, DIM, 32, "wgmma"),
-                  kcfg.ChunkReverseScanConfig("bfloat16", DIM, DIM, 32, 0, "wgmma"),
-                  kcfg.ChunkReverseConfig("bfloat16", DIM, DIM, 32),
-                  kcfg.ChunkPrepBackwardConfig("bfloat16", DIM, 32))
+BACKWARD = _names(contained(kcfg.ChunkGammaConfig("bfloat16", DIM, DIM, 32, "wgmma")),
+                  contained(kcfg.ChunkReverseScanConfig("bfloat16", DIM, DIM, 32, 0, "wgmma")),
+                  contained(kcfg.ChunkReverseConfig("bfloat16", DIM, DIM, 32)),
+                  contained(kcfg.ChunkPrepBackwardConfig("bfloat16", DIM, 32)))
 
 
 @pytest.fixture
@@ -113,7 +122,7 @@ def test_the_kernel_backward_lowers_to_kernel_calls_only_and_a_new_packing_to_th
     # forward's layout and prep results: gamma, the descending fold, the reverse scan, reverse, prep backward
     # (the fold of the leading gamma builds the CP summary, unused on one device: dropped)
     assert len(calls) == 12 and set(calls) == CONTAINMENT | LAYOUT | FORWARD_KEEPING_STATES | BACKWARD, calls
-    assert calls.count(kernel_calls.target_name(kcfg.ChunkPrepConfig("bfloat16", DIM, 32))) == 1, calls
+    assert calls.count(kernel_calls.target_name(PREP)) == 1, calls
     assert "callback" not in texts[0] and "stablehlo.while" not in texts[0]
     assert texts[0] == texts[1]
 

@@ -445,9 +445,10 @@ class CuTeDSLGatedDeltaProductCPBackend:
         inputs, layout, q, k = shard.inputs, shard.layout, shard.q, shard.k
         tile = kcfg.query_tile(inputs.num_householder)
         kl.ChunkPrepLaunch(
-            kcfg.ChunkPrepConfig(shard.dtype, shard.key_dim, tile),
+            kcfg.ChunkPrepConfig(shard.dtype, shard.key_dim, tile, shard.contained),
             q=q, k=k, g=_flat_float32(inputs.g), beta=_flat_float32(inputs.beta),
             chunk_first_step=layout.chunk_first_step, chunk_steps=layout.chunk_steps, num_chunks=layout.num_chunks,
+            **_token_flags(shard),
             ta=shard.ta, tb=shard.tb, p=shard.p, scalars=shard.scalars, scale=float(inputs.scale),
             use_l2=int(bool(inputs.use_qk_l2norm_in_kernel)), num_householder=inputs.num_householder).run()
 
@@ -506,8 +507,10 @@ class CuTeDSLGatedDeltaProductCPBackend:
             chunk_states = chunk_states.view(chunk_states.shape[0], shard.heads, -1)
         kl.ChunkScanLaunch(
             kcfg.ChunkScanConfig(shard.dtype, shard.key_dim, shard.value_dim, mode, tile, shard.row_block,
-                                  kl.scan_mma(self.mma, shard.dtype, shard.key_dim, shard.value_dim)),
+                                  kl.scan_mma(self.mma, shard.dtype, shard.key_dim, shard.value_dim),
+                                  shard.contained),
             k=shard.k, v=shard.v, q=shard.q, ta=shard.ta, tb=shard.tb, p=shard.p, scalars=shard.scalars,
+            **_token_flags(shard),
             chunk_first_step=layout.chunk_first_step, chunk_steps=layout.chunk_steps,
             seg_first_chunk=layout.seg_first_chunk, seg_chunks=layout.seg_chunks, seg_order=layout.seg_order,
             seg_flags=layout.seg_flags, num_segments=layout.num_segments,
@@ -835,8 +838,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
         layout = shard.layout
         kl.ChunkGammaLaunch(
             kcfg.ChunkGammaConfig(shard.dtype, shard.key_dim, shard.value_dim, shard.query_tile,
-                                  kl.gradient_rows_mma(self.mma)),
-            k=shard.k, q=shard.q, do=do, ta=shard.ta, p=shard.p, scalars=shard.scalars,
+                                  kl.gradient_rows_mma(self.mma), shard.contained),
+            k=shard.k, q=shard.q, do=do, ta=shard.ta, p=shard.p, scalars=shard.scalars, **_token_flags(shard),
             chunk_first_step=layout.chunk_first_step, chunk_steps=layout.chunk_steps,
             seg_first_chunk=layout.seg_first_chunk, seg_chunks=layout.seg_chunks, seg_order=layout.seg_order,
             seg_flags=layout.seg_grad_flags, num_segments=layout.num_segments, forward_summaries=forward_summaries,
@@ -862,8 +865,9 @@ class CuTeDSLGatedDeltaProductCPBackend:
         chunk_grads = torch.empty_like(chunk_states)
         grad_in = torch.empty_like(grad_out)
         kl.ChunkReverseScanLaunch(
-            kcfg.ChunkReverseScanConfig(shard.dtype, key_dim, value_dim, tile, 0, kl.gradient_rows_mma(self.mma)),
-            k=shard.k, q=shard.q, do=do, ta=shard.ta, p=shard.p, scalars=shard.scalars,
+            kcfg.ChunkReverseScanConfig(shard.dtype, key_dim, value_dim, tile, 0, kl.gradient_rows_mma(self.mma),
+                                        shard.contained),
+            k=shard.k, q=shard.q, do=do, ta=shard.ta, p=shard.p, scalars=shard.scalars, **_token_flags(shard),
             chunk_first_step=layout.chunk_first_step, chunk_steps=layout.chunk_steps,
             seg_first_chunk=layout.seg_first_chunk, seg_chunks=layout.seg_chunks, seg_order=layout.seg_order,
             num_segments=layout.num_segments, grad_out=grad_out, chunk_grads=chunk_grads, grad_in=grad_in,
@@ -876,8 +880,10 @@ class CuTeDSLGatedDeltaProductCPBackend:
         d_p = torch.empty(chunks, heads, tile, 64, **f32)
         d_scalars = torch.empty(chunks, heads, 4, 64, **f32)
         kl.ChunkReverseLaunch(
-            kcfg.ChunkReverseConfig(shard.dtype, key_dim, value_dim, tile, kl.reverse_mma(self.mma, value_dim)),
+            kcfg.ChunkReverseConfig(shard.dtype, key_dim, value_dim, tile, kl.reverse_mma(self.mma, value_dim),
+                                    shard.contained),
             k=shard.k, v=shard.v, q=shard.q, do=do, ta=shard.ta, tb=shard.tb, p=shard.p, scalars=shard.scalars,
+            **_token_flags(shard),
             chunk_first_step=layout.chunk_first_step, chunk_steps=layout.chunk_steps, num_chunks=layout.num_chunks,
             chunk_states=chunk_states, chunk_grads=chunk_grads, dv=dv, dq_scan=dq_scan, dk_scan=dk_scan, d_ta=d_ta,
             d_tb=d_tb, d_p=d_p, d_scalars=d_scalars, num_householder=inputs.num_householder).run()
@@ -886,8 +892,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
         dg = torch.empty(tokens_all, heads, **f32)
         dbeta = torch.empty(steps_all, heads, **f32)
         kl.ChunkPrepBackwardLaunch(
-            kcfg.ChunkPrepBackwardConfig(shard.dtype, key_dim, tile),
-            q=shard.q, k=shard.k, g=_flat_float32(inputs.g), beta=_flat_float32(inputs.beta),
+            kcfg.ChunkPrepBackwardConfig(shard.dtype, key_dim, tile, shard.contained),
+            q=shard.q, k=shard.k, g=_flat_float32(inputs.g), beta=_flat_float32(inputs.beta), **_token_flags(shard),
             chunk_first_step=layout.chunk_first_step, chunk_steps=layout.chunk_steps, num_chunks=layout.num_chunks,
             d_ta=d_ta, d_tb=d_tb, d_p=d_p, d_scalars=d_scalars, dq_scan=dq_scan, dk_scan=dk_scan, dq=dq, dk=dk,
             dg=dg, dbeta=dbeta, scale=float(inputs.scale), use_l2=int(bool(inputs.use_qk_l2norm_in_kernel)),
@@ -1052,6 +1058,12 @@ def _kept(key: tuple, device: torch.device, make) -> torch.Tensor:
         if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             _KEPT[key] = tensor
     return tensor
+
+
+def _token_flags(shard: _Shard) -> dict[str, torch.Tensor]:
+    """The chunk launches' ``state_bad`` / ``read_bad``: the shard's token flags (``GDPInputs.token_flags``;
+    this frontend's ops pass sanitised copies instead, so none yet), or a uint8 [1, 1] placeholder each."""
+    return shard.token_flag_arguments(_placeholder(shard.q.device, torch.uint8, (1, 1)))
 
 
 def _placeholder(device: torch.device, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
