@@ -41,11 +41,8 @@ def load_chunk_inputs(g2s, tidx, q: cute.Tensor, k: cute.Tensor, g: cute.Tensor,
     cute.arch.cp_async_commit_group()
     contained = cutlass.const_expr(state_bad is not None)
     if cutlass.const_expr(contained):
-        k_flags = _mma.row_flags_fragment(g2s, tidx, (C, key_dim))
-        q_flags = _mma.row_flags_fragment(g2s, tidx, (C, key_dim))
-        _mma.load_row_flags(g2s, tidx, (C, key_dim), token_flags(state_bad, first_token, head), steps,
-                            num_householder, k_flags)
-        _mma.load_row_flags(g2s, tidx, (C, key_dim), token_flags(read_bad, first_token, head), tokens, 1, q_flags)
+        k_flags, q_flags = flags = chunk_flags(g2s, tidx, key_dim, C)
+        load_chunk_flags(g2s, tidx, state_bad, read_bad, head, first_token, steps, num_householder, flags, key_dim, C)
     if tidx < C:
         step = first + cutlass.min(tidx, steps - 1)
         beta_value = beta[step, head]
@@ -67,9 +64,27 @@ def contained_flags(kernel, state_bad: cute.Tensor, read_bad: cute.Tensor) -> tu
     return (state_bad, read_bad) if kernel.contained else ()
 
 
-def token_flags(flags: cute.Tensor, first_token, head) -> cute.Tensor:
+def head_flags(flags: cute.Tensor, first_token, head) -> cute.Tensor:
     """One head's token flags (uint8 [T_all, H]) from ``first_token`` on, as a 1-D view."""
     return cute.domain_offset((first_token,), flags[None, head])
+
+
+def chunk_flags(g2s, tidx, key_dim: int, query_rows: int) -> tuple:
+    """uint8 register fragments for this thread's row flags of a chunk's step tiles [C, key_dim] (k, v) and
+    of its token tile [query_rows, key_dim] (q): ``load_chunk_flags`` fills them."""
+    return (_mma.row_flags_fragment(g2s, tidx, (C, key_dim)), _mma.row_flags_fragment(g2s, tidx, (query_rows, key_dim)))
+
+
+@cute.jit
+def load_chunk_flags(g2s, tidx, state_bad: cute.Tensor, read_bad: cute.Tensor, head, first_token, steps,
+                     num_householder, flags: tuple, key_dim: cutlass.Constexpr, query_rows: cutlass.Constexpr):
+    """Issued with a chunk's copies: ``flags`` (``chunk_flags``) <- the state_bad flag of each step row's token
+    and the read_bad flag of each token row, for ``_mma.zero_flagged_rows`` after the copies' wait."""
+    step_flags, token_flags = flags
+    _mma.load_row_flags(g2s, tidx, (C, key_dim), head_flags(state_bad, first_token, head), steps, num_householder,
+                        step_flags)
+    _mma.load_row_flags(g2s, tidx, (query_rows, key_dim), head_flags(read_bad, first_token, head),
+                        steps // num_householder, 1, token_flags)
 
 
 @cute.jit

@@ -77,8 +77,7 @@ class _GradientRowsKernel:
         """Contained: the token flags and this thread's k and q row flags of the stage in flight, else None."""
         if not self.contained:
             return None
-        return (state_bad, read_bad, _mma.row_flags_fragment(g2s, tidx, (C, self.key_dim)),
-                _mma.row_flags_fragment(g2s, tidx, (self.query_tile, self.key_dim)))
+        return (state_bad, read_bad, chunk_common.chunk_flags(g2s, tidx, self.key_dim, self.query_tile))
 
     @cute.jit
     def load_chunk(self, g2s, tidx, chunk, head, value_col, is_value_rows, k, q, do, ta, p, chunk_first_step,
@@ -90,11 +89,9 @@ class _GradientRowsKernel:
         first_token = first // num_householder
         tokens = steps // num_householder
         if cutlass.const_expr(self.contained):
-            state_bad, read_bad, step_flags, token_flags = flags
-            _mma.load_row_flags(g2s, tidx, (C, K), chunk_common.token_flags(state_bad, first_token, head), steps,
-                                num_householder, step_flags)
-            _mma.load_row_flags(g2s, tidx, (NQ, K), chunk_common.token_flags(read_bad, first_token, head), tokens,
-                                1, token_flags)
+            state_bad, read_bad, rows = flags
+            chunk_common.load_chunk_flags(g2s, tidx, state_bad, read_bad, head, first_token, steps, num_householder,
+                                          rows, K, NQ)
         _mma.copy_rows_g2s(g2s, tidx, cute.local_tile(cute.domain_offset((first, 0), k[None, head, None]), (C, K),
                                                       (0, 0)), s_k, steps)
         _mma.copy_rows_g2s(g2s, tidx, cute.local_tile(cute.domain_offset((first_token, 0), q[None, head, None]),
@@ -156,8 +153,9 @@ class _GradientRowsKernel:
                 _mma.stage_accumulator_stmatrix(grad_mma, tidx, grad, s_out)
             cute.arch.cp_async_wait_group(0)
             if cutlass.const_expr(self.contained):  # k rows of state_bad tokens, q rows of read_bad ones
-                _mma.zero_flagged_rows(g2s, tidx, s_k_all[None, None, stage], flags[2])
-                _mma.zero_flagged_rows(g2s, tidx, s_q_all[None, None, stage], flags[3])
+                step_flags, token_flags = flags[2]
+                _mma.zero_flagged_rows(g2s, tidx, s_k_all[None, None, stage], step_flags)
+                _mma.zero_flagged_rows(g2s, tidx, s_q_all[None, None, stage], token_flags)
             if cutlass.const_expr(self.wgmma):
                 cute.arch.fence_view_async_shared()  # cp.async data -> the tensor cores' reads
             cute.arch.sync_threads()
@@ -540,12 +538,9 @@ class ChunkReverseKernel:
         cute.arch.cp_async_commit_group()
         contained = cutlass.const_expr(state_bad is not None)
         if cutlass.const_expr(contained):
-            step_flags = _mma.row_flags_fragment(g2s, tidx, (C, K))
-            token_flags = _mma.row_flags_fragment(g2s, tidx, (NQ, K))
-            _mma.load_row_flags(g2s, tidx, (C, K), chunk_common.token_flags(state_bad, first_token, head), steps,
-                                num_householder, step_flags)
-            _mma.load_row_flags(g2s, tidx, (NQ, K), chunk_common.token_flags(read_bad, first_token, head), tokens, 1,
-                                token_flags)
+            step_flags, token_flags = flags = chunk_common.chunk_flags(g2s, tidx, K, NQ)
+            chunk_common.load_chunk_flags(g2s, tidx, state_bad, read_bad, head, first_token, steps, num_householder,
+                                          flags, K, NQ)
         for i in cutlass.range_constexpr(4 * C // self.threads):
             index = tidx + i * self.threads
             s_sc[index // C, index % C] = scalars[chunk, head, index // C, index % C]

@@ -149,12 +149,9 @@ class ChunkReverseWgmmaKernel:
         cute.arch.cp_async_commit_group()
         contained = cutlass.const_expr(state_bad is not None)
         if cutlass.const_expr(contained):
-            step_flags = _mma.row_flags_fragment(g2s, tidx, (C, K))
-            token_flags = _mma.row_flags_fragment(g2s, tidx, (NQ, K))
-            _mma.load_row_flags(g2s, tidx, (C, K), chunk_common.token_flags(state_bad, first_token, head), steps,
-                                num_householder, step_flags)
-            _mma.load_row_flags(g2s, tidx, (NQ, K), chunk_common.token_flags(read_bad, first_token, head), tokens, 1,
-                                token_flags)
+            step_flags, token_flags = flags = chunk_common.chunk_flags(g2s, tidx, K, NQ)
+            chunk_common.load_chunk_flags(g2s, tidx, state_bad, read_bad, head, first_token, steps, num_householder,
+                                          flags, K, NQ)
         for i in cutlass.range_constexpr(4 * C // self.threads):
             index = tidx + i * self.threads
             s_sc[index // C, index % C] = scalars[chunk, head, index // C, index % C]

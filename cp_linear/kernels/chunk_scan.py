@@ -128,11 +128,11 @@ class ChunkScanKernel:
         steps = chunk_steps[chunk]
         if cutlass.const_expr(self.contained):
             state_bad, read_bad, step_flags, token_flags = row_flags
-            _mma.load_row_flags(g2s, tidx, (C, K), chunk_common.token_flags(state_bad, first // num_householder, head),
+            _mma.load_row_flags(g2s, tidx, (C, K), chunk_common.head_flags(state_bad, first // num_householder, head),
                                 steps, num_householder, step_flags)
             if cutlass.const_expr(self.reads_queries):
                 _mma.load_row_flags(g2s, tidx, (NQ, K),
-                                    chunk_common.token_flags(read_bad, first // num_householder, head),
+                                    chunk_common.head_flags(read_bad, first // num_householder, head),
                                     steps // num_householder, 1, token_flags)
         _mma.copy_rows_g2s(g2s, tidx, cute.local_tile(cute.domain_offset((first, 0), k[None, head, None]), (C, K),
                                                       (0, 0)), s_k, steps)

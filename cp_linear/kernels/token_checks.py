@@ -3,7 +3,12 @@
 ``cp_linear.validation`` draws the rule: a (token t, head h) is ``state_bad`` when a k row, v row or
 beta entry of one of its n_h steps, or g[t, h], is non-finite, and ``read_bad`` when its q row is;
 ``torch_api.gdp.isolation`` poisons the outputs from these and feeds the kernels copies of q, k, v, g,
-beta with every NaN / ±Inf replaced by 0.
+beta with every NaN / ±Inf replaced by 0. With ``TokenChecksConfig.copies`` False the kernel writes the
+flags only: the contained chunk kernels (``configs.ChunkPrepConfig.contained`` and the others) read the
+raw inputs and zero, as they load them, the k and v rows of every step of a state_bad token and the q row
+of a read_bad token (``_mma.load_row_flags`` / ``zero_flagged_rows``), and read a non-finite g or beta
+as 0. Their finite outputs equal the copies' (a zeroed row differs from its sanitised copy only where
+everything it reaches is poisoned), so a clean input costs one read and no write (``jax_api.gdp.isolation``).
 
 Work split (``TokenChecksLaunch`` views: q [R, K/8, 8], k / v [R·n_h, ·/8, 8], R = B·T·H)::
 
