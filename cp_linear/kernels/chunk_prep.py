@@ -58,8 +58,8 @@ class ChunkPrepKernel:
                  scale: Float32, use_l2: Int32, num_householder: Int32, stream):
         g2s = _mma.make_g2s_copy(self.dtype, THREADS)
         self.kernel(q, k, g, beta, chunk_first_step, chunk_steps, num_chunks, state_bad, read_bad, ta, tb, p,
-                    scalars, scale, use_l2, num_householder, g2s).launch(grid=(chunk_first_step.shape[0], k.shape[1], 1),
-                                           block=(THREADS, 1, 1), stream=stream)
+                    scalars, scale, use_l2, num_householder, g2s).launch(
+            grid=(chunk_first_step.shape[0], k.shape[1], 1), block=(THREADS, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, q: cute.Tensor, k: cute.Tensor, g: cute.Tensor, beta: cute.Tensor,

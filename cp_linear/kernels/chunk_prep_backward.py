@@ -79,8 +79,8 @@ class ChunkPrepBackwardKernel:
         s2g = _mma.make_s2g_copy(self.dtype, THREADS, self.key_dim)
         s2g_warpgroup = _mma.make_s2g_copy(self.dtype, WARPGROUP, self.key_dim)
         self.kernel(q, k, g, beta, chunk_first_step, chunk_steps, num_chunks, state_bad, read_bad, d_ta, d_tb, d_p,
-                    d_scalars, dq_scan, dk_scan, dq, dk, dg, dbeta, scale, use_l2, num_householder, tiled_mma, split_mma, g2s,
-                    g2s_f32, s2g, s2g_warpgroup).launch(
+                    d_scalars, dq_scan, dk_scan, dq, dk, dg, dbeta, scale, use_l2, num_householder, tiled_mma,
+                    split_mma, g2s, g2s_f32, s2g, s2g_warpgroup).launch(
             grid=(chunk_first_step.shape[0], k.shape[1], 1), block=(THREADS, 1, 1), stream=stream)
 
     @cute.kernel

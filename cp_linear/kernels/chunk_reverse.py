@@ -474,8 +474,8 @@ class ChunkReverseKernel:
         stores = dict(square=_mma.make_s2g_copy(Float32, self.threads, C),
                       values=_mma.make_s2g_copy(self.dtype, self.threads, self.value_dim))
         self.kernel(k, v, q, do, ta, tb, p, scalars, chunk_first_step, chunk_steps, num_chunks, chunk_states,
-                    chunk_grads, state_bad, read_bad, dv, dq_scan, dk_scan, d_ta, d_tb, d_p, d_scalars, num_householder, rows_mma,
-                    steps_mma, g2s, stores["square"], stores["values"]).launch(
+                    chunk_grads, state_bad, read_bad, dv, dq_scan, dk_scan, d_ta, d_tb, d_p, d_scalars, num_householder,
+                    rows_mma, steps_mma, g2s, stores["square"], stores["values"]).launch(
             grid=(chunk_first_step.shape[0], k.shape[1], 1), block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel

@@ -80,8 +80,8 @@ class ChunkReverseWgmmaKernel:
         s2g_square = _mma.make_s2g_copy(Float32, WARPGROUP, C)  # one warpgroup's [., 64] float32 outputs
         s2r_keys = _mma.make_s2g_copy(self.dtype, self.threads, self.key_dim)  # 16-byte reads of [., K] tiles
         self.kernel(k, v, q, do, ta, tb, p, scalars, chunk_first_step, chunk_steps, num_chunks, chunk_states,
-                    chunk_grads, state_bad, read_bad, dv, dq_scan, dk_scan, d_ta, d_tb, d_p, d_scalars, num_householder, g2s,
-                    s2g_values, s2g_square, s2r_keys).launch(
+                    chunk_grads, state_bad, read_bad, dv, dq_scan, dk_scan, d_ta, d_tb, d_p, d_scalars, num_householder,
+                    g2s, s2g_values, s2g_square, s2r_keys).launch(
             grid=(chunk_first_step.shape[0], k.shape[1], 1), block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
