@@ -459,6 +459,41 @@ def test_cp_over_two_devices_matches_float64_and_the_torch_backend_bit_for_bit(e
         assert rel_err(_as64(ours).reshape(expected.shape), expected.numpy()) < GRAD_LIMIT, name
 
 
+def test_containment_with_the_jax_backward_zeroes_the_flagged_rows_as_the_kernels(emulated, monkeypatch):
+    """``backward="jax"`` recomputes from saved inputs that the kernels never cleaned: the backend saves them with
+    the flagged rows zeroed (``validation.zero_flagged_inputs``), so outputs and gradients are the jnp pass's (its
+    sanitised copies), NaN where a non-finite input reaches, bit for bit."""
+    from jax_api.gdp import isolation
+
+    n_h, lengths, heads, dim = 2, [50, 37, 90], 2, 64
+    q, k, v, g, beta = _inputs(lengths, heads, dim, dim, n_h, seed=62)
+    q[0, 10, 1, 3] = float("inf")
+    k[0, 65 * n_h, 0, 7] = float("nan")
+    g[0, 100, 1] = float("nan")
+    do = torch.randn(1, sum(lengths), heads, dim, generator=torch.Generator().manual_seed(61)).bfloat16()
+    cu = jnp.asarray(np.cumsum([0] + lengths), jnp.int32)
+    backend = jcd.CuTeDSLGatedDeltaProductCPBackend(sm_count=132, segment_chunks=2, backward="jax")
+
+    def new_step():  # a new function each time: jit's trace cache is keyed by the function
+        def step(q, k, v, g, beta, do):
+            (o, final), vjp = jax.vjp(lambda *a: gated_delta_product(
+                *a, cu_seqlens=cu, num_householder=n_h, use_qk_l2norm_in_kernel=True, backend=backend),
+                q, k, v, g, beta)
+            return o, final, vjp((do, jnp.zeros_like(final)))
+        return jax.jit(step)
+
+    arrays = [_jax(x) for x in (q, k, v, g, beta, do)]
+    flags_only = jax.block_until_ready(new_step()(*arrays))
+    monkeypatch.setattr(isolation, "_token_checks_config", lambda *args: None)  # the jnp pass
+    jnp_pass = jax.block_until_ready(new_step()(*arrays))
+    final = _as64(flags_only[1])
+    assert np.isnan(_as64(flags_only[0])[0, 10, 1]).all()
+    assert np.isnan(final[2, 1]).all() and np.isfinite(final[2, 0]).all()  # g[100] is head 1's, sequence 2's
+    for name, ours, theirs in zip(("o", "final", *GRAD_NAMES), (*flags_only[:2], *flags_only[2]),
+                                  (*jnp_pass[:2], *jnp_pass[2])):
+        np.testing.assert_array_equal(_as64(ours), _as64(theirs), err_msg=name)  # NaN where NaN, -0 == 0
+
+
 def test_cp_containment_takes_the_token_checks_kernel_with_the_jnp_results(emulated, monkeypatch):
     """Under shard_map (2 host devices) a NaN on rank 0 poisons its sequence on both ranks: the token-checks
     launch gives the outputs and gradients of the jnp pass, the poison crossing ranks in the summary."""
