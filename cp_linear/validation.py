@@ -245,20 +245,23 @@ def gdp_bad_tokens(q, k, v, g, beta, num_householder: int) -> tuple[Array, Array
     return state_bad, nonfinite_rows(q, 1)
 
 
+def zero_flagged_rows(x: Array, flags: Array, rows_per_flag: int) -> Array:
+    """``x`` [..., rows, H, D] with the rows of every flagged (token, head) zero: ``flags`` [..., tokens, H]
+    (bool or uint8, nonzero: flagged), a token owning ``rows_per_flag`` consecutive rows (its n_h steps of
+    k and v; 1 for q)."""
+    xp = array_api_compat.array_namespace(x)
+    mask = xp.repeat(flags != 0, rows_per_flag, axis=flags.ndim - 2)[..., None]
+    return xp.where(mask, xp.zeros_like(x), x)
+
+
 def zero_flagged_inputs(q, k, v, g, beta, state_bad: Array, read_bad: Array, num_householder: int) -> tuple:
     """(q, k, v, g, beta) as a contained chunk kernel computes with them (``GDPInputs.token_flags``): the k
     and v rows of every step of a ``state_bad`` token and the q row of a ``read_bad`` token zero (flags:
     bool or uint8 [B, T, H]), every non-finite g and beta 0. Its finite outputs (the ones not poisoned)
     are those of the sanitised inputs: a zeroed row differs from its sanitised one only where the
     outputs it reaches are poisoned. For a backend or a pass that takes no token flags."""
-    xp = array_api_compat.array_namespace(q)
-    read = (read_bad != 0)[..., None]
-    steps = xp.repeat(state_bad != 0, num_householder, axis=1)[..., None]  # [B, T*n_h, H, 1]
-
-    def zeroed(x, mask):
-        return xp.where(mask, xp.zeros_like(x), x)
-
-    return zeroed(q, read), zeroed(k, steps), zeroed(v, steps), sanitize(g), sanitize(beta)
+    return (zero_flagged_rows(q, read_bad, 1), zero_flagged_rows(k, state_bad, num_householder),
+            zero_flagged_rows(v, state_bad, num_householder), sanitize(g), sanitize(beta))
 
 
 def sequence_start_index(cu_seqlens: Array, tokens: int) -> Array:
@@ -308,5 +311,5 @@ __all__ = [
     "attention_dims_error", "describe_failed", "digest", "gdp_bad_tokens", "gdp_dims_error", "gdp_sequence_bad",
     "gdp_token_poison", "gdp_trailing_bad", "gdp_value_flag_array", "gdp_value_flags", "nonfinite_flag",
     "nonfinite_from_bounds", "nonfinite_message", "nonfinite_rows", "poison", "sanitize", "sequence_start_index",
-    "stacked_bounds", "value_bounds", "zero_flagged_inputs",
+    "stacked_bounds", "value_bounds", "zero_flagged_inputs", "zero_flagged_rows",
 ]

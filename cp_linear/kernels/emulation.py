@@ -252,26 +252,20 @@ def run_emulated(launch) -> None:
 
 def contained_launch(launch):
     """The inputs a contained kernel computes with, as ``launch`` with them replaced (its outputs are the same
-    tensors): the k and v rows of every step of a ``state_bad`` token and the q row of a ``read_bad`` token
-    zero (the kernels zero these rows as they load them), and every non-finite g or beta 0."""
+    tensors): ``validation.zero_flagged_inputs`` on the flat rows (the kernels zero these rows as they load
+    them)."""
     import dataclasses
 
-    import torch
+    from cp_linear.validation import sanitize, zero_flagged_rows
 
     n_h = int(launch.num_householder)
-    state_steps = launch.state_bad.bool().repeat_interleave(n_h, 0)[..., None]  # [S_all, H, 1]
-    read = launch.read_bad.bool()[..., None]  # [T_all, H, 1]
-    zero = torch.zeros((), dtype=launch.k.dtype)
     names = {f.name for f in dataclasses.fields(launch)}
-    changes = dict(k=torch.where(state_steps, zero, launch.k))
-    if launch.q.shape[0] == read.shape[0]:  # a mode that reads no queries may pass a placeholder
-        changes["q"] = torch.where(read, zero, launch.q)
+    changes = dict(k=zero_flagged_rows(launch.k, launch.state_bad, n_h))
+    if launch.q.shape[0] == launch.read_bad.shape[0]:  # a mode that reads no queries may pass a placeholder
+        changes["q"] = zero_flagged_rows(launch.q, launch.read_bad, 1)
     if "v" in names:
-        changes["v"] = torch.where(state_steps, zero, launch.v)
-    for name in ("g", "beta"):
-        if name in names:
-            x = getattr(launch, name)
-            changes[name] = torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype))
+        changes["v"] = zero_flagged_rows(launch.v, launch.state_bad, n_h)
+    changes.update({name: sanitize(getattr(launch, name)) for name in ("g", "beta") if name in names})
     return dataclasses.replace(launch, **changes)
 
 
