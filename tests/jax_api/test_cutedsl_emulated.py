@@ -11,6 +11,8 @@ the layout or the host-side arithmetic between the two frontends shows up here.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -179,6 +181,16 @@ def test_backward_options(emulated, backward, g_beta_limit):
         assert rel_err(_as64(ours), expected) < limit, name
 
 
+def _contained_step(cu, n_h, backend):
+    """A new jitted (o, final, input gradients) of the one-device op on packed inputs (a new function each call:
+    jit's trace cache is keyed by the function, and the containment tests trace each path afresh)."""
+    def step(q, k, v, g, beta, do):
+        (o, final), vjp = jax.vjp(lambda *a: gated_delta_product(
+            *a, cu_seqlens=cu, num_householder=n_h, use_qk_l2norm_in_kernel=True, backend=backend), q, k, v, g, beta)
+        return o, final, vjp((do, jnp.zeros_like(final)))
+    return jax.jit(step)
+
+
 @pytest.mark.parametrize("n_h", [1, 2])
 def test_containment_takes_the_token_checks_kernel_with_the_jnp_results(emulated, monkeypatch, n_h):
     """Traced inputs are contained: with the kernel backend the input pass is one flags-only token-checks
@@ -198,14 +210,7 @@ def test_containment_takes_the_token_checks_kernel_with_the_jnp_results(emulated
     do = torch.randn(1, sum(lengths), heads, dim, generator=torch.Generator().manual_seed(61)).bfloat16()
     cu = jnp.asarray(np.cumsum([0] + lengths), jnp.int32)
     backend = jcd.CuTeDSLGatedDeltaProductCPBackend(sm_count=132, segment_chunks=2)
-
-    def new_step():  # a new function each time: jit's trace cache is keyed by the function
-        def step(q, k, v, g, beta, do):
-            (o, final), vjp = jax.vjp(lambda *a: gated_delta_product(
-                *a, cu_seqlens=cu, num_householder=n_h, use_qk_l2norm_in_kernel=True, backend=backend),
-                q, k, v, g, beta)
-            return o, final, vjp((do, jnp.zeros_like(final)))
-        return jax.jit(step)
+    new_step = functools.partial(_contained_step, cu, n_h, backend)
 
     def token_checks_launched() -> int:
         return sum(n for config, n in LAUNCH_COUNTS.items() if isinstance(config, kcfg.TokenChecksConfig))
@@ -473,15 +478,7 @@ def test_containment_with_the_jax_backward_zeroes_the_flagged_rows_as_the_kernel
     do = torch.randn(1, sum(lengths), heads, dim, generator=torch.Generator().manual_seed(61)).bfloat16()
     cu = jnp.asarray(np.cumsum([0] + lengths), jnp.int32)
     backend = jcd.CuTeDSLGatedDeltaProductCPBackend(sm_count=132, segment_chunks=2, backward="jax")
-
-    def new_step():  # a new function each time: jit's trace cache is keyed by the function
-        def step(q, k, v, g, beta, do):
-            (o, final), vjp = jax.vjp(lambda *a: gated_delta_product(
-                *a, cu_seqlens=cu, num_householder=n_h, use_qk_l2norm_in_kernel=True, backend=backend),
-                q, k, v, g, beta)
-            return o, final, vjp((do, jnp.zeros_like(final)))
-        return jax.jit(step)
-
+    new_step = functools.partial(_contained_step, cu, n_h, backend)
     arrays = [_jax(x) for x in (q, k, v, g, beta, do)]
     flags_only = jax.block_until_ready(new_step()(*arrays))
     monkeypatch.setattr(isolation, "_token_checks_config", lambda *args: None)  # the jnp pass
