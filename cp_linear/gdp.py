@@ -22,8 +22,12 @@ registers it as a pytree (arrays are leaves, the rest static).
                    raw and may hold NaN / ±Inf (containment, ``cp_linear.validation``): the backend must
                    compute as if the k, v rows of every step of a state_bad token and the q row of a
                    read_bad token were zero, and every non-finite g and beta 0 (what it gives the finite
-                   outputs equals the sanitised inputs'). Only a backend with ``zeroes_flagged_rows`` True
-                   receives them (the kernel backends: the chunk kernels zero those rows as they load)
+                   outputs equals the sanitised inputs'); it returns NaN as the output of a read_bad token
+                   and takes that output's gradient as zero. read_bad holds at least the tokens whose q is
+                   non-finite and at most the poisoned ones (``gdp_token_poison``): a caller that flags
+                   every poisoned token needs no select over o and dO of its own. Only a backend with
+                   ``zeroes_flagged_rows`` True receives them (the kernel backends: the chunk kernels zero
+                   those rows as they load, the output scan stores the NaN)
 """
 
 from __future__ import annotations

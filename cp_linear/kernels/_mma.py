@@ -103,6 +103,17 @@ def zero_flagged_rows(tiled_copy: cute.TiledCopy, tidx, dst: cute.Tensor, row_fl
             d[None, m, None].fill(0)
 
 
+@cute.jit
+def store_row_flags(tiled_copy: cute.TiledCopy, tidx, tile_shape, row_flags: cute.Tensor, dst: cute.Tensor):
+    """dst[row] <- the ``load_row_flags`` value of each of this thread's rows of a [rows, cols] tile (``dst``:
+    uint8 [rows] in shared memory). The threads that copy a row store the same value; publish it with the
+    barrier that publishes the tile."""
+    thr = tiled_copy.get_slice(tidx)
+    coords = thr.partition_S(cute.make_identity_tensor(tile_shape))
+    for m in cutlass.range_constexpr(cute.size(coords.shape[1])):
+        dst[coords[0, m, 0][0]] = row_flags[m]
+
+
 def row_flags_fragment(tiled_copy: cute.TiledCopy, tidx, tile_shape) -> cute.Tensor:
     """A uint8 register tensor for ``load_row_flags`` of a tile of ``tile_shape``."""
     rows = cute.size(tiled_copy.get_slice(tidx).partition_S(cute.make_identity_tensor(tile_shape)).shape[1])

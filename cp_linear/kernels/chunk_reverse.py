@@ -152,10 +152,12 @@ class _GradientRowsKernel:
             if cutlass.const_expr(store_grads):  # staged, then stored as whole rows after the sync below
                 _mma.stage_accumulator_stmatrix(grad_mma, tidx, grad, s_out)
             cute.arch.cp_async_wait_group(0)
-            if cutlass.const_expr(self.contained):  # k rows of state_bad tokens, q rows of read_bad ones
+            if cutlass.const_expr(self.contained):  # k rows of state_bad tokens, q and dO rows of read_bad ones
                 step_flags, token_flags = flags[2]
                 _mma.zero_flagged_rows(g2s, tidx, s_k_all[None, None, stage], step_flags)
                 _mma.zero_flagged_rows(g2s, tidx, s_q_all[None, None, stage], token_flags)
+                if is_value_rows:  # a poisoned output passes no gradient
+                    _mma.zero_flagged_rows(g2s, tidx, s_do_all[None, None, stage], token_flags)
             if cutlass.const_expr(self.wgmma):
                 cute.arch.fence_view_async_shared()  # cp.async data -> the tensor cores' reads
             cute.arch.sync_threads()
@@ -518,7 +520,8 @@ class ChunkReverseKernel:
     def load(self, g2s, tidx, chunk, head, k, v, q, do, ta, tb, p, scalars, chunk_states, chunk_grads, first, steps,
              s_k, s_v, s_q, s_do, s_ta, s_tb, s_p, s_x, s_dx, s_sc, num_householder, state_bad=None, read_bad=None):
         """Load the chunk's tiles, its start state and end gradient, and wait for them; contained (token flags
-        given), zero the k and v rows of state_bad tokens and the q rows of read_bad ones."""
+        given), zero the k and v rows of state_bad tokens and the q and dO rows of read_bad ones (a poisoned
+        output passes no gradient)."""
         K, V, NQ = self.key_dim, self.value_dim, self.query_tile
         first_token = first // num_householder
         tokens = steps // num_householder
@@ -549,6 +552,7 @@ class ChunkReverseKernel:
             _mma.zero_flagged_rows(g2s, tidx, s_k, step_flags)
             _mma.zero_flagged_rows(g2s, tidx, s_v, step_flags)
             _mma.zero_flagged_rows(g2s, tidx, s_q, token_flags)
+            _mma.zero_flagged_rows(g2s, tidx, s_do, token_flags)
         cute.arch.sync_threads()
 
     @cute.jit

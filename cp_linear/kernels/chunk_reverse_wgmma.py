@@ -127,7 +127,8 @@ class ChunkReverseWgmmaKernel:
     def load(self, g2s, tidx, chunk, head, k, v, q, do, ta, tb, p, scalars, chunk_states, chunk_grads, first, steps,
              s, s_sc, num_householder, state_bad=None, read_bad=None):
         """Load the chunk's tiles, its start state and end gradient (cp.async, rows past the chunk zero);
-        contained (token flags given), zero the k and v rows of state_bad tokens and the q rows of read_bad ones."""
+        contained (token flags given), zero the k and v rows of state_bad tokens and the q and dO rows of read_bad
+        ones (a poisoned output passes no gradient)."""
         K, V, NQ = self.key_dim, self.value_dim, self.query_tile
         first_token = first // num_householder
         tokens = steps // num_householder
@@ -160,6 +161,7 @@ class ChunkReverseWgmmaKernel:
             _mma.zero_flagged_rows(g2s, tidx, s["k"], step_flags)
             _mma.zero_flagged_rows(g2s, tidx, s["v"], step_flags)
             _mma.zero_flagged_rows(g2s, tidx, s["q"], token_flags)
+            _mma.zero_flagged_rows(g2s, tidx, s["do"], token_flags)
         cute.arch.fence_view_async_shared()  # cp.async data -> the tensor cores' (async proxy) reads
         cute.arch.sync_threads()
 

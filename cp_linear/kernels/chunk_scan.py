@@ -150,9 +150,10 @@ class ChunkScanKernel:
         cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def clean_chunk(self, g2s, tidx, is_value_rows, s_k, s_v, s_q, row_flags):
+    def clean_chunk(self, g2s, tidx, is_value_rows, s_k, s_v, s_q, s_read_bad, row_flags):
         """Contained: zero the k and v rows of state_bad tokens and the q rows of read_bad tokens that this
-        thread copied (after the copies' wait, before the barrier)."""
+        thread copied (after the copies' wait, before the barrier); the output modes also publish the q rows'
+        flags in ``s_read_bad`` (this stage's [NQ]), which the epilogue reads to store NaN outputs."""
         if cutlass.const_expr(self.contained):
             _, _, step_flags, token_flags = row_flags
             _mma.zero_flagged_rows(g2s, tidx, s_k, step_flags)
@@ -160,6 +161,7 @@ class ChunkScanKernel:
                 _mma.zero_flagged_rows(g2s, tidx, s_v, step_flags)
             if cutlass.const_expr(self.reads_queries):
                 _mma.zero_flagged_rows(g2s, tidx, s_q, token_flags)
+                _mma.store_row_flags(g2s, tidx, (self.query_tile, self.key_dim), token_flags, s_read_bad)
 
     def _tile(self, allocator, rows: int, cols: int) -> cute.Tensor:
         return staged_tile(allocator, self.dtype, rows, cols, self.wgmma)
@@ -193,6 +195,9 @@ class ChunkScanKernel:
         s_sequence = None  # the output modes: the sequence whose last segment this CTA runs, or -1
         if cutlass.const_expr(self.reads_queries):
             s_sequence = allocator.allocate_tensor(Int32, cute.make_layout((1,)), 16)
+        s_read_bad_all = None  # contained output modes: each stage's token flags, for the NaN stores
+        if cutlass.const_expr(self.contained and self.reads_queries):
+            s_read_bad_all = allocator.allocate_tensor(cutlass.Uint8, cute.make_layout((NQ, STAGES)), 16)
 
         run = segment < num_segments[0]
         if cutlass.const_expr(self.summary):
@@ -265,8 +270,11 @@ class ChunkScanKernel:
                 if cutlass.const_expr(self.states):
                     _mma.stage_accumulator_stmatrix(state_mma, tidx, state, s_out)
                 cute.arch.cp_async_wait_group(0)
+                s_read_bad = None
+                if cutlass.const_expr(s_read_bad_all is not None):
+                    s_read_bad = s_read_bad_all[None, stage]
                 self.clean_chunk(g2s, tidx, is_value_rows, s_k_all[None, None, stage], s_v_all[None, None, stage],
-                                 s_q_all[None, None, stage], row_flags)
+                                 s_q_all[None, None, stage], s_read_bad, row_flags)
                 if cutlass.const_expr(self.wgmma):
                     cute.arch.fence_view_async_shared()  # cp.async/st.shared data -> the async proxy of wgmma
                 cute.arch.sync_threads()
@@ -286,7 +294,7 @@ class ChunkScanKernel:
                 if cutlass.const_expr(self.states):  # staged before the sync above; stored by whole rows
                     _mma.copy_tile_s2g(s2g, tidx, s_out, self.chunk_state_rows(chunk_states, chunk, head, row_block))
                 self.chunk_step(products, state, stage, s_sc, s_k_all, s_v_all, s_ta_all, s_tb_all,
-                                s_q_all, s_p_all, o, head, row0, first_token, tokens)
+                                s_q_all, s_p_all, o, head, row0, first_token, tokens, s_read_bad)
                 if cutlass.const_expr(self.states):
                     cute.arch.sync_threads()  # every row of s_out is stored before the next chunk restages it
                 if cutlass.const_expr(self.output_states):
@@ -350,8 +358,10 @@ class ChunkScanKernel:
 
     @cute.jit
     def chunk_step(self, products, state: cute.Tensor, stage, s_sc: cute.Tensor, s_k_all, s_v_all,
-                   s_ta_all, s_tb_all, s_q_all, s_p_all, o: cute.Tensor, head, row0, first_token, tokens):
-        """One chunk: Y, D, (O), and the state update, on the chunk's tiles in shared-memory ``stage``."""
+                   s_ta_all, s_tb_all, s_q_all, s_p_all, o: cute.Tensor, head, row0, first_token, tokens,
+                   s_read_bad):
+        """One chunk: Y, D, (O), and the state update, on the chunk's tiles in shared-memory ``stage``;
+        contained, the outputs of the tokens flagged in ``s_read_bad`` are stored as NaN (poisoned)."""
         R, NQ = self.rows, self.query_tile
         state_a = products.as_a(state)
         y = products.product_accumulator(C)
@@ -373,7 +383,11 @@ class ChunkScanKernel:
             for e in cutlass.range_constexpr(cute.size(out)):
                 r, t = token_coords[e]
                 if t < tokens:
-                    o[first_token + t, head, row0 + r] = out[e].to(self.dtype)
+                    value = out[e]
+                    if cutlass.const_expr(s_read_bad is not None):
+                        if s_read_bad[t] != cutlass.Uint8(0):
+                            value = Float32(float("nan"))
+                    o[first_token + t, head, row0 + r] = value.to(self.dtype)
 
         # X <- exp(G_last) X + (D diag(b)) k
         step_coords = products.coordinates(delta, (R, C))

@@ -70,6 +70,7 @@ from jax_api.gdp.chunk import JaxGDPBackend, check_gdp_inputs
 KERNEL_DTYPE_NAMES = {jnp.dtype(jnp.bfloat16): "bfloat16", jnp.dtype(jnp.float16): "float16"}
 _KERNEL_BACKWARD = "kernel_backward"  # saved-context flag: the kernels' backward reads the segment states
 _SEGMENT_CHUNKS = "segment_chunks"  # saved-context metadata of the kernel backward: the kept layout's segment size
+_READ_BAD = "read_bad"  # saved-context flag of a JaxGDPBackend backward on flagged inputs: read_bad rides last
 _F32 = jnp.float32
 DEFAULT_SM_COUNT = 132  # an H100 / H200, where a device does not report its SM count
 
@@ -395,7 +396,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
         map, kept for apply) -> the trailing sequence's packed ``[E | M]`` (M = 0 and E + M S0 for its
         ``inputs.initial_state`` row S0 when the trailing sequence starts inside the shard)."""
         if not self._use_kernels(inputs):
-            return self._fallback.cp_forward_prepare(_without_flags(inputs))
+            summary, context = self._fallback.cp_forward_prepare(_without_flags(inputs))
+            return summary, context if inputs.token_flags is None else _FlaggedFallback(context, inputs.token_flags[1])
         initial = _initial_states(inputs)
         # a kernel backward keeps this layout: build it with the backward's flags (the leading sequence's
         # backward summaries, grad_summary_sequence 0), which the forward's kernels do not read
@@ -426,6 +428,10 @@ class CuTeDSLGatedDeltaProductCPBackend:
         """Every segment's incoming state from prepare's prefix maps (applied to the fold of
         ``preceding`` for the leading sequence, to ``initial_state``, or to zero), then the output pass;
         ``(o, final_state)`` when the inputs ask for final states."""
+        if isinstance(local_context, _FlaggedFallback):  # the fallback's, on inputs with token flags
+            output, saved = self._fallback.cp_forward_apply(local_context.context, preceding)
+            return CPForwardResult(_poisoned_reads(output, local_context.read_bad),
+                                   _with_read_bad(saved, local_context.read_bad))
         if not isinstance(local_context, CuTeDSLForwardContext):  # prepared by the fallback
             return self._fallback.cp_forward_apply(local_context, preceding)
         shard, summary, initial = local_context.shard, local_context.summary, local_context.initial
@@ -467,6 +473,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
                           _SEGMENT_CHUNKS: shard.layout.segment_chunks})
         else:  # JaxGDPBackend's backward recomputes from the inputs and the incoming state
             saved = self._fallback.saved_context(_without_flags(inputs), preceding)
+            if inputs.token_flags is not None:
+                saved = _with_read_bad(saved, inputs.token_flags[1])
         return CPForwardResult(output, saved)
 
     # ------------------------------------------------------------------ one device
@@ -510,7 +518,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         ``JaxGDPBackend.cp_backward_prepare``."""
         metadata = dict(saved_context.metadata)
         if not metadata.pop(_KERNEL_BACKWARD, False):
-            return self._fallback.cp_backward_prepare(output_grad, saved_context)
+            return self._fallback.cp_backward_prepare(*_without_read_bad(output_grad, saved_context))
         segment_chunks = metadata.pop(_SEGMENT_CHUNKS)
         (q, k, v, g, beta, cu_seqlens, transition, initial_state, incoming, segment_summaries, chunk_states,
          trailing, ta, tb, p, scalars, state_bad, read_bad, *tables) = saved_context.tensors
@@ -644,6 +652,41 @@ def _without_flags(inputs: GDPInputs) -> GDPInputs:
     q, k, v, g, beta = zero_flagged_inputs(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, *inputs.token_flags,
                                            inputs.num_householder)
     return replace(inputs, q=q, k=k, v=v, g=g, beta=beta, token_flags=None)
+
+
+@dataclass(frozen=True)
+class _FlaggedFallback:
+    """``JaxGDPBackend``'s forward context for inputs with token flags (the kernels did not take them), and
+    their ``read_bad`` flags: apply stores those tokens' outputs as NaN, as the contained output scan does."""
+
+    context: object
+    read_bad: jax.Array
+
+
+def _poisoned_reads(output, read_bad: jax.Array):
+    """``output`` (o [B, T, H, V], or (o, final states)) with the outputs of read_bad tokens NaN."""
+    o, final = output if isinstance(output, tuple) else (output, None)
+    o = jnp.where(read_bad[..., None] != 0, jnp.asarray(jnp.nan, o.dtype), o)
+    return o if final is None else (o, final)
+
+
+def _with_read_bad(saved: CPSavedContext, read_bad: jax.Array) -> CPSavedContext:
+    """A ``JaxGDPBackend`` saved context that also carries the read_bad flags, for ``_without_read_bad``."""
+    return CPSavedContext(tensors=(*saved.tensors, read_bad), metadata={**saved.metadata, _READ_BAD: True})
+
+
+def _without_read_bad(output_grad, saved: CPSavedContext):
+    """-> (output_grad, saved context) for ``JaxGDPBackend``'s backward: the output gradient of read_bad tokens
+    zero (a poisoned output passes none; the kernels zero those dO rows as they load), the flags taken off."""
+    if not saved.metadata.get(_READ_BAD, False):
+        return output_grad, saved
+    read_bad = saved.tensors[-1]
+    metadata = {name: value for name, value in saved.metadata.items() if name != _READ_BAD}
+    do, final_grad = output_grad if isinstance(output_grad, tuple) else (output_grad, None)
+    if do is not None:
+        do = jnp.where(read_bad[..., None] != 0, jnp.zeros((), do.dtype), do)
+    output_grad = do if not isinstance(output_grad, tuple) else (do, final_grad)
+    return output_grad, CPSavedContext(tensors=saved.tensors[:-1], metadata=metadata)
 
 
 def _token_flags(shard: _Shard) -> dict[str, jax.Array]:

@@ -240,10 +240,16 @@ def gated_delta_product(q, k, v, g, beta, *, scale: float | None = None, num_hou
                                     method="scan_unrolled") if packed else None  # no while loop
         poisoned = poisoned | (initial_bad[sequence][None] if packed else initial_bad[:, None, :])
         initial_state = sanitize(initial_state)
+    if token_flags is not None:
+        # every poisoned token as read_bad: the backend stores their outputs as NaN and passes their output
+        # gradient as zero itself (GDPInputs.token_flags), so no select over o and dO follows
+        token_flags = (token_flags[0], poisoned.astype(jnp.uint8))
     output, final_state = _one_device(*inputs, cu, initial_state, token_flags, backend=backend, scale=scale,
                                       num_householder=num_householder,
                                       use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel))
-    return poison(output, poisoned[..., None]), poison(final_state, final_bad[..., None, None])
+    if token_flags is None:
+        output = poison(output, poisoned[..., None])
+    return output, poison(final_state, final_bad[..., None, None])
 
 
 __all__ = ["Residuals", "empty_stack", "gate_or_zeros", "gated_delta_product", "resolve_backend"]

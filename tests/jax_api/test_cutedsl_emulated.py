@@ -586,3 +586,35 @@ def test_backend_options_are_checked():
     with pytest.raises(ValueError, match="segment_chunks"):
         jcd.CuTeDSLGatedDeltaProductCPBackend(segment_chunks=0)
     assert hash(jcd.CuTeDSLGatedDeltaProductCPBackend()) == hash(jcd.CuTeDSLGatedDeltaProductCPBackend())
+
+
+def test_token_flags_on_the_fallback_give_nan_outputs_and_no_gradient_at_read_bad_tokens(recwarn):
+    """``GDPInputs.token_flags`` on inputs the kernels do not take (no GPU here: ``JaxGDPBackend`` runs): the
+    backend still computes with the flagged rows zero, returns NaN as the output of a read_bad token and passes
+    it no output gradient, as its contained kernels do. Expected: ``JaxGDPBackend`` on the zeroed inputs, its
+    output selected to NaN at read_bad tokens (the select's gradient is zero there), bit for bit."""
+    from cp_linear.validation import poison, zero_flagged_inputs
+    from jax_api.gdp.ops import _one_device
+
+    (q, k, v, g, beta), cu = _small(jnp.bfloat16)
+    n_h = 2
+    state_bad = jnp.zeros(g.shape, jnp.uint8).at[0, 12, 1].set(1)
+    read_bad = jnp.zeros(g.shape, jnp.uint8).at[0, 5, 0].set(1).at[0, 90, 1].set(1)
+    do = jax.random.normal(jax.random.key(3), q.shape, jnp.float32).astype(jnp.bfloat16)
+    options = dict(scale=64 ** -0.5, num_householder=n_h, use_qk_l2norm_in_kernel=True)
+
+    def expected(*inputs):
+        zeroed = zero_flagged_inputs(*inputs, state_bad, read_bad, n_h)
+        o = _one_device(*zeroed, cu, None, None, backend=JaxGDPBackend(), **options)[0]
+        return poison(o, (read_bad != 0)[..., None])
+
+    for backward in ("kernels", "jax"):
+        ours = jax.vjp(lambda *a: _one_device(*a, cu, None, (state_bad, read_bad),
+                                              backend=jcd.CuTeDSLGatedDeltaProductCPBackend(backward=backward),
+                                              **options)[0], q, k, v, g, beta)
+        theirs = jax.vjp(expected, q, k, v, g, beta)
+        o = _as64(ours[0])
+        assert np.isnan(o[0, 5, 0]).all() and np.isnan(o[0, 90, 1]).all()
+        assert np.isfinite(o[0, 5, 1]).all() and np.isfinite(o[0, :5]).all()
+        for name, a, b in zip(("o", *GRAD_NAMES), (ours[0], *ours[1](do)), (theirs[0], *theirs[1](do))):
+            np.testing.assert_array_equal(_as64(a), _as64(b), err_msg=f"{backward} {name}")
