@@ -25,13 +25,14 @@ SOLVE_BLOCK = 16
 @cute.jit
 def load_chunk_inputs(g2s, tidx, q: cute.Tensor, k: cute.Tensor, g: cute.Tensor, beta: cute.Tensor, head,
                       first, steps, num_householder, s_k: cute.Tensor, s_q: cute.Tensor, s_gate: cute.Tensor,
-                      s_beta: cute.Tensor, key_dim: cutlass.Constexpr, state_bad=None, read_bad=None):
+                      s_beta: cute.Tensor, key_dim: cutlass.Constexpr, state_bad=None, read_bad=None,
+                      any_flagged=None):
     """k rows [first, first + steps) and the chunk's q rows into shared memory (waits for them); step
     gates (a token's gate on its first step) and betas, zero past the chunk.
 
-    Contained inputs (``state_bad`` / ``read_bad`` given: uint8 [T_all, H] token flags): the k rows of a
-    state_bad token and the q row of a read_bad token are zeroed, and a non-finite gate or beta reads 0
-    (``cp_linear.kernels.token_checks``)."""
+    Contained inputs (``state_bad`` / ``read_bad`` given: uint8 [T_all, H] token flags, ``any_flagged``
+    int32 [1]): the k rows of a state_bad token and the q row of a read_bad token are zeroed
+    (``zero_flagged_chunk_rows``), and a non-finite gate or beta reads 0 (``cp_linear.kernels.token_checks``)."""
     first_token = first // num_householder
     tokens = steps // num_householder
     g_k = cute.local_tile(cute.domain_offset((first, 0), k[None, head, None]), (C, key_dim), (0, 0))
@@ -40,9 +41,6 @@ def load_chunk_inputs(g2s, tidx, q: cute.Tensor, k: cute.Tensor, g: cute.Tensor,
     _mma.copy_rows_g2s(g2s, tidx, g_q, s_q, tokens)
     cute.arch.cp_async_commit_group()
     contained = cutlass.const_expr(state_bad is not None)
-    if cutlass.const_expr(contained):
-        k_flags, q_flags = flags = chunk_flags(g2s, tidx, key_dim, C)
-        load_chunk_flags(g2s, tidx, state_bad, read_bad, head, first_token, steps, num_householder, flags, key_dim, C)
     if tidx < C:
         step = first + cutlass.min(tidx, steps - 1)
         beta_value = beta[step, head]
@@ -54,37 +52,49 @@ def load_chunk_inputs(g2s, tidx, q: cute.Tensor, k: cute.Tensor, g: cute.Tensor,
         s_gate[tidx] = zero_unless((tidx < steps) & (tidx % num_householder == 0), gate_value)
     cute.arch.cp_async_wait_group(0)
     if cutlass.const_expr(contained):
-        _mma.zero_flagged_rows(g2s, tidx, s_k, k_flags)
-        _mma.zero_flagged_rows(g2s, tidx, s_q, q_flags)
+        zero_flagged_chunk_rows(g2s, tidx, (state_bad, read_bad, any_flagged[0] != 0), head, first_token, steps,
+                                num_householder, key_dim, C, s_k, s_q=s_q)
     cute.arch.sync_threads()
 
 
-def contained_flags(kernel, state_bad: cute.Tensor, read_bad: cute.Tensor) -> tuple:
-    """(state_bad, read_bad) for a kernel whose config is contained, else () (placeholders it never reads)."""
-    return (state_bad, read_bad) if kernel.contained else ()
+def contained_flags(kernel, state_bad: cute.Tensor, read_bad: cute.Tensor, any_flagged: cute.Tensor) -> tuple:
+    """(state_bad, read_bad, any_flagged) for a kernel whose config is contained, else () (placeholders it
+    never reads)."""
+    return (state_bad, read_bad, any_flagged) if kernel.contained else ()
+
+
+@cute.jit
+def zero_flagged_chunk_rows(g2s, tidx, token_flags: tuple, head, first_token, steps, num_householder,
+                            key_dim: cutlass.Constexpr, query_rows: cutlass.Constexpr, s_k: cute.Tensor, s_v=None,
+                            s_q=None, s_do=None, s_read_bad=None):
+    """Contained, after the chunk's copies' wait and before the barrier that publishes its tiles: zero this
+    thread's vectors of the flagged rows, the k (and v) rows of every step of a state_bad token and the q (and
+    dO) row of a read_bad token; ``s_read_bad`` (uint8 [query_rows], shared) gets the q rows' flags.
+    ``token_flags`` = (state_bad, read_bad, flagged): ``flagged`` is the launch's ``any_flagged[0] != 0``.
+    Without a flagged token anywhere (the common case) a chunk costs one uniform branch: the flags are loaded
+    only then, after the wait (a round trip per chunk, on inputs that hold a non-finite value)."""
+    state_bad, read_bad, flagged = token_flags
+    if flagged:
+        step_flags = _mma.row_flags_fragment(g2s, tidx, (C, key_dim))
+        _mma.load_row_flags(g2s, tidx, (C, key_dim), head_flags(state_bad, first_token, head), steps,
+                            num_householder, step_flags)
+        _mma.zero_flagged_rows(g2s, tidx, s_k, step_flags)
+        if cutlass.const_expr(s_v is not None):
+            _mma.zero_flagged_rows(g2s, tidx, s_v, step_flags)
+        if cutlass.const_expr(s_q is not None):
+            q_flags = _mma.row_flags_fragment(g2s, tidx, (query_rows, key_dim))
+            _mma.load_row_flags(g2s, tidx, (query_rows, key_dim), head_flags(read_bad, first_token, head),
+                                steps // num_householder, 1, q_flags)
+            _mma.zero_flagged_rows(g2s, tidx, s_q, q_flags)
+            if cutlass.const_expr(s_do is not None):  # a poisoned output passes no gradient
+                _mma.zero_flagged_rows(g2s, tidx, s_do, q_flags)
+            if cutlass.const_expr(s_read_bad is not None):
+                _mma.store_row_flags(g2s, tidx, (query_rows, key_dim), q_flags, s_read_bad)
 
 
 def head_flags(flags: cute.Tensor, first_token, head) -> cute.Tensor:
     """One head's token flags (uint8 [T_all, H]) from ``first_token`` on, as a 1-D view."""
     return cute.domain_offset((first_token,), flags[None, head])
-
-
-def chunk_flags(g2s, tidx, key_dim: int, query_rows: int) -> tuple:
-    """uint8 register fragments for this thread's row flags of a chunk's step tiles [C, key_dim] (k, v) and
-    of its token tile [query_rows, key_dim] (q): ``load_chunk_flags`` fills them."""
-    return (_mma.row_flags_fragment(g2s, tidx, (C, key_dim)), _mma.row_flags_fragment(g2s, tidx, (query_rows, key_dim)))
-
-
-@cute.jit
-def load_chunk_flags(g2s, tidx, state_bad: cute.Tensor, read_bad: cute.Tensor, head, first_token, steps,
-                     num_householder, flags: tuple, key_dim: cutlass.Constexpr, query_rows: cutlass.Constexpr):
-    """Issued with a chunk's copies: ``flags`` (``chunk_flags``) <- the state_bad flag of each step row's token
-    and the read_bad flag of each token row, for ``_mma.zero_flagged_rows`` after the copies' wait."""
-    step_flags, token_flags = flags
-    _mma.load_row_flags(g2s, tidx, (C, key_dim), head_flags(state_bad, first_token, head), steps, num_householder,
-                        step_flags)
-    _mma.load_row_flags(g2s, tidx, (query_rows, key_dim), head_flags(read_bad, first_token, head),
-                        steps // num_householder, 1, token_flags)
 
 
 @cute.jit

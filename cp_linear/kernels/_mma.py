@@ -81,9 +81,9 @@ def load_row_flags(tiled_copy: cute.TiledCopy, tidx, tile_shape, flags: cute.Ten
                    out: cute.Tensor):
     """out[m] <- the flag of this thread's m-th row of a [rows, cols] tile copied with ``tiled_copy``:
     ``flags[row // rows_per_flag]`` (uint8: one head's token flags from the tile's first token), the index
-    clamped to the rows below ``valid_rows`` (rows past them are zero-filled anyway). Issue it with the
-    tile's copies and read ``out`` after their wait (``zero_flagged_rows``): the loads then cost no round
-    trip of their own. Rows of the same index m are the same rows in every tile of as many rows."""
+    clamped to the rows below ``valid_rows`` (rows past them are zero-filled anyway), for
+    ``zero_flagged_rows``. Rows of the same index m are the same rows in every tile of as many rows,
+    whatever its columns."""
     thr = tiled_copy.get_slice(tidx)
     coords = thr.partition_S(cute.make_identity_tensor(tile_shape))
     last = cutlass.max(valid_rows - 1, 0)

@@ -51,20 +51,23 @@ class ChunkPrepKernel:
                  num_chunks: cute.Tensor,  # int32 [1]
                  state_bad: cute.Tensor,  # [T_all, H] uint8 (read when contained)
                  read_bad: cute.Tensor,  # [T_all, H] uint8 (read when contained)
+                 any_flagged: cute.Tensor,  # int32 [1]: nonzero when any token is flagged (contained)
                  ta: cute.Tensor,  # [C_max, H, 64, 64] input dtype (out)
                  tb: cute.Tensor,  # [C_max, H, 64, 64] input dtype (out)
                  p: cute.Tensor,  # [C_max, H, NQ, 64] input dtype (out)
                  scalars: cute.Tensor,  # [C_max, H, 4, 64] float32 (out)
                  scale: Float32, use_l2: Int32, num_householder: Int32, stream):
         g2s = _mma.make_g2s_copy(self.dtype, THREADS)
-        self.kernel(q, k, g, beta, chunk_first_step, chunk_steps, num_chunks, state_bad, read_bad, ta, tb, p,
+        self.kernel(q, k, g, beta, chunk_first_step, chunk_steps, num_chunks, state_bad, read_bad, any_flagged, ta,
+                    tb, p,
                     scalars, scale, use_l2, num_householder, g2s).launch(
             grid=(chunk_first_step.shape[0], k.shape[1], 1), block=(THREADS, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, q: cute.Tensor, k: cute.Tensor, g: cute.Tensor, beta: cute.Tensor,
                chunk_first_step: cute.Tensor, chunk_steps: cute.Tensor, num_chunks: cute.Tensor,
-               state_bad: cute.Tensor, read_bad: cute.Tensor, ta: cute.Tensor, tb: cute.Tensor, p: cute.Tensor,
+               state_bad: cute.Tensor, read_bad: cute.Tensor, any_flagged: cute.Tensor, ta: cute.Tensor,
+               tb: cute.Tensor, p: cute.Tensor,
                scalars: cute.Tensor,
                scale: Float32, use_l2: Int32, num_householder: Int32, g2s: cute.TiledCopy):
         K, NH, NQ = self.key_dim, num_householder, self.query_tile
@@ -93,7 +96,8 @@ class ChunkPrepKernel:
             steps = chunk_steps[chunk]
             tokens = steps // NH
             chunk_common.load_chunk_inputs(g2s, tidx, q, k, g, beta, head, first, steps, NH, s_k, s_q, s_gate,
-                                           s_beta, K, *chunk_common.contained_flags(self, state_bad, read_bad))
+                                           s_beta, K, *chunk_common.contained_flags(self, state_bad, read_bad,
+                                                                                    any_flagged))
             chunk_common.gate_cumsum(tidx, s_gate)
             chunk_common.row_norms(tidx, s_k, s_q, s_f, s_fq, steps, tokens, use_l2, K)
             cute.arch.fence_view_async_shared()  # cp.async data -> the warpgroup MMAs' reads

@@ -64,6 +64,7 @@ class ChunkPrepBackwardKernel:
                  g: cute.Tensor, beta: cute.Tensor,  # [T_all, H], [S_all, H] float32
                  chunk_first_step: cute.Tensor, chunk_steps: cute.Tensor, num_chunks: cute.Tensor,
                  state_bad: cute.Tensor, read_bad: cute.Tensor,  # [T_all, H] uint8 (read when contained)
+                 any_flagged: cute.Tensor,  # int32 [1]: nonzero when any token is flagged (contained)
                  d_ta: cute.Tensor, d_tb: cute.Tensor,  # [C_max, H, 64, 64] float32
                  d_p: cute.Tensor,  # [C_max, H, NQ, 64] float32
                  d_scalars: cute.Tensor,  # [C_max, H, 4, 64] float32: db, dc, dd
@@ -78,7 +79,8 @@ class ChunkPrepBackwardKernel:
         g2s_f32 = _mma.make_g2s_copy(Float32, THREADS)
         s2g = _mma.make_s2g_copy(self.dtype, THREADS, self.key_dim)
         s2g_warpgroup = _mma.make_s2g_copy(self.dtype, WARPGROUP, self.key_dim)
-        self.kernel(q, k, g, beta, chunk_first_step, chunk_steps, num_chunks, state_bad, read_bad, d_ta, d_tb, d_p,
+        self.kernel(q, k, g, beta, chunk_first_step, chunk_steps, num_chunks, state_bad, read_bad, any_flagged, d_ta,
+                    d_tb, d_p,
                     d_scalars, dq_scan, dk_scan, dq, dk, dg, dbeta, scale, use_l2, num_householder, tiled_mma,
                     split_mma, g2s, g2s_f32, s2g, s2g_warpgroup).launch(
             grid=(chunk_first_step.shape[0], k.shape[1], 1), block=(THREADS, 1, 1), stream=stream)
@@ -86,7 +88,7 @@ class ChunkPrepBackwardKernel:
     @cute.kernel
     def kernel(self, q: cute.Tensor, k: cute.Tensor, g: cute.Tensor, beta: cute.Tensor,
                chunk_first_step: cute.Tensor, chunk_steps: cute.Tensor, num_chunks: cute.Tensor,
-               state_bad: cute.Tensor, read_bad: cute.Tensor,
+               state_bad: cute.Tensor, read_bad: cute.Tensor, any_flagged: cute.Tensor,
                d_ta: cute.Tensor, d_tb: cute.Tensor, d_p: cute.Tensor, d_scalars: cute.Tensor,
                dq_scan: cute.Tensor, dk_scan: cute.Tensor, dq: cute.Tensor, dk: cute.Tensor, dg: cute.Tensor,
                dbeta: cute.Tensor, scale: Float32, use_l2: Int32, num_householder: Int32,
@@ -124,7 +126,8 @@ class ChunkPrepBackwardKernel:
             tokens = steps // NH
             last_step = cutlass.max(steps - 1, 0)
             chunk_common.load_chunk_inputs(g2s, tidx, q, k, g, beta, head, first, steps, NH, s_k, s_q, s_gate,
-                                           s_beta, K, *chunk_common.contained_flags(self, state_bad, read_bad))
+                                           s_beta, K, *chunk_common.contained_flags(self, state_bad, read_bad,
+                                                                                    any_flagged))
             # the gradients of Ta and Tb into the squares that step 2 consumes first (read in step 2)
             _mma.copy_rows_g2s(g2s_f32, tidx, d_ta[chunk, head, None, None], s_m1, C)
             _mma.copy_rows_g2s(g2s_f32, tidx, d_tb[chunk, head, None, None], s_work, C)

@@ -73,25 +73,21 @@ class _GradientRowsKernel:
         self.wgmma = config.mma == "wgmma"
         self.contained = config.contained
 
-    def row_flags(self, g2s, tidx, state_bad, read_bad):
-        """Contained: the token flags and this thread's k and q row flags of the stage in flight, else None."""
+    def row_flags(self, state_bad, read_bad, any_flagged):
+        """Contained: (state_bad, read_bad, whether any token of the launch is flagged), else None."""
         if not self.contained:
             return None
-        return (state_bad, read_bad, chunk_common.chunk_flags(g2s, tidx, self.key_dim, self.query_tile))
+        return (state_bad, read_bad, any_flagged[0] != 0)
 
     @cute.jit
     def load_chunk(self, g2s, tidx, chunk, head, value_col, is_value_rows, k, q, do, ta, p, chunk_first_step,
-                   chunk_steps, s_k, s_q, s_do, s_ta, s_p, num_householder, flags):
-        """Issue one chunk's copies into one stage; contained, also the loads of its row flags (``flags``)."""
+                   chunk_steps, s_k, s_q, s_do, s_ta, s_p, num_householder):
+        """Issue one chunk's copies into one stage."""
         K, R, NQ = self.key_dim, self.rows, self.query_tile
         first = chunk_first_step[chunk]
         steps = chunk_steps[chunk]
         first_token = first // num_householder
         tokens = steps // num_householder
-        if cutlass.const_expr(self.contained):
-            state_bad, read_bad, rows = flags
-            chunk_common.load_chunk_flags(g2s, tidx, state_bad, read_bad, head, first_token, steps, num_householder,
-                                          rows, K, NQ)
         _mma.copy_rows_g2s(g2s, tidx, cute.local_tile(cute.domain_offset((first, 0), k[None, head, None]), (C, K),
                                                       (0, 0)), s_k, steps)
         _mma.copy_rows_g2s(g2s, tidx, cute.local_tile(cute.domain_offset((first_token, 0), q[None, head, None]),
@@ -137,7 +133,7 @@ class _GradientRowsKernel:
         last_chunk = first_chunk + chunk_count - 1
         self.load_chunk(g2s, tidx, last_chunk, head, value_col, is_value_rows, k, q, do, ta, p,
                         chunk_first_step, chunk_steps, s_k_all[None, None, 0], s_q_all[None, None, 0],
-                        s_do_all[None, None, 0], s_ta_all[None, None, 0], s_p_all[None, None, 0], NH, flags)
+                        s_do_all[None, None, 0], s_ta_all[None, None, 0], s_p_all[None, None, 0], NH)
         per_thread = 4 * C // self.threads
         scalar_next = cute.make_rmem_tensor(cute.make_layout((per_thread,)), Float32)
         for j in cutlass.range_constexpr(per_thread):
@@ -153,11 +149,10 @@ class _GradientRowsKernel:
                 _mma.stage_accumulator_stmatrix(grad_mma, tidx, grad, s_out)
             cute.arch.cp_async_wait_group(0)
             if cutlass.const_expr(self.contained):  # k rows of state_bad tokens, q and dO rows of read_bad ones
-                step_flags, token_flags = flags[2]
-                _mma.zero_flagged_rows(g2s, tidx, s_k_all[None, None, stage], step_flags)
-                _mma.zero_flagged_rows(g2s, tidx, s_q_all[None, None, stage], token_flags)
-                if is_value_rows:  # a poisoned output passes no gradient
-                    _mma.zero_flagged_rows(g2s, tidx, s_do_all[None, None, stage], token_flags)
+                # (transition rows load no dO tile and read none: zeroing rows of it changes nothing)
+                chunk_common.zero_flagged_chunk_rows(g2s, tidx, flags, head, chunk_first_step[chunk] // NH,
+                                                     chunk_steps[chunk], NH, K, NQ, s_k_all[None, None, stage],
+                                                     s_q=s_q_all[None, None, stage], s_do=s_do_all[None, None, stage])
             if cutlass.const_expr(self.wgmma):
                 cute.arch.fence_view_async_shared()  # cp.async data -> the tensor cores' reads
             cute.arch.sync_threads()
@@ -169,7 +164,7 @@ class _GradientRowsKernel:
                 self.load_chunk(g2s, tidx, chunk - 1, head, value_col, is_value_rows, k, q, do, ta, p,
                                 chunk_first_step, chunk_steps, s_k_all[None, None, other],
                                 s_q_all[None, None, other], s_do_all[None, None, other],
-                                s_ta_all[None, None, other], s_p_all[None, None, other], NH, flags)
+                                s_ta_all[None, None, other], s_p_all[None, None, other], NH)
                 for j in cutlass.range_constexpr(per_thread):
                     index = tidx + j * self.threads
                     scalar_next[j] = scalars[chunk - 1, head, index // C, index % C]
@@ -227,12 +222,14 @@ class ChunkGammaKernel(_GradientRowsKernel):
                  num_segments: cute.Tensor,  # int32 [1]
                  forward_summaries: cute.Tensor,  # [S_max, H, V + K, K] float32: the forward's [E^T ; M^T] rows
                  state_bad: cute.Tensor, read_bad: cute.Tensor,  # [T_all, H] uint8 (read when contained)
+                 any_flagged: cute.Tensor,  # int32 [1]: nonzero when any token is flagged (contained)
                  summaries: cute.Tensor,  # [S_max, H, V + K, K] float32 (out): rows [gamma ; M_b]
                  num_householder: Int32, stream):
         tiled_mma = _mma.make_tiled_mma(self.dtype, self.warps)
         g2s = _mma.make_g2s_copy(self.dtype, self.threads)
         self.kernel(k, q, do, ta, p, scalars, chunk_first_step, chunk_steps, seg_first_chunk, seg_chunks, seg_order,
-                    seg_flags, num_segments, forward_summaries, state_bad, read_bad, summaries, num_householder,
+                    seg_flags, num_segments, forward_summaries, state_bad, read_bad, any_flagged, summaries,
+                    num_householder,
                     tiled_mma, g2s).launch(
             grid=(k.shape[1], seg_first_chunk.shape[0], (self.value_dim + self.key_dim) // self.rows),
             block=(self.threads, 1, 1), stream=stream)
@@ -242,7 +239,7 @@ class ChunkGammaKernel(_GradientRowsKernel):
                scalars: cute.Tensor, chunk_first_step: cute.Tensor, chunk_steps: cute.Tensor,
                seg_first_chunk: cute.Tensor, seg_chunks: cute.Tensor, seg_order: cute.Tensor,
                seg_flags: cute.Tensor, num_segments: cute.Tensor, forward_summaries: cute.Tensor,
-               state_bad: cute.Tensor, read_bad: cute.Tensor, summaries: cute.Tensor,
+               state_bad: cute.Tensor, read_bad: cute.Tensor, any_flagged: cute.Tensor, summaries: cute.Tensor,
                num_householder: Int32, tiled_mma: cute.TiledMma, g2s: cute.TiledCopy):
         V, R, NQ = self.value_dim, self.rows, self.query_tile
         tidx, _, _ = cute.arch.thread_idx()
@@ -287,7 +284,7 @@ class ChunkGammaKernel(_GradientRowsKernel):
                                 chunk_first_step, chunk_steps, head, seg_first_chunk[segment], seg_chunks[segment],
                                 row0, value_col, is_value_rows, num_householder, smem["s_k_all"], smem["s_q_all"],
                                 smem["s_qc"], smem["s_do_all"], smem["s_ta_all"], smem["s_p_all"], smem["s_scalars"],
-                                None, None, False, self.row_flags(g2s, tidx, state_bad, read_bad))
+                                None, None, False, self.row_flags(state_bad, read_bad, any_flagged))
             for e in cutlass.range_constexpr(cute.size(grad)):
                 r, c = grad_coords[e]
                 summaries[segment, head, row0 + r, c] = grad[e]
@@ -306,6 +303,7 @@ class ChunkReverseScanKernel(_GradientRowsKernel):
                  num_segments: cute.Tensor,  # int32 [1]
                  grad_out: cute.Tensor,  # [S_max, H, V, K] float32: each segment's outgoing state gradient
                  state_bad: cute.Tensor, read_bad: cute.Tensor,  # [T_all, H] uint8 (read when contained)
+                 any_flagged: cute.Tensor,  # int32 [1]: nonzero when any token is flagged (contained)
                  chunk_grads: cute.Tensor,  # [C_max, H, V, K] input dtype (out): the gradient at each chunk's end
                  grad_in: cute.Tensor,  # [S_max, H, V, K] float32 (out): the gradient at each segment's start
                  num_householder: Int32, stream):
@@ -313,7 +311,8 @@ class ChunkReverseScanKernel(_GradientRowsKernel):
         g2s = _mma.make_g2s_copy(self.dtype, self.threads)
         s2g = _mma.make_s2g_copy(self.dtype, self.threads)
         self.kernel(k, q, do, ta, p, scalars, chunk_first_step, chunk_steps, seg_first_chunk, seg_chunks, seg_order,
-                    num_segments, grad_out, state_bad, read_bad, chunk_grads, grad_in, num_householder, tiled_mma, g2s,
+                    num_segments, grad_out, state_bad, read_bad, any_flagged, chunk_grads, grad_in, num_householder,
+                    tiled_mma, g2s,
                     s2g).launch(
             grid=(k.shape[1], seg_first_chunk.shape[0], self.value_dim // self.rows),
             block=(self.threads, 1, 1), stream=stream)
@@ -323,6 +322,7 @@ class ChunkReverseScanKernel(_GradientRowsKernel):
                scalars: cute.Tensor, chunk_first_step: cute.Tensor, chunk_steps: cute.Tensor,
                seg_first_chunk: cute.Tensor, seg_chunks: cute.Tensor, seg_order: cute.Tensor,
                num_segments: cute.Tensor, grad_out: cute.Tensor, state_bad: cute.Tensor, read_bad: cute.Tensor,
+               any_flagged: cute.Tensor,
                chunk_grads: cute.Tensor, grad_in: cute.Tensor, num_householder: Int32,
                tiled_mma: cute.TiledMma, g2s: cute.TiledCopy, s2g: cute.TiledCopy):
         R = self.rows
@@ -341,7 +341,7 @@ class ChunkReverseScanKernel(_GradientRowsKernel):
                                 chunk_first_step, chunk_steps, head, seg_first_chunk[segment], seg_chunks[segment],
                                 row0, value_col, True, num_householder, smem["s_k_all"], smem["s_q_all"],
                                 smem["s_qc"], smem["s_do_all"], smem["s_ta_all"], smem["s_p_all"], smem["s_scalars"],
-                                smem["s_out"], chunk_grads, True, self.row_flags(g2s, tidx, state_bad, read_bad))
+                                smem["s_out"], chunk_grads, True, self.row_flags(state_bad, read_bad, any_flagged))
             for e in cutlass.range_constexpr(cute.size(grad)):
                 r, c = grad_coords[e]
                 grad_in[segment, head, row0 + r, c] = grad[e]
@@ -462,6 +462,7 @@ class ChunkReverseKernel:
                  chunk_states: cute.Tensor,  # [C_max, H, V, K] input dtype: the state at each chunk's start
                  chunk_grads: cute.Tensor,  # [C_max, H, V, K] input dtype: the state gradient at each chunk's end
                  state_bad: cute.Tensor, read_bad: cute.Tensor,  # [T_all, H] uint8 (read when contained)
+                 any_flagged: cute.Tensor,  # int32 [1]: nonzero when any token is flagged (contained)
                  dv: cute.Tensor,  # [S_all, H, V] input dtype (out)
                  dq_scan: cute.Tensor,  # [T_all, H, K] float32 (out)
                  dk_scan: cute.Tensor,  # [S_all, H, K] float32 (out)
@@ -476,7 +477,8 @@ class ChunkReverseKernel:
         stores = dict(square=_mma.make_s2g_copy(Float32, self.threads, C),
                       values=_mma.make_s2g_copy(self.dtype, self.threads, self.value_dim))
         self.kernel(k, v, q, do, ta, tb, p, scalars, chunk_first_step, chunk_steps, num_chunks, chunk_states,
-                    chunk_grads, state_bad, read_bad, dv, dq_scan, dk_scan, d_ta, d_tb, d_p, d_scalars, num_householder,
+                    chunk_grads, state_bad, read_bad, any_flagged, dv, dq_scan, dk_scan, d_ta, d_tb, d_p, d_scalars,
+                    num_householder,
                     rows_mma, steps_mma, g2s, stores["square"], stores["values"]).launch(
             grid=(chunk_first_step.shape[0], k.shape[1], 1), block=(self.threads, 1, 1), stream=stream)
 
@@ -484,7 +486,8 @@ class ChunkReverseKernel:
     def kernel(self, k: cute.Tensor, v: cute.Tensor, q: cute.Tensor, do: cute.Tensor, ta: cute.Tensor,
                tb: cute.Tensor, p: cute.Tensor, scalars: cute.Tensor, chunk_first_step: cute.Tensor,
                chunk_steps: cute.Tensor, num_chunks: cute.Tensor, chunk_states: cute.Tensor,
-               chunk_grads: cute.Tensor, state_bad: cute.Tensor, read_bad: cute.Tensor, dv: cute.Tensor,
+               chunk_grads: cute.Tensor, state_bad: cute.Tensor, read_bad: cute.Tensor, any_flagged: cute.Tensor,
+               dv: cute.Tensor,
                dq_scan: cute.Tensor, dk_scan: cute.Tensor,
                d_ta: cute.Tensor, d_tb: cute.Tensor, d_p: cute.Tensor, d_scalars: cute.Tensor,
                num_householder: Int32, rows_mma: cute.TiledMma, steps_mma: cute.TiledMma, g2s: cute.TiledCopy,
@@ -508,7 +511,7 @@ class ChunkReverseKernel:
             first, steps = chunk_first_step[chunk], chunk_steps[chunk]
             self.load(g2s, tidx, chunk, head, k, v, q, do, ta, tb, p, scalars, chunk_states, chunk_grads, first, steps,
                       s_k, s_v, s_q, s_do, s_ta, s_tb, s_p, s_x, s_dx, s_sc, NH,
-                      *chunk_common.contained_flags(self, state_bad, read_bad))
+                      *chunk_common.contained_flags(self, state_bad, read_bad, any_flagged))
             self.values_phase(rows_mma, tidx, step_coords, s_sc, s_k, s_v, s_do, s_ta, s_tb, s_p, s_x, s_dx, s_dd,
                               s_d, s_z, s_red, s_stage, s2g_values, dv, d_scalars, chunk, head, first, steps)
             cute.arch.sync_threads()
@@ -518,7 +521,8 @@ class ChunkReverseKernel:
 
     @cute.jit
     def load(self, g2s, tidx, chunk, head, k, v, q, do, ta, tb, p, scalars, chunk_states, chunk_grads, first, steps,
-             s_k, s_v, s_q, s_do, s_ta, s_tb, s_p, s_x, s_dx, s_sc, num_householder, state_bad=None, read_bad=None):
+             s_k, s_v, s_q, s_do, s_ta, s_tb, s_p, s_x, s_dx, s_sc, num_householder, state_bad=None, read_bad=None,
+             any_flagged=None):
         """Load the chunk's tiles, its start state and end gradient, and wait for them; contained (token flags
         given), zero the k and v rows of state_bad tokens and the q and dO rows of read_bad ones (a poisoned
         output passes no gradient)."""
@@ -539,20 +543,13 @@ class ChunkReverseKernel:
                                                       (NQ, V), (0, 0)), s_do, tokens)
         _mma.copy_rows_g2s(g2s, tidx, p[chunk, head, None, None], s_p, NQ)
         cute.arch.cp_async_commit_group()
-        contained = cutlass.const_expr(state_bad is not None)
-        if cutlass.const_expr(contained):
-            step_flags, token_flags = flags = chunk_common.chunk_flags(g2s, tidx, K, NQ)
-            chunk_common.load_chunk_flags(g2s, tidx, state_bad, read_bad, head, first_token, steps, num_householder,
-                                          flags, K, NQ)
         for i in cutlass.range_constexpr(4 * C // self.threads):
             index = tidx + i * self.threads
             s_sc[index // C, index % C] = scalars[chunk, head, index // C, index % C]
         cute.arch.cp_async_wait_group(0)
-        if cutlass.const_expr(contained):
-            _mma.zero_flagged_rows(g2s, tidx, s_k, step_flags)
-            _mma.zero_flagged_rows(g2s, tidx, s_v, step_flags)
-            _mma.zero_flagged_rows(g2s, tidx, s_q, token_flags)
-            _mma.zero_flagged_rows(g2s, tidx, s_do, token_flags)
+        if cutlass.const_expr(state_bad is not None):
+            chunk_common.zero_flagged_chunk_rows(g2s, tidx, (state_bad, read_bad, any_flagged[0] != 0), head,
+                                                 first_token, steps, num_householder, K, NQ, s_k, s_v, s_q, s_do)
         cute.arch.sync_threads()
 
     @cute.jit

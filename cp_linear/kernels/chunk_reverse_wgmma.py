@@ -71,7 +71,8 @@ class ChunkReverseWgmmaKernel:
     def __call__(self, k: cute.Tensor, v: cute.Tensor, q: cute.Tensor, do: cute.Tensor, ta: cute.Tensor,
                  tb: cute.Tensor, p: cute.Tensor, scalars: cute.Tensor, chunk_first_step: cute.Tensor,
                  chunk_steps: cute.Tensor, num_chunks: cute.Tensor, chunk_states: cute.Tensor,
-                 chunk_grads: cute.Tensor, state_bad: cute.Tensor, read_bad: cute.Tensor, dv: cute.Tensor,
+                 chunk_grads: cute.Tensor, state_bad: cute.Tensor, read_bad: cute.Tensor, any_flagged: cute.Tensor,
+                 dv: cute.Tensor,
                  dq_scan: cute.Tensor, dk_scan: cute.Tensor, d_ta: cute.Tensor, d_tb: cute.Tensor, d_p: cute.Tensor,
                  d_scalars: cute.Tensor, num_householder: Int32, stream):
         """Arguments as ``chunk_reverse.ChunkReverseKernel`` (``launch.ChunkReverseLaunch``)."""
@@ -80,7 +81,8 @@ class ChunkReverseWgmmaKernel:
         s2g_square = _mma.make_s2g_copy(Float32, WARPGROUP, C)  # one warpgroup's [., 64] float32 outputs
         s2r_keys = _mma.make_s2g_copy(self.dtype, self.threads, self.key_dim)  # 16-byte reads of [., K] tiles
         self.kernel(k, v, q, do, ta, tb, p, scalars, chunk_first_step, chunk_steps, num_chunks, chunk_states,
-                    chunk_grads, state_bad, read_bad, dv, dq_scan, dk_scan, d_ta, d_tb, d_p, d_scalars, num_householder,
+                    chunk_grads, state_bad, read_bad, any_flagged, dv, dq_scan, dk_scan, d_ta, d_tb, d_p, d_scalars,
+                    num_householder,
                     g2s, s2g_values, s2g_square, s2r_keys).launch(
             grid=(chunk_first_step.shape[0], k.shape[1], 1), block=(self.threads, 1, 1), stream=stream)
 
@@ -88,7 +90,8 @@ class ChunkReverseWgmmaKernel:
     def kernel(self, k: cute.Tensor, v: cute.Tensor, q: cute.Tensor, do: cute.Tensor, ta: cute.Tensor,
                tb: cute.Tensor, p: cute.Tensor, scalars: cute.Tensor, chunk_first_step: cute.Tensor,
                chunk_steps: cute.Tensor, num_chunks: cute.Tensor, chunk_states: cute.Tensor,
-               chunk_grads: cute.Tensor, state_bad: cute.Tensor, read_bad: cute.Tensor, dv: cute.Tensor,
+               chunk_grads: cute.Tensor, state_bad: cute.Tensor, read_bad: cute.Tensor, any_flagged: cute.Tensor,
+               dv: cute.Tensor,
                dq_scan: cute.Tensor, dk_scan: cute.Tensor, d_ta: cute.Tensor, d_tb: cute.Tensor, d_p: cute.Tensor,
                d_scalars: cute.Tensor, num_householder: Int32, g2s: cute.TiledCopy, s2g_values: cute.TiledCopy,
                s2g_square: cute.TiledCopy, s2r_keys: cute.TiledCopy):
@@ -112,7 +115,7 @@ class ChunkReverseWgmmaKernel:
         if chunk < num_chunks[0]:
             first, steps = chunk_first_step[chunk], chunk_steps[chunk]
             self.load(g2s, tidx, chunk, head, k, v, q, do, ta, tb, p, scalars, chunk_states, chunk_grads, first,
-                      steps, s, s_sc, NH, *chunk_common.contained_flags(self, state_bad, read_bad))
+                      steps, s, s_sc, NH, *chunk_common.contained_flags(self, state_bad, read_bad, any_flagged))
             self.values_phase(tidx, s, s_sc, s_red, s_stage0, s2g_values, s2r_keys, dv, d_scalars, chunk, head, first,
                               steps)
             warpgroup = tidx // WARPGROUP
@@ -125,7 +128,7 @@ class ChunkReverseWgmmaKernel:
 
     @cute.jit
     def load(self, g2s, tidx, chunk, head, k, v, q, do, ta, tb, p, scalars, chunk_states, chunk_grads, first, steps,
-             s, s_sc, num_householder, state_bad=None, read_bad=None):
+             s, s_sc, num_householder, state_bad=None, read_bad=None, any_flagged=None):
         """Load the chunk's tiles, its start state and end gradient (cp.async, rows past the chunk zero);
         contained (token flags given), zero the k and v rows of state_bad tokens and the q and dO rows of read_bad
         ones (a poisoned output passes no gradient)."""
@@ -148,20 +151,14 @@ class ChunkReverseWgmmaKernel:
         _mma.copy_rows_g2s(g2s, tidx, token_rows(do, V), s["do"], tokens)
         _mma.copy_rows_g2s(g2s, tidx, p[chunk, head, None, None], s["p"], NQ)
         cute.arch.cp_async_commit_group()
-        contained = cutlass.const_expr(state_bad is not None)
-        if cutlass.const_expr(contained):
-            step_flags, token_flags = flags = chunk_common.chunk_flags(g2s, tidx, K, NQ)
-            chunk_common.load_chunk_flags(g2s, tidx, state_bad, read_bad, head, first_token, steps, num_householder,
-                                          flags, K, NQ)
         for i in cutlass.range_constexpr(4 * C // self.threads):
             index = tidx + i * self.threads
             s_sc[index // C, index % C] = scalars[chunk, head, index // C, index % C]
         cute.arch.cp_async_wait_group(0)
-        if cutlass.const_expr(contained):
-            _mma.zero_flagged_rows(g2s, tidx, s["k"], step_flags)
-            _mma.zero_flagged_rows(g2s, tidx, s["v"], step_flags)
-            _mma.zero_flagged_rows(g2s, tidx, s["q"], token_flags)
-            _mma.zero_flagged_rows(g2s, tidx, s["do"], token_flags)
+        if cutlass.const_expr(state_bad is not None):
+            chunk_common.zero_flagged_chunk_rows(g2s, tidx, (state_bad, read_bad, any_flagged[0] != 0), head,
+                                                 first_token, steps, num_householder, K, NQ, s["k"], s["v"], s["q"],
+                                                 s["do"])
         cute.arch.fence_view_async_shared()  # cp.async data -> the tensor cores' (async proxy) reads
         cute.arch.sync_threads()
 

@@ -101,6 +101,7 @@ class ChunkScanKernel:
                  state_in: cute.Tensor,  # [S_max, H, V, K] float32 (modes other than "summary")
                  state_bad: cute.Tensor,  # [T_all, H] uint8 (read when contained)
                  read_bad: cute.Tensor,  # [T_all, H] uint8 (read when contained, in the output modes)
+                 any_flagged: cute.Tensor,  # int32 [1]: nonzero when any token is flagged (contained)
                  state_out: cute.Tensor,  # [N, H, K, V] float32 (out, the output modes: final states) or
                                           # [S_max, H, V + K, K] (out, mode "summary")
                  o: cute.Tensor,  # [T_all, H, V] input dtype (out, modes "output", "output_states")
@@ -112,28 +113,19 @@ class ChunkScanKernel:
         g2s = _mma.make_g2s_copy(self.dtype, self.threads)
         s2g = _mma.make_s2g_copy(self.dtype, self.threads)  # the chunk states only
         self.kernel(k, v, q, ta, tb, p, scalars, chunk_first_step, chunk_steps, seg_first_chunk, seg_chunks,
-                    seg_order, seg_flags, num_segments, seq_first_segment, state_in, state_bad, read_bad, state_out,
+                    seg_order, seg_flags, num_segments, seq_first_segment, state_in, state_bad, read_bad, any_flagged,
+                    state_out,
                     o, chunk_states, num_householder, clear_unsummarised, tiled_mma, g2s, s2g).launch(
             grid=(k.shape[1], seg_first_chunk.shape[0], self.row_blocks()), block=(self.threads, 1, 1),
             stream=stream)
 
     @cute.jit
     def load_chunk(self, g2s, tidx, chunk, head, value_col, is_value_rows, k, v, q, ta, tb, p,
-                   chunk_first_step, chunk_steps, s_k, s_v, s_ta, s_tb, s_q, s_p, num_householder, row_flags):
-        """Issue the cp.async copies of one chunk's tiles into one stage (rows past the chunk are zero);
-        contained, also the loads of the flags of this thread's k / v and q rows (``row_flags``, read after
-        the wait by ``clean_chunk``)."""
+                   chunk_first_step, chunk_steps, s_k, s_v, s_ta, s_tb, s_q, s_p, num_householder):
+        """Issue the cp.async copies of one chunk's tiles into one stage (rows past the chunk are zero)."""
         K, R, NQ = self.key_dim, self.rows, self.query_tile
         first = chunk_first_step[chunk]
         steps = chunk_steps[chunk]
-        if cutlass.const_expr(self.contained):
-            state_bad, read_bad, step_flags, token_flags = row_flags
-            _mma.load_row_flags(g2s, tidx, (C, K), chunk_common.head_flags(state_bad, first // num_householder, head),
-                                steps, num_householder, step_flags)
-            if cutlass.const_expr(self.reads_queries):
-                _mma.load_row_flags(g2s, tidx, (NQ, K),
-                                    chunk_common.head_flags(read_bad, first // num_householder, head),
-                                    steps // num_householder, 1, token_flags)
         _mma.copy_rows_g2s(g2s, tidx, cute.local_tile(cute.domain_offset((first, 0), k[None, head, None]), (C, K),
                                                       (0, 0)), s_k, steps)
         if is_value_rows:
@@ -150,18 +142,21 @@ class ChunkScanKernel:
         cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def clean_chunk(self, g2s, tidx, is_value_rows, s_k, s_v, s_q, s_read_bad, row_flags):
-        """Contained: zero the k and v rows of state_bad tokens and the q rows of read_bad tokens that this
-        thread copied (after the copies' wait, before the barrier); the output modes also publish the q rows'
-        flags in ``s_read_bad`` (this stage's [NQ]), which the epilogue reads to store NaN outputs."""
+    def clean_chunk(self, g2s, tidx, chunk, head, chunk_first_step, chunk_steps, s_k, s_v, s_q, s_read_bad,
+                    num_householder, token_flags):
+        """Contained (after the copies' wait, before the barrier): zero the k and v rows of state_bad tokens and
+        the q rows of read_bad tokens that this thread copied (``chunk_common.zero_flagged_chunk_rows``); the
+        output modes also publish the q rows' flags in ``s_read_bad`` (this stage's [NQ]) for the NaN stores.
+        The value tile of transition rows is never loaded: its zero rows stay zero."""
         if cutlass.const_expr(self.contained):
-            _, _, step_flags, token_flags = row_flags
-            _mma.zero_flagged_rows(g2s, tidx, s_k, step_flags)
-            if is_value_rows:
-                _mma.zero_flagged_rows(g2s, tidx, s_v, step_flags)
+            first_token = chunk_first_step[chunk] // num_householder
             if cutlass.const_expr(self.reads_queries):
-                _mma.zero_flagged_rows(g2s, tidx, s_q, token_flags)
-                _mma.store_row_flags(g2s, tidx, (self.query_tile, self.key_dim), token_flags, s_read_bad)
+                chunk_common.zero_flagged_chunk_rows(g2s, tidx, token_flags, head, first_token, chunk_steps[chunk],
+                                                     num_householder, self.key_dim, self.query_tile, s_k, s_v, s_q,
+                                                     s_read_bad=s_read_bad)
+            else:  # no q tile (s_q is an alias of another tile here)
+                chunk_common.zero_flagged_chunk_rows(g2s, tidx, token_flags, head, first_token, chunk_steps[chunk],
+                                                     num_householder, self.key_dim, self.query_tile, s_k, s_v)
 
     def _tile(self, allocator, rows: int, cols: int) -> cute.Tensor:
         return staged_tile(allocator, self.dtype, rows, cols, self.wgmma)
@@ -171,7 +166,8 @@ class ChunkScanKernel:
                p: cute.Tensor, scalars: cute.Tensor, chunk_first_step: cute.Tensor, chunk_steps: cute.Tensor,
                seg_first_chunk: cute.Tensor, seg_chunks: cute.Tensor, seg_order: cute.Tensor, seg_flags: cute.Tensor,
                num_segments: cute.Tensor, seq_first_segment: cute.Tensor, state_in: cute.Tensor,
-               state_bad: cute.Tensor, read_bad: cute.Tensor, state_out: cute.Tensor, o: cute.Tensor,
+               state_bad: cute.Tensor, read_bad: cute.Tensor, any_flagged: cute.Tensor, state_out: cute.Tensor,
+               o: cute.Tensor,
                chunk_states: cute.Tensor, num_householder: Int32, clear_unsummarised: Int32, tiled_mma: cute.TiledMma,
                g2s: cute.TiledCopy, s2g: cute.TiledCopy):
         K, V, R, NQ, NH = self.key_dim, self.value_dim, self.rows, self.query_tile, num_householder
@@ -241,14 +237,15 @@ class ChunkScanKernel:
                 flat = cute.make_tensor(s_v_all.iterator, cute.make_layout(elements))
                 for i in cutlass.range(elements // self.threads, unroll=8):
                     flat[tidx + i * self.threads] = self.dtype(0.0)
-            row_flags = None  # contained: the token flags and this thread's row flags of the stage in flight
+            token_flags = None  # contained: (state_bad, read_bad, whether any token of the launch is flagged)
+            flagged = False
             if cutlass.const_expr(self.contained):
-                row_flags = (state_bad, read_bad, _mma.row_flags_fragment(g2s, tidx, (C, K)),
-                             _mma.row_flags_fragment(g2s, tidx, (NQ if self.reads_queries else C, K)))
+                flagged = any_flagged[0] != 0
+                token_flags = (state_bad, read_bad, flagged)
             self.load_chunk(g2s, tidx, first_chunk, head, value_col, is_value_rows, k, v, q, ta, tb, p,
                             chunk_first_step, chunk_steps, s_k_all[None, None, 0], s_v_all[None, None, 0],
                             s_ta_all[None, None, 0], s_tb_all[None, None, 0], s_q_all[None, None, 0],
-                            s_p_all[None, None, 0], NH, row_flags)
+                            s_p_all[None, None, 0], NH)
             if cutlass.const_expr(self.reads_queries):
                 self.find_final_sequence(tidx, seq_first_segment, segment, s_sequence)
             # the chunk's 4 x 64 float32 scalars travel through registers, one chunk ahead
@@ -273,8 +270,8 @@ class ChunkScanKernel:
                 s_read_bad = None
                 if cutlass.const_expr(s_read_bad_all is not None):
                     s_read_bad = s_read_bad_all[None, stage]
-                self.clean_chunk(g2s, tidx, is_value_rows, s_k_all[None, None, stage], s_v_all[None, None, stage],
-                                 s_q_all[None, None, stage], s_read_bad, row_flags)
+                self.clean_chunk(g2s, tidx, chunk, head, chunk_first_step, chunk_steps, s_k_all[None, None, stage],
+                                 s_v_all[None, None, stage], s_q_all[None, None, stage], s_read_bad, NH, token_flags)
                 if cutlass.const_expr(self.wgmma):
                     cute.arch.fence_view_async_shared()  # cp.async/st.shared data -> the async proxy of wgmma
                 cute.arch.sync_threads()
@@ -284,7 +281,7 @@ class ChunkScanKernel:
                                     chunk_first_step, chunk_steps, s_k_all[None, None, other],
                                     s_v_all[None, None, other], s_ta_all[None, None, other],
                                     s_tb_all[None, None, other], s_q_all[None, None, other],
-                                    s_p_all[None, None, other], NH, row_flags)
+                                    s_p_all[None, None, other], NH)
                     for j in cutlass.range_constexpr(per_thread):
                         index = tidx + j * self.threads
                         scalar_next[j] = scalars[chunk + 1, head, index // C, index % C]
@@ -294,7 +291,7 @@ class ChunkScanKernel:
                 if cutlass.const_expr(self.states):  # staged before the sync above; stored by whole rows
                     _mma.copy_tile_s2g(s2g, tidx, s_out, self.chunk_state_rows(chunk_states, chunk, head, row_block))
                 self.chunk_step(products, state, stage, s_sc, s_k_all, s_v_all, s_ta_all, s_tb_all,
-                                s_q_all, s_p_all, o, head, row0, first_token, tokens, s_read_bad)
+                                s_q_all, s_p_all, o, head, row0, first_token, tokens, s_read_bad, flagged)
                 if cutlass.const_expr(self.states):
                     cute.arch.sync_threads()  # every row of s_out is stored before the next chunk restages it
                 if cutlass.const_expr(self.output_states):
@@ -359,9 +356,10 @@ class ChunkScanKernel:
     @cute.jit
     def chunk_step(self, products, state: cute.Tensor, stage, s_sc: cute.Tensor, s_k_all, s_v_all,
                    s_ta_all, s_tb_all, s_q_all, s_p_all, o: cute.Tensor, head, row0, first_token, tokens,
-                   s_read_bad):
+                   s_read_bad, flagged):
         """One chunk: Y, D, (O), and the state update, on the chunk's tiles in shared-memory ``stage``;
-        contained, the outputs of the tokens flagged in ``s_read_bad`` are stored as NaN (poisoned)."""
+        contained, when the launch has a flagged token (``flagged``), the outputs of the tokens flagged in
+        ``s_read_bad`` are stored as NaN (poisoned)."""
         R, NQ = self.rows, self.query_tile
         state_a = products.as_a(state)
         y = products.product_accumulator(C)
@@ -385,8 +383,9 @@ class ChunkScanKernel:
                 if t < tokens:
                     value = out[e]
                     if cutlass.const_expr(s_read_bad is not None):
-                        if s_read_bad[t] != cutlass.Uint8(0):
-                            value = Float32(float("nan"))
+                        if flagged:
+                            if s_read_bad[t] != cutlass.Uint8(0):
+                                value = Float32(float("nan"))
                     o[first_token + t, head, row0 + r] = value.to(self.dtype)
 
         # X <- exp(G_last) X + (D diag(b)) k

@@ -245,33 +245,37 @@ def run_emulated(launch) -> None:
                   kl.ForwardLayoutLaunch: emulate_forward_layout}
     if type(launch) not in emulations:
         raise TypeError(f"no emulation for {type(launch).__name__}")
-    contained = getattr(launch.config, "contained", False)
-    if contained:
-        launch = contained_launch(launch)
+    # a contained kernel reads the token flags only when any_flagged says one is set (as the kernels do)
+    flagged = getattr(launch.config, "contained", False) and bool(launch.any_flagged[0] != 0)
+    if getattr(launch.config, "contained", False):
+        launch = contained_launch(launch, flagged)
     emulations[type(launch)](launch)
-    if contained and getattr(launch.config, "mode", None) in ("output", "output_states"):
+    if flagged and getattr(launch.config, "mode", None) in ("output", "output_states"):
         # the contained output scan stores the outputs of read_bad tokens as NaN (poisoned)
         launch.o.masked_fill_((launch.read_bad != 0)[..., None], float("nan"))
 
 
-def contained_launch(launch):
+def contained_launch(launch, flagged: bool):
     """The inputs a contained kernel computes with, as ``launch`` with them replaced (its outputs are the same
     tensors): ``validation.zero_flagged_inputs`` on the flat rows, and the output gradient's rows of read_bad
-    tokens zero (the kernels zero these rows as they load them)."""
+    tokens zero (the kernels zero these rows as they load them); without ``flagged`` (``any_flagged`` zero)
+    only the non-finite g and beta read 0."""
     import dataclasses
 
     from cp_linear.validation import sanitize, zero_flagged_rows
 
     n_h = int(launch.num_householder)
     names = {f.name for f in dataclasses.fields(launch)}
-    changes = dict(k=zero_flagged_rows(launch.k, launch.state_bad, n_h))
+    changes = {name: sanitize(getattr(launch, name)) for name in ("g", "beta") if name in names}
+    if not flagged:
+        return dataclasses.replace(launch, **changes)
+    changes["k"] = zero_flagged_rows(launch.k, launch.state_bad, n_h)
     if launch.q.shape[0] == launch.read_bad.shape[0]:  # a mode that reads no queries may pass a placeholder
         changes["q"] = zero_flagged_rows(launch.q, launch.read_bad, 1)
         if "do" in names:  # a poisoned output passes no gradient
             changes["do"] = zero_flagged_rows(launch.do, launch.read_bad, 1)
     if "v" in names:
         changes["v"] = zero_flagged_rows(launch.v, launch.state_bad, n_h)
-    changes.update({name: sanitize(getattr(launch, name)) for name in ("g", "beta") if name in names})
     return dataclasses.replace(launch, **changes)
 
 

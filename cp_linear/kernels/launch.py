@@ -124,6 +124,7 @@ class ChunkPrepLaunch(_Launch):
     num_chunks: Any = _spec(1, dtype="int32")
     state_bad: Any = _spec(None, None, dtype="uint8")  # [T_all, H] token flags: read by a contained config
     read_bad: Any = _spec(None, None, dtype="uint8")
+    any_flagged: Any = _spec(1, dtype="int32")  # nonzero when any token is flagged: else the flags are not read
     ta: Any = _spec(None, None, 64, 64, align=16)
     tb: Any = _spec(None, None, 64, 64, align=16)
     p: Any = _spec(None, None, "query_tile", 64)
@@ -164,6 +165,7 @@ class ChunkScanLaunch(_Launch):
     state_in: Any = _spec(None, None, "value_dim", "key_dim", dtype="float32")
     state_bad: Any = _spec(None, None, dtype="uint8")  # [T_all, H] token flags: read by a contained config
     read_bad: Any = _spec(None, None, dtype="uint8")
+    any_flagged: Any = _spec(1, dtype="int32")  # nonzero when any token is flagged: else the flags are not read
     state_out: Any = _spec(None, None, "state_rows", "state_cols", dtype="float32")
     o: Any = _spec(None, None, "value_dim")
     chunk_states: Any = _spec(None, None, "chunk_state_size", align=16)  # written by 16-byte rows
@@ -222,6 +224,7 @@ class ChunkGammaLaunch(_Launch):
     forward_summaries: Any = _spec(None, None, "gamma_rows", "key_dim", dtype="float32", align=16)
     state_bad: Any = _spec(None, None, dtype="uint8")  # [T_all, H] token flags: read by a contained config
     read_bad: Any = _spec(None, None, dtype="uint8")
+    any_flagged: Any = _spec(1, dtype="int32")  # nonzero when any token is flagged: else the flags are not read
     summaries: Any = _spec(None, None, "gamma_rows", "key_dim", dtype="float32")
     num_householder: Any = _scalar("int32")
 
@@ -249,6 +252,7 @@ class ChunkReverseScanLaunch(_Launch):
     grad_out: Any = _spec(None, None, "value_dim", "key_dim", dtype="float32")
     state_bad: Any = _spec(None, None, dtype="uint8")  # [T_all, H] token flags: read by a contained config
     read_bad: Any = _spec(None, None, dtype="uint8")
+    any_flagged: Any = _spec(1, dtype="int32")  # nonzero when any token is flagged: else the flags are not read
     chunk_grads: Any = _spec(None, None, "value_dim", "key_dim", align=16)  # written as 16-byte rows
     grad_in: Any = _spec(None, None, "value_dim", "key_dim", dtype="float32")
     num_householder: Any = _scalar("int32")
@@ -281,6 +285,7 @@ class ChunkReverseLaunch(_Launch):
     chunk_grads: Any = _spec(None, None, "value_dim", "key_dim", align=16)
     state_bad: Any = _spec(None, None, dtype="uint8")  # [T_all, H] token flags: read by a contained config
     read_bad: Any = _spec(None, None, dtype="uint8")
+    any_flagged: Any = _spec(1, dtype="int32")  # nonzero when any token is flagged: else the flags are not read
     # every output but d_scalars is stored as 16-byte rows (staged in shared memory)
     dv: Any = _spec(None, None, "value_dim", align=16)  # the input dtype: the final gradient, rounded once
     dq_scan: Any = _spec(None, None, "key_dim", dtype="float32", align=16)
@@ -308,6 +313,7 @@ class ChunkPrepBackwardLaunch(_Launch):
     num_chunks: Any = _spec(1, dtype="int32")
     state_bad: Any = _spec(None, None, dtype="uint8")  # [T_all, H] token flags: read by a contained config
     read_bad: Any = _spec(None, None, dtype="uint8")
+    any_flagged: Any = _spec(1, dtype="int32")  # nonzero when any token is flagged: else the flags are not read
     d_ta: Any = _spec(None, None, 64, 64, dtype="float32", align=16)  # staged in shared memory by 16-byte copies
     d_tb: Any = _spec(None, None, 64, 64, dtype="float32", align=16)
     d_p: Any = _spec(None, None, "query_tile", 64, dtype="float32", align=16)
@@ -533,13 +539,19 @@ class KernelShard:
         contained (they zero the flagged rows as they load them)."""
         return self.inputs.token_flags is not None
 
-    def token_flag_arguments(self, placeholder) -> dict:
-        """``state_bad`` and ``read_bad`` of a chunk kernel's launch: the token flags as [T_all, H] (uint8), or
-        ``placeholder`` (any uint8 [1, 1]) for both when the configs are not contained (nothing reads them)."""
+    def token_flag_arguments(self, flags_placeholder, any_placeholder) -> dict:
+        """``state_bad``, ``read_bad`` and ``any_flagged`` of a chunk kernel's launch: the token flags as [T_all, H]
+        (uint8) and int32 [1], nonzero when any flag is set (a clean launch then reads none of them), or the
+        placeholders (any uint8 [1, 1], any int32 [1]) when the configs are not contained (nothing reads them)."""
         if not self.contained:
-            return dict(state_bad=placeholder, read_bad=placeholder)
-        return {name: flags.reshape(-1, self.heads) for name, flags in zip(("state_bad", "read_bad"),
-                                                                          self.inputs.token_flags)}
+            return dict(state_bad=flags_placeholder, read_bad=flags_placeholder, any_flagged=any_placeholder)
+        import array_api_compat
+
+        state_bad, read_bad = self.inputs.token_flags
+        xp = array_api_compat.array_namespace(state_bad)
+        any_flagged = xp.reshape(xp.astype(xp.any(state_bad != 0) | xp.any(read_bad != 0), xp.int32), (1,))
+        return dict(state_bad=xp.reshape(state_bad, (-1, self.heads)), read_bad=xp.reshape(read_bad, (-1, self.heads)),
+                    any_flagged=any_flagged)
 
 
 @dataclass

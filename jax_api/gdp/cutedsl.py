@@ -690,8 +690,9 @@ def _without_read_bad(output_grad, saved: CPSavedContext):
 
 
 def _token_flags(shard: _Shard) -> dict[str, jax.Array]:
-    """The chunk launches' ``state_bad`` / ``read_bad``: the shard's token flags, or a uint8 [1, 1] zero each."""
-    return shard.token_flag_arguments(jnp.zeros((1, 1), jnp.uint8))
+    """The chunk launches' ``state_bad`` / ``read_bad`` / ``any_flagged``: the shard's token flags, or zero
+    placeholders."""
+    return shard.token_flag_arguments(jnp.zeros((1, 1), jnp.uint8), jnp.zeros((1,), jnp.int32))
 
 
 def _scan_rows(dtype: str, key_dim: int, value_dim: int, num_householder: int, row_block: int) -> tuple[int, int]:

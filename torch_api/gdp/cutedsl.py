@@ -1061,9 +1061,10 @@ def _kept(key: tuple, device: torch.device, make) -> torch.Tensor:
 
 
 def _token_flags(shard: _Shard) -> dict[str, torch.Tensor]:
-    """The chunk launches' ``state_bad`` / ``read_bad``: the shard's token flags (``GDPInputs.token_flags``;
-    this frontend's ops pass sanitised copies instead, so none yet), or a uint8 [1, 1] placeholder each."""
-    return shard.token_flag_arguments(_placeholder(shard.q.device, torch.uint8, (1, 1)))
+    """The chunk launches' ``state_bad`` / ``read_bad`` / ``any_flagged``: the shard's token flags
+    (``GDPInputs.token_flags``; this frontend's ops pass sanitised copies instead, so none yet), or placeholders."""
+    return shard.token_flag_arguments(_placeholder(shard.q.device, torch.uint8, (1, 1)),
+                                      _placeholder(shard.q.device, torch.int32, (1,)))
 
 
 def _placeholder(device: torch.device, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
