@@ -63,7 +63,7 @@ from cp_linear.summary import (
     compose_backward,
     compose_forward,
 )
-from cp_linear.validation import zero_flagged_inputs
+from cp_linear.validation import poison, zero_flagged_inputs, zero_flagged_rows
 from jax_api.gdp import kernel_calls
 from jax_api.gdp.chunk import JaxGDPBackend, check_gdp_inputs
 
@@ -666,7 +666,7 @@ class _FlaggedFallback:
 def _poisoned_reads(output, read_bad: jax.Array):
     """``output`` (o [B, T, H, V], or (o, final states)) with the outputs of read_bad tokens NaN."""
     o, final = output if isinstance(output, tuple) else (output, None)
-    o = jnp.where(read_bad[..., None] != 0, jnp.asarray(jnp.nan, o.dtype), o)
+    o = poison(o, (read_bad != 0)[..., None])
     return o if final is None else (o, final)
 
 
@@ -684,7 +684,7 @@ def _without_read_bad(output_grad, saved: CPSavedContext):
     metadata = {name: value for name, value in saved.metadata.items() if name != _READ_BAD}
     do, final_grad = output_grad if isinstance(output_grad, tuple) else (output_grad, None)
     if do is not None:
-        do = jnp.where(read_bad[..., None] != 0, jnp.zeros((), do.dtype), do)
+        do = zero_flagged_rows(do, read_bad, 1)
     output_grad = do if not isinstance(output_grad, tuple) else (do, final_grad)
     return output_grad, CPSavedContext(tensors=saved.tensors[:-1], metadata=metadata)
 
