@@ -509,3 +509,100 @@ def test_fold_shortcuts_match_the_plain_fold():
     from tests.cutedsl_inputs import check_fold_modes
 
     check_fold_modes("cuda")
+
+
+# --------------------------------------------------------------------------- containment: the token-flags route
+
+
+def _contained_step(backend, inputs, initial, cu, check_inputs, launches, monkeypatch):
+    """gated_delta_product forward and backward (output gradients everywhere, poisoned outputs included) with
+    every launch recorded as (name, copies, contained) -> [o, final, dq, dk, dv, dg, dbeta, d initial]."""
+    from cp_linear.kernels import launch as kl
+    from torch_api import gated_delta_product
+
+    original = kl._Launch.run
+    record = (lambda launch: (launches.append((type(launch).__name__, getattr(launch.config, "copies", None),
+                                                getattr(launch.config, "contained", None))), original(launch)))
+    monkeypatch.setattr(kl._Launch, "run", record)
+    leaves = [x.clone().requires_grad_() for x in (*inputs, initial)]
+    o, final = gated_delta_product(*leaves[:5], num_householder=2, cu_seqlens=cu, initial_state=leaves[5],
+                                   use_qk_l2norm_in_kernel=True, backend=backend, check_inputs=check_inputs)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    torch.autograd.backward([o, final], [torch.randn(o.shape, device="cuda", generator=gen).to(o.dtype),
+                                         torch.randn(final.shape, device="cuda", generator=gen)])
+    monkeypatch.setattr(kl._Launch, "run", original)
+    return [o, final, *(x.grad for x in leaves)]
+
+
+def _contained_inputs_on_gpu(dirty: bool):
+    """bf16 q, k, v (K = V = 128, H = 4, n_h = 2) and float32 g, beta of three packed sequences, with (dirty)
+    NaN / ±Inf in every input and in one initial state; the initial states; cu_seqlens."""
+    from tests.cutedsl_inputs import emulation_inputs
+
+    lengths, n_h = [700, 300, 1048], 2
+    inputs = [x.cuda() for x in emulation_inputs(lengths, 4, 128, 128, n_h, seed=5)]
+    initial = torch.randn(3, 4, 128, 128, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
+    initial = initial * 0.1
+    if dirty:
+        inputs[1][0, 100 * n_h + 1, 1, 7] = float("nan")  # k, token 100 (sequence 0), head 1
+        inputs[0][0, 500, 0, 3] = float("inf")  # q, token 500: that output alone
+        inputs[3][0, 1500, 2] = -float("inf")  # g, token 1500 (sequence 2), head 2
+        inputs[4][0, 1800 * n_h + 1, 3] = float("nan")  # beta, token 1800, head 3
+        inputs[2][0, 900 * n_h, 0, 0] = float("nan")  # v, token 900 (sequence 1), head 0
+        initial[1, 3, 5, 5] = float("nan")  # sequence 1, head 3: every output of it
+    cu = torch.tensor(np.cumsum([0] + lengths), dtype=torch.int32, device="cuda")
+    return inputs, initial, cu
+
+
+def _bitwise(name, got, want):
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backward", ["kernels", "torch"])
+def test_contained_flags_route_equals_the_copies_route_with_nonfinite_inputs(monkeypatch, backward):
+    """check_inputs=False on the kernels with NaN / ±Inf in q, k, v, g, beta and an initial state: the flags
+    route (one flags-only token-checks launch, contained chunk kernels that zero the flagged rows and store
+    NaN at the poisoned tokens, no select over o) against the copies route (the same backend with
+    ``zeroes_flagged_rows`` off: one launch with sanitised copies, the plain kernels, the op's select).
+    Outputs, final states and gradients bit for bit, NaN where NaN: every finite output reads the same values
+    in the same order (a flagged row reaches only poisoned outputs, whose output gradient is zero), as the
+    emulation shows (tests/torch_api/test_isolation_flags.py)."""
+    from torch_api.gdp.cutedsl import CuTeDSLGatedDeltaProductCPBackend
+
+    inputs, initial, cu = _contained_inputs_on_gpu(dirty=True)
+    results, launches = {}, {}
+    for route in ("flags", "copies"):
+        backend = CuTeDSLGatedDeltaProductCPBackend(backward=backward)
+        if route == "copies":
+            backend.zeroes_flagged_rows = False
+        launches[route] = []
+        results[route] = _contained_step(backend, inputs, initial, cu, False, launches[route], monkeypatch)
+    for route, flags in (("flags", True), ("copies", False)):
+        assert [copies for name, copies, _ in launches[route] if name == "TokenChecksLaunch"] == [not flags], route
+        assert {contained for _, _, contained in launches[route] if contained is not None} == {flags}, route
+    for name, got, want in zip(("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dinitial"), results["flags"],
+                               results["copies"]):
+        _bitwise(name, got, want)
+    o = results["flags"][0]
+    assert o[0, 500, 0].isnan().all() and not o[0, :100].isnan().any() and o[0, 700:1000, 3].isnan().all()
+    assert all(torch.isfinite(grad).all() for grad in results["flags"][2:])
+
+
+@pytest.mark.gpu
+def test_contained_flags_route_on_finite_inputs_equals_the_checked_op_bitwise(monkeypatch):
+    """Finite inputs: check_inputs=False (the flags route: contained kernels with no flag set, any_flagged 0)
+    gives what check_inputs=True (the plain kernels) gives, bit for bit: outputs, final states, gradients."""
+    from torch_api.gdp.cutedsl import CuTeDSLGatedDeltaProductCPBackend
+
+    inputs, initial, cu = _contained_inputs_on_gpu(dirty=False)
+    backend = CuTeDSLGatedDeltaProductCPBackend()
+    launches = {True: [], False: []}
+    results = {check: _contained_step(backend, inputs, initial, cu, check, launches[check], monkeypatch)
+               for check in (False, True)}
+    assert [copies for name, copies, _ in launches[False] if name == "TokenChecksLaunch"] == [False]
+    assert {contained for _, _, contained in launches[False] if contained is not None} == {True}
+    assert {contained for _, _, contained in launches[True] if contained is not None} == {False}
+    for name, got, want in zip(("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dinitial"), results[False],
+                               results[True]):
+        _bitwise(name, got, want)

@@ -159,7 +159,8 @@ def test_contained_kernel_backward_is_zero_at_poisoned_inputs_and_clean_elsewher
     gradients are finite, exactly zero at every input of a poisoned (token, head), bad entries included
     (sanitising passes the gradient through), and elsewhere those of the clean inputs with no gradient
     through the poisoned outputs (tests/faults/cases.py::contained_gdp_gradients). The flags and sanitised
-    copies come from the torch ops, or from the token-checks kernel (``isolation.contained_inputs``)."""
+    copies come from the torch ops, or the flags alone from the token-checks kernel, the contained kernels
+    zeroing the flagged rows (``isolation.contained_inputs``)."""
     from tests.faults.cases import contained_gdp_gradients, expected_gdp_poison
     from torch_api import gated_delta_product
     from torch_api.gdp import validation

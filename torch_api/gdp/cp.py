@@ -320,11 +320,13 @@ class _CPCall:
 
 class _ContextParallelGDP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, call: _CPCall, trailing_bad, q, k, v, g, beta, local_initial):
+    def forward(ctx, call: _CPCall, trailing_bad, token_flags, q, k, v, g, beta, local_initial):
         """-> (o, local final states [n, H, K, V] or [0], incoming_bad); ``local_initial``: the initial
-        states of the local sequences or None (``_local_initial_states``)."""
+        states of the local sequences or None (``_local_initial_states``); ``token_flags``: None, or the
+        containment's (state_bad, read_bad) for a backend that zeroes flagged rows (``GDPInputs.token_flags``:
+        its saved context keeps them for the backward)."""
         inputs = GDPInputs(q, k, v, g, beta, call.scale, call.num_householder, call.use_qk_l2norm_in_kernel,
-                           call.cu_seqlens, local_initial, call.output_final_state)
+                           call.cu_seqlens, local_initial, call.output_final_state, token_flags=token_flags)
         with float32_region(q.device):
             (output, saved), incoming_bad = _forward(
                 call.backend, inputs, call.group, call.preceding, check_inputs=call.check_inputs, error=call.error,
@@ -352,7 +354,7 @@ class _ContextParallelGDP(torch.autograd.Function):
         initial_grad = None
         if ctx.initial_dtype is not None:
             initial_grad = grads.dinitial_state.to(ctx.initial_dtype)
-        return None, None, grads.dq, grads.dk, grads.dv, grads.dg, grads.dbeta, initial_grad
+        return None, None, None, grads.dq, grads.dk, grads.dv, grads.dg, grads.dbeta, initial_grad
 
 
 def _metadata_error(metadata, rank: int, world: int, q: torch.Tensor) -> str | None:
@@ -406,13 +408,18 @@ def run_cp_op(q, k, v, g, beta, *, cu_seqlens, rank_range, group_name: str, back
     call that a model agreement covered, with their checks off. rank_range int [2] =
     (preceding_rank_start, following_rank_stop), on any device (the layers pass a cached device
     tensor). contain: non-finite inputs are contained as with ``check_inputs=False``
-    (``torch_api.gdp.isolation``: sanitised inputs, poisoned summaries and outputs). In eager mode
+    (``torch_api.gdp.isolation``: sanitised inputs, or raw ones with token flags for a backend that zeroes
+    flagged rows; poisoned summaries and outputs). In eager mode
     the op's bodies run through ``_EagerCPOp`` (the same numbers without the custom op's dispatch
     layers, as for the one-device op)."""
     from torch_api.gdp.library import backend_name
 
+    token_flags = None
     if contain:
-        state_bad, read_bad, (q, k, v, g, beta) = contained_inputs(q, k, v, g, beta, num_householder)
+        # the raw read_bad flags (a backend that zeroes flagged rows stores NaN there): the poison entering from
+        # earlier ranks is known only after the exchange, so the select below stays
+        state_bad, read_bad, (q, k, v, g, beta), token_flags = contained_inputs(q, k, v, g, beta, num_householder,
+                                                                                backend=backend)
         start = sequence_start_index(q.shape[1], cu_seqlens, q.device)
         trailing = trailing_bad(state_bad, start)
     else:
@@ -421,10 +428,10 @@ def run_cp_op(q, k, v, g, beta, *, cu_seqlens, rank_range, group_name: str, back
     if torch.compiler.is_compiling():
         output, *_, incoming_bad = torch.ops.cp_linear.gdp_cp_forward(
             q, k, v, g, beta, cu_seqlens, rank_range, trailing, scale, num_householder, use_qk_l2norm_in_kernel,
-            backend_name(backend), group_name, save_for_backward)
+            backend_name(backend), group_name, save_for_backward, *(token_flags or (None, None)))
     else:
         options = dict(scale=scale, num_householder=num_householder, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                       cu_seqlens=cu_seqlens, save_for_backward=save_for_backward)
+                       cu_seqlens=cu_seqlens, save_for_backward=save_for_backward, token_flags=token_flags)
         output, incoming_bad = _EagerCPOp.apply(backend, group_name, rank_range, trailing, options, q, k, v, g, beta)
     if contain:
         output = poison(output, token_poison(state_bad, read_bad, start, incoming_bad)[..., None])
@@ -639,13 +646,17 @@ def context_parallel_gdp(q, k, v, g, beta, *, cp_group, global_seq_idx=None, met
     if initial_state is not None and error is None:
         local_initial = _local_initial_states(initial_state, routing, rank)
     contain = error is None and not check_inputs
-    trailing = None
+    trailing = token_flags = None
     if contain:
-        state_bad, read_bad, (q, k, v, g, beta) = contained_inputs(q, k, v, g, beta, num_householder)
+        # raw inputs and their token flags for a backend that zeroes flagged rows, else sanitised copies; the
+        # select below stays either way (poison from earlier ranks is known only after the exchange)
+        state_bad, read_bad, (q, k, v, g, beta), token_flags = contained_inputs(q, k, v, g, beta, num_householder,
+                                                                                backend=backend)
         start = sequence_start_index(q.shape[1], cu_seqlens, q.device)
         trailing = trailing_bad(state_bad, start)
     g = g if gate_given else g.detach()
-    output, local_final, incoming_bad = _ContextParallelGDP.apply(call, trailing, q, k, v, g, beta, local_initial)
+    output, local_final, incoming_bad = _ContextParallelGDP.apply(call, trailing, token_flags, q, k, v, g, beta,
+                                                                  local_initial)
     if contain:
         mask = token_poison(state_bad, read_bad, start, incoming_bad)
         output = poison(output, mask[..., None])

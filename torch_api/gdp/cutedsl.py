@@ -64,6 +64,7 @@ from cp_linear.summary import (
     CPForwardPackedSummary,
     as_packed_array,
 )
+from cp_linear.validation import poison, zero_flagged_inputs, zero_flagged_rows
 from torch_api.gdp.chunk import TorchGDPBackend, make_cp_saved_context, read_cp_saved_context
 from torch_api.gdp.types import GDPInputGradients, GDPInputs
 from torch_api.gdp.validation import check_gdp_inputs
@@ -71,6 +72,7 @@ from torch_api.gdp.validation import check_gdp_inputs
 KERNEL_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _SM_COUNT: dict[int, int] = {}
 _KERNEL_BACKWARD = "kernel_backward"  # saved-context flag: the kernel backward's buffer follows the 9 tensors
+_TOKEN_FLAGS = "token_flags"  # saved-context flag: the inputs are raw, and their (state_bad, read_bad) ride last
 # the work layout's device tables, saved by the forward for the backward (ForwardLayout's fields)
 _TABLES = kl.LAYOUT_TABLES
 _PREP = ("ta", "tb", "p", "scalars")
@@ -271,9 +273,17 @@ class CuTeDSLGatedDeltaProductCPBackend:
     (``initial_state``, ``output_final_state`` of ``cp_linear.gdp.GDPInputs``) run on the kernels in
     both directions, so the one-device op ``torch_api.gated_delta_product`` takes this backend
     through the four functions.
+
+    Token flags (``GDPInputs.token_flags``, ``zeroes_flagged_rows``): the containment passes raw inputs and
+    their flags; the chunk kernels run contained (they zero the flagged rows as they load them, the output
+    scan stores NaN at read_bad tokens, the backward kernels take those tokens' output gradient as zero), and
+    the saved context keeps the flags for the backward kernels. ``TorchGDPBackend`` (the fallback, and the
+    backward of ``backward="torch"``) keeps the same contract in torch ops: ``_without_flags`` in the forward,
+    ``_flagged_fallback_backward`` in the backward.
     """
 
     supports_sequence_states = True
+    zeroes_flagged_rows = True  # takes GDPInputs.token_flags: contained chunk kernels, no sanitised copies
 
     def __init__(self, segment_chunks: int | None = None, *, row_block: int = 0,
                  ctas_per_sm: float = 2, fallback: bool = True, mma: str = "auto", backward: str = "kernels",
@@ -614,7 +624,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
         that starts inside the shard has M = 0 and carries its ``inputs.initial_state`` row S0 in E
         (E + M S0)."""
         if not self._use_kernels(inputs):
-            return self._fallback.cp_forward_prepare(inputs)
+            summary, context = self._fallback.cp_forward_prepare(_without_flags(inputs))
+            return summary, context if inputs.token_flags is None else _FlaggedFallback(context, inputs)
         initial = _initial_states(inputs)
         shard = self._shard(inputs, cp_summary=True)
         heads, key_dim, value_dim = shard.heads, shard.key_dim, shard.value_dim
@@ -643,6 +654,10 @@ class CuTeDSLGatedDeltaProductCPBackend:
         """Every segment's incoming state from prepare's prefix maps (applied to the fold of the
         preceding summaries for the leading sequence, to ``initial_state``, or to zero), then the
         output pass; returns ``(o, final_state)`` when the inputs ask for final states."""
+        if isinstance(local_context, _FlaggedFallback):  # the fallback's, on inputs with token flags
+            output, saved = self._fallback.cp_forward_apply(local_context.context, preceding)
+            inputs = local_context.inputs
+            return CPForwardResult(_poisoned_reads(output, inputs.token_flags[1]), _raw_saved(saved, inputs))
         if not isinstance(local_context, CuTeDSLForwardContext):  # prepared by the fallback
             return self._fallback.cp_forward_apply(local_context, preceding)
         shard, summary, initial = local_context.shard, local_context.summary, local_context.initial
@@ -676,7 +691,8 @@ class CuTeDSLGatedDeltaProductCPBackend:
                                       transition if shard.rows else transition[0])
         if shard.saved is not None:  # segment states, layout, prep results: the kernel backward starts from them
             saved = with_kernel_saved(saved, shard.saved["buffer"])
-        return CPForwardResult(output, saved)
+        # the contained backward kernels (or the fallback's backward, backward="torch") read the token flags
+        return CPForwardResult(output, with_token_flags(saved, inputs.token_flags))
 
     # ------------------------------------------------------------------ backward protocol
 
@@ -690,10 +706,15 @@ class CuTeDSLGatedDeltaProductCPBackend:
     def _backward_prepare(self, output_grad, saved_context: CPSavedContext, *, summary: bool):
         """``cp_backward_prepare``; without ``summary`` (one device: no rank to send it to) the packed
         summary is not built and None stands in its place (kernel backward only)."""
+        token_flags = token_flags_of(saved_context)
         if not saved_context.metadata.get(_KERNEL_BACKWARD, False):
+            if token_flags is not None:
+                output_grad, saved_context = _flagged_fallback_backward(output_grad, saved_context, token_flags)
             return self._fallback.cp_backward_prepare(output_grad, saved_context)
         inputs, _, transition = read_cp_saved_context(CPSavedContext(saved_context.tensors[:9],
                                                                      saved_context.metadata))
+        if token_flags is not None:  # the contained backward kernels: flagged rows and their dO rows zero
+            inputs = replace(inputs, token_flags=token_flags)
         sizes = self._sizes(inputs)
         saved = _carve(kernel_saved_of(saved_context), self._saved_regions(inputs, sizes))
         incoming = saved["states"]
@@ -943,6 +964,20 @@ def kernel_saved_of(saved: CPSavedContext) -> torch.Tensor | None:
     return saved.tensors[9] if saved.metadata.get(_KERNEL_BACKWARD, False) else None
 
 
+def with_token_flags(saved: CPSavedContext, token_flags) -> CPSavedContext:
+    """``saved`` (with the kernel buffer, when kept) with the shard's token flags (``GDPInputs.token_flags``)
+    appended and flagged: its inputs are the raw ones. Unchanged for None. The forward and the custom ops'
+    backward build it here."""
+    if token_flags is None:
+        return saved
+    return CPSavedContext(saved.tensors + tuple(token_flags), {**saved.metadata, _TOKEN_FLAGS: True})
+
+
+def token_flags_of(saved: CPSavedContext) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The token flags (state_bad, read_bad) a saved context keeps (``with_token_flags``), or None."""
+    return tuple(saved.tensors[-2:]) if saved.metadata.get(_TOKEN_FLAGS, False) else None
+
+
 def with_kernel_saved(saved: CPSavedContext, buffer: torch.Tensor | None) -> CPSavedContext:
     """``saved`` (``make_cp_saved_context``'s nine tensors) with the kernel backward's buffer appended
     and flagged; unchanged for None. The forward and the custom ops' backward build it here."""
@@ -1062,9 +1097,58 @@ def _kept(key: tuple, device: torch.device, make) -> torch.Tensor:
 
 def _token_flags(shard: _Shard) -> dict[str, torch.Tensor]:
     """The chunk launches' ``state_bad`` / ``read_bad`` / ``any_flagged``: the shard's token flags
-    (``GDPInputs.token_flags``; this frontend's ops pass sanitised copies instead, so none yet), or placeholders."""
+    (``GDPInputs.token_flags``), or placeholders."""
     return shard.token_flag_arguments(_placeholder(shard.q.device, torch.uint8, (1, 1)),
                                       _placeholder(shard.q.device, torch.int32, (1,)))
+
+
+def _without_flags(inputs: GDPInputs) -> GDPInputs:
+    """``inputs`` for the fallback, which takes no token flags: the flagged rows zero (``zero_flagged_inputs``),
+    as the contained kernels see them."""
+    if inputs.token_flags is None:
+        return inputs
+    q, k, v, g, beta = zero_flagged_inputs(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, *inputs.token_flags,
+                                           inputs.num_householder)
+    return replace(inputs, q=q, k=k, v=v, g=g, beta=beta, token_flags=None)
+
+
+@dataclass(frozen=True)
+class _FlaggedFallback:
+    """The fallback's forward context for inputs with token flags (the kernels did not take them), and those
+    inputs (raw, with their flags): apply stores the outputs of read_bad tokens as NaN, as the contained
+    output scan does, and keeps the raw inputs and the flags in the saved context."""
+
+    context: object
+    inputs: GDPInputs
+
+
+def _poisoned_reads(output, read_bad: torch.Tensor):
+    """``output`` (o [B, T, H, V], or (o, final states)) with the outputs of read_bad tokens NaN."""
+    o, final = output if isinstance(output, tuple) else (output, None)
+    o = poison(o, (read_bad != 0)[..., None])
+    return o if final is None else (o, final)
+
+
+def _raw_saved(saved: CPSavedContext, inputs: GDPInputs) -> CPSavedContext:
+    """The fallback's saved context (``make_cp_saved_context`` of the zeroed inputs) with the raw inputs in
+    their place and the flags appended (``with_token_flags``): the form of the kernels' own, which the
+    custom ops rebuild from their inputs; the backward zeroes them again (``_flagged_fallback_backward``)."""
+    raw = (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, *saved.tensors[5:])
+    return with_token_flags(CPSavedContext(raw, saved.metadata), inputs.token_flags)
+
+
+def _flagged_fallback_backward(output_grad, saved: CPSavedContext, token_flags) -> tuple[object, CPSavedContext]:
+    """-> (output_grad, saved context) for the fallback's backward of a shard with token flags: its inputs as
+    the contained kernels see them (``zero_flagged_inputs``), the output gradient of read_bad tokens zero (a
+    poisoned output passes none; the backward kernels zero those dO rows as they load them), the flags off."""
+    state_bad, read_bad = token_flags
+    metadata = {name: value for name, value in saved.metadata.items() if name != _TOKEN_FLAGS}
+    zeroed = zero_flagged_inputs(*saved.tensors[:5], state_bad, read_bad, metadata["num_householder"])
+    do, final_grad = output_grad if isinstance(output_grad, tuple) else (output_grad, None)
+    if do is not None:
+        do = zero_flagged_rows(do, read_bad, 1)
+    output_grad = (do, final_grad) if isinstance(output_grad, tuple) else do
+    return output_grad, CPSavedContext((*zeroed, *saved.tensors[5:9]), metadata)
 
 
 def _placeholder(device: torch.device, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

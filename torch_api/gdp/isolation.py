@@ -20,10 +20,18 @@ gradient through unchanged (``sanitized``), which is zero at every replaced entr
 Cost per step, outside the kernels: one pass over the inputs that finds the bad tokens and writes their
 sanitised copies (``contained_inputs``: the token-checks kernel, ``cp_linear.kernels.token_checks``, where
 it takes the inputs; else one reduction, ``aminmax`` per row, and one ``nan_to_num`` pass), one select over
-the output and one over its gradient; the rest works on bool [B, T, H].
+the output and one over its gradient; the rest works on bool [B, T, H]. With a backend that zeroes flagged
+rows itself (``zeroes_flagged_rows``: the CuTeDSL kernel backend) where the token-checks kernel takes the
+inputs, that pass only reads: the flags go to the backend with the unchanged inputs
+(``GDPInputs.token_flags``), its contained chunk kernels zero the flagged rows as they load them, and the
+one-device op leaves the NaN of the poisoned outputs and the zero of their gradient to them too (no select
+over o and dO; the CP op keeps its select: poison from earlier ranks is known only after the exchange). As
+``jax_api.gdp.isolation``.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -87,23 +95,40 @@ def sanitized(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 # --------------------------------------------------------------------------- flags and copies in one pass
 
-def contained_inputs(q, k, v, g, beta, num_householder: int
-                     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
-    """(state_bad, read_bad, (q, k, v, g, beta) sanitised): ``bad_tokens`` and ``sanitized`` (the gradient
-    passes through unchanged) in one launch where the token-checks kernel takes the inputs
-    (``_token_checks_config``, ``_kernel_reads``), else those two. Under ``torch.compile`` the kernel path
-    is the opaque op ``cp_linear::gdp_contained_inputs``, which checks at run time what it cannot while
-    tracing (the platform, contiguity, alignment) and runs the torch ops where the kernel cannot."""
+def contained_inputs(q, k, v, g, beta, num_householder: int, *, backend=None
+                     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...], tuple | None]:
+    """(state_bad, read_bad, (q, k, v, g, beta), token_flags): ``bad_tokens`` (bool [B, T, H]) and the inputs
+    the backend computes with.
+
+    * ``backend`` zeroes flagged rows itself (``zeroes_flagged_rows``: the CuTeDSL kernel backend) and the
+      token-checks kernel takes the inputs (``_token_checks_config``, ``_kernel_reads``): one flags-only
+      launch (``_kernel_token_flags``); the inputs pass unchanged and ``token_flags`` (uint8 [B, T, H] each)
+      goes to the backend in ``GDPInputs.token_flags``.
+    * Else the inputs sanitised (the gradient passes through unchanged, ``sanitized``) and ``token_flags``
+      None: one launch that also writes the copies where the kernel takes the inputs, else ``bad_tokens``
+      and ``sanitized``.
+
+    Under ``torch.compile`` the kernel paths are the opaque ops ``cp_linear::gdp_token_flags`` and
+    ``cp_linear::gdp_contained_inputs``, which check at run time what they cannot while tracing (the
+    platform, contiguity, alignment) and run the torch ops where the kernel cannot."""
     config = _token_checks_config(q, k, v, g, beta, num_householder)
+    flags_only = config is not None and getattr(backend, "zeroes_flagged_rows", False)
     if torch.compiler.is_compiling():
+        if flags_only and _compiled_kernel_device(q.device):
+            with torch.no_grad():  # integer results: no gradient
+                state_bad, read_bad = torch.ops.cp_linear.gdp_token_flags(q, k, v, g, beta, num_householder)
+            return state_bad != 0, read_bad != 0, (q, k, v, g, beta), (state_bad, read_bad)
         if config is not None and _compiled_kernel_device(q.device):
             *clean, state_bad, read_bad = torch.ops.cp_linear.gdp_contained_inputs(q, k, v, g, beta, num_householder)
-            return state_bad, read_bad, tuple(clean)
+            return state_bad, read_bad, tuple(clean), None
     elif config is not None and _kernel_reads(q, k, v, g, beta):
+        if flags_only:
+            state_bad, read_bad = _kernel_token_flags(replace(config, copies=False), q, k, v, g, beta)
+            return state_bad.view(torch.bool), read_bad.view(torch.bool), (q, k, v, g, beta), (state_bad, read_bad)
         state_bad, read_bad, *clean = _KernelContainedInputs.apply(config, q, k, v, g, beta)
-        return state_bad, read_bad, tuple(clean)
+        return state_bad, read_bad, tuple(clean), None
     state_bad, read_bad = bad_tokens(q, k, v, g, beta, num_householder)
-    return state_bad, read_bad, sanitized(q, k, v, g, beta)
+    return state_bad, read_bad, sanitized(q, k, v, g, beta), None
 
 
 def _token_checks_config(q, k, v, g, beta, num_householder: int):
@@ -157,6 +182,32 @@ def _kernel_contained_inputs(config, q, k, v, g, beta) -> tuple[torch.Tensor, ..
     return (state_bad.view(torch.bool), read_bad.view(torch.bool), *clean)
 
 
+def _kernel_token_flags(config, q, k, v, g, beta) -> tuple[torch.Tensor, torch.Tensor]:
+    """One flags-only ``TokenChecksLaunch`` (``config.copies`` False) -> (state_bad, read_bad) uint8 [B, T, H];
+    the copies' arguments are one-row placeholders the kernel never writes. The inputs contiguous, and
+    detached for DLPack (the flags have no gradient)."""
+    from cp_linear.kernels import launch as kl
+    from torch_api.gdp.cutedsl import _placeholder
+
+    heads = q.shape[2]
+    state_bad, read_bad = (torch.empty(q.shape[:3], dtype=torch.uint8, device=q.device) for _ in range(2))
+
+    def rows(x):  # [rows, D/8, 8]
+        return x.view(-1, x.shape[-1] // config.vector, config.vector)
+
+    def by_head(x):  # [rows, H]
+        return x.view(-1, heads)
+
+    def unwritten(x, shape):
+        return _placeholder(x.device, x.dtype, shape)
+
+    q, k, v, g, beta = (x.detach() for x in (q, k, v, g, beta))
+    kl.TokenChecksLaunch(config, rows(q), rows(k), rows(v), by_head(g), by_head(beta), by_head(state_bad),
+                         by_head(read_bad), *(unwritten(x, (1, *rows(x).shape[1:])) for x in (q, k, v)),
+                         unwritten(g, (1, heads)), unwritten(beta, (1, heads))).run()
+    return state_bad, read_bad
+
+
 class _KernelContainedInputs(torch.autograd.Function):
     """The token-checks kernel in eager mode (the custom op's dispatch layers cost host time); the gradient
     passes through the sanitising unchanged, as ``_Sanitize``'s. Gradients are not materialised: autograd
@@ -203,6 +254,23 @@ def _contained_inputs_backward(ctx, dq, dk, dv, dg, dbeta, d_state_bad, d_read_b
 
 
 contained_inputs_op.register_autograd(_contained_inputs_backward)
+
+
+@torch.library.custom_op("cp_linear::gdp_token_flags", mutates_args=())
+def token_flags_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   num_householder: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(state_bad, read_bad) uint8 [B, T, H] as one op Inductor does not look into: the flags-only token-checks
+    launch where the kernel takes the inputs, else ``gdp_bad_tokens``. Integer outputs, so no autograd."""
+    config = _token_checks_config(q, k, v, g, beta, num_householder)
+    if config is not None and _kernel_reads(q, k, v, g, beta):
+        return _kernel_token_flags(replace(config, copies=False), q, k, v, g, beta)
+    state_bad, read_bad = gdp_bad_tokens(q, k, v, g, beta, num_householder)
+    return state_bad.to(torch.uint8), read_bad.to(torch.uint8)
+
+
+@token_flags_op.register_fake
+def _(q, k, v, g, beta, num_householder):
+    return g.new_empty(g.shape, dtype=torch.uint8), q.new_empty(q.shape[:3], dtype=torch.uint8)
 
 
 def sequence_start_index(tokens: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
@@ -265,4 +333,5 @@ def incoming_bad_and_clean(stacked) -> tuple[torch.Tensor, object]:
 
 
 __all__ = ["bad_tokens", "bad_tokens_op", "contained_inputs", "contained_inputs_op", "incoming_bad_and_clean",
-           "poison_summary", "sanitized", "sequence_bad", "sequence_start_index", "token_poison", "trailing_bad"]
+           "poison_summary", "sanitized", "sequence_bad", "sequence_start_index", "token_flags_op", "token_poison",
+           "trailing_bad"]

@@ -3,15 +3,20 @@
 
 Ops (namespace ``cp_linear``; every output a fresh contiguous tensor):
 
-  gdp_forward      one device    (q, k, v, g, beta, cu_seqlens?, initial_state?)
+  gdp_forward      one device    (q, k, v, g, beta, cu_seqlens?, initial_state?, state_bad?, read_bad?)
                                  -> (o [B, T, H, V], final_state f32 [N, H, K, V],
                                      incoming f32, transition f32, segment_states f32)
   gdp_backward                   (do, d_final_state, inputs, incoming, transition, segment_states)
                                  -> (dq, dk, dv, dg, dbeta, d_initial_state f32 ([0] without one))
-  gdp_cp_forward   one CP rank   (q, k, v, g, beta, cu_seqlens?, rank_range, trailing_bad)
-                                 -> (o, incoming, transition, segment_states, incoming_bad)
+  gdp_cp_forward   one CP rank   (q, k, v, g, beta, cu_seqlens?, rank_range, trailing_bad, state_bad?,
+                                  read_bad?) -> (o, incoming, transition, segment_states, incoming_bad)
   gdp_cp_backward                (do, inputs, rank_range, incoming, transition, segment_states)
                                  -> (dq, dk, dv, dg, dbeta)
+
+``state_bad`` / ``read_bad`` (uint8 [B, T, H], both or neither): the containment's token flags for a
+backend that zeroes flagged rows itself (``cp_linear.gdp.GDPInputs.token_flags``); the inputs are then
+raw. The backward ops take them too ("inputs" above), and the saved context rebuilt there keeps them
+(``torch_api.gdp.cutedsl.with_token_flags``).
 
 ``incoming`` ([H, K, V] packed, [B, H, K, V] rows) and ``transition`` ([H, K, K] / [B, H, K, K]) are
 the two tensors of the backend's saved context that are not inputs (``torch_api.gdp.chunk.
@@ -97,9 +102,10 @@ def _group(name: str) -> dist.ProcessGroup:
 
 
 def _inputs(q, k, v, g, beta, cu_seqlens, scale, num_householder, l2norm, initial_state=None, final=False,
-            save_for_backward=True):
+            save_for_backward=True, state_bad=None, read_bad=None):
+    token_flags = None if state_bad is None else (state_bad, read_bad)
     return GDPInputs(q, k, v, g, beta, scale, num_householder, l2norm, cu_seqlens, initial_state, final,
-                     save_for_backward)
+                     save_for_backward, token_flags)
 
 
 def _state_shapes(q, v, packed: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -150,12 +156,14 @@ def _fake_segment_states(impl, inputs) -> torch.Tensor:
 
 
 def _saved_context(inputs, incoming, transition, segment_states) -> CPSavedContext:
-    """The backend's saved context, rebuilt in a backward op from the inputs and the saved outputs."""
+    """The backend's saved context, rebuilt in a backward op from the inputs (with their token flags, if any)
+    and the saved outputs."""
     from torch_api.gdp.chunk import make_cp_saved_context
-    from torch_api.gdp.cutedsl import with_kernel_saved
+    from torch_api.gdp.cutedsl import with_kernel_saved, with_token_flags
 
     saved = make_cp_saved_context(inputs, incoming, transition)
-    return with_kernel_saved(saved, segment_states if segment_states.numel() else None)
+    saved = with_kernel_saved(saved, segment_states if segment_states.numel() else None)
+    return with_token_flags(saved, inputs.token_flags)
 
 
 def _grads(grads, q, k, v, g, beta) -> tuple[torch.Tensor, ...]:
@@ -201,22 +209,24 @@ _AUTOGRAD_KEYS = tuple(getattr(torch._C.DispatchKey, name) for name in (
 @torch.library.custom_op("cp_linear::gdp_forward", mutates_args=())
 def gdp_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 cu_seqlens: torch.Tensor | None, initial_state: torch.Tensor | None, scale: float,
-                num_householder: int, use_qk_l2norm_in_kernel: bool, backend: str, save_for_backward: bool = True
+                num_householder: int, use_qk_l2norm_in_kernel: bool, backend: str, save_for_backward: bool = True,
+                state_bad: torch.Tensor | None = None, read_bad: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """save_for_backward False (no gradient will be asked for): segment_states may come back empty."""
+    """save_for_backward False (no gradient will be asked for): segment_states may come back empty.
+    state_bad, read_bad: token flags (module docstring)."""
     impl = _backend(backend)
     inputs = _inputs(q, k, v, g, beta, cu_seqlens, scale, num_householder, use_qk_l2norm_in_kernel,
-                     initial_state, True, save_for_backward)
+                     initial_state, True, save_for_backward, state_bad, read_bad)
     with float32_region(q.device):
         summary, local = impl.cp_forward_prepare(inputs)
         (output, final_state), saved = impl.cp_forward_apply(local, _empty_stack(summary))
     return _unaliased((_fresh(output), _fresh(final_state, torch.float32), *_saved_extras(saved)),
-                      (q, k, v, g, beta, cu_seqlens, initial_state))
+                      (q, k, v, g, beta, cu_seqlens, initial_state, state_bad, read_bad))
 
 
 @gdp_forward.register_fake
 def _(q, k, v, g, beta, cu_seqlens, initial_state, scale, num_householder, use_qk_l2norm_in_kernel, backend,
-      save_for_backward=True):
+      save_for_backward=True, state_bad=None, read_bad=None):
     batch, tokens, heads, key_dim = q.shape
     sequences = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
     incoming, transition = _state_shapes(q, v, cu_seqlens is not None)
@@ -234,11 +244,11 @@ def gdp_backward(do: torch.Tensor | None, d_final_state: torch.Tensor | None, q:
                  v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor | None,
                  initial_state: torch.Tensor | None, incoming: torch.Tensor, transition: torch.Tensor,
                  segment_states: torch.Tensor, scale: float, num_householder: int, use_qk_l2norm_in_kernel: bool,
-                 backend: str
+                 backend: str, state_bad: torch.Tensor | None = None, read_bad: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     impl = _backend(backend)
     inputs = _inputs(q, k, v, g, beta, cu_seqlens, scale, num_householder, use_qk_l2norm_in_kernel,
-                     initial_state, True)
+                     initial_state, True, state_bad=state_bad, read_bad=read_bad)
     saved = _saved_context(inputs, incoming, transition, segment_states)
     from torch_api.gdp.ops import one_device_backward
 
@@ -247,21 +257,22 @@ def gdp_backward(do: torch.Tensor | None, d_final_state: torch.Tensor | None, q:
     d_initial = q.new_empty(0, dtype=torch.float32) if initial_state is None else d_initial.float()
     return _unaliased((*_grads(grads, q, k, v, g, beta), _fresh(d_initial)),
                       (do, d_final_state, q, k, v, g, beta, cu_seqlens, initial_state, incoming, transition,
-                       segment_states))
+                       segment_states, state_bad, read_bad))
 
 
 @gdp_backward.register_fake
 def _(do, d_final_state, q, k, v, g, beta, cu_seqlens, initial_state, incoming, transition, segment_states, scale,
-      num_householder, use_qk_l2norm_in_kernel, backend):
+      num_householder, use_qk_l2norm_in_kernel, backend, state_bad=None, read_bad=None):
     d_initial = (q.new_empty(0, dtype=torch.float32) if initial_state is None
                  else initial_state.new_empty(initial_state.shape, dtype=torch.float32))
     return (*(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v, g, beta)), d_initial)
 
 
 def _setup_gdp(ctx, inputs, output):
-    q, k, v, g, beta, cu_seqlens, initial_state, scale, num_householder, l2norm, backend, _ = inputs
+    q, k, v, g, beta, cu_seqlens, initial_state, scale, num_householder, l2norm, backend, _, *flags = inputs
     _, _, incoming, transition, segment_states = output
-    ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, initial_state, incoming, transition, segment_states)
+    # the token flags (state_bad, read_bad; None without): the backward's saved context keeps them
+    ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, initial_state, incoming, transition, segment_states, *flags)
     ctx.options = (scale, num_householder, l2norm, backend)
     ctx.initial_dtype = None if initial_state is None else initial_state.dtype
     ctx.set_materialize_grads(False)
@@ -269,12 +280,12 @@ def _setup_gdp(ctx, inputs, output):
 
 def _gdp_autograd(ctx, do, d_final_state, _d_incoming, _d_transition, _d_segment_states):
     if do is None and d_final_state is None:
-        return (None,) * 12
-    q, k, v, g, beta, cu_seqlens, initial_state, incoming, transition, segment_states = ctx.saved_tensors
+        return (None,) * 14
+    q, k, v, g, beta, cu_seqlens, initial_state, incoming, transition, segment_states, *flags = ctx.saved_tensors
     dq, dk, dv, dg, dbeta, d_initial = gdp_backward(do, d_final_state, q, k, v, g, beta, cu_seqlens, initial_state,
-                                                    incoming, transition, segment_states, *ctx.options)
+                                                    incoming, transition, segment_states, *ctx.options, *flags)
     d_initial = None if ctx.initial_dtype is None else d_initial.to(ctx.initial_dtype)
-    return dq, dk, dv, dg, dbeta, None, d_initial, None, None, None, None, None
+    return dq, dk, dv, dg, dbeta, None, d_initial, None, None, None, None, None, None, None
 
 
 gdp_forward.register_autograd(_gdp_autograd, setup_context=_setup_gdp)
@@ -327,17 +338,19 @@ def _empty_stack(summary) -> torch.Tensor:
 def gdp_cp_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    cu_seqlens: torch.Tensor | None, rank_range: torch.Tensor, trailing_bad: torch.Tensor, scale: float,
                    num_householder: int, use_qk_l2norm_in_kernel: bool, backend: str, group_name: str,
-                   save_for_backward: bool = True
+                   save_for_backward: bool = True, state_bad: torch.Tensor | None = None,
+                   read_bad: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """trailing_bad: bool [B or 1, H] for containment (``torch_api.gdp.isolation``: those heads'
     summaries travel as NaN; the last output, incoming_bad [B or 1, H], says which heads of the
     incoming state were poisoned), or an empty [0] without (incoming_bad is then [0] too).
-    save_for_backward False (no gradient will be asked for): segment_states may come back empty."""
+    save_for_backward False (no gradient will be asked for): segment_states may come back empty.
+    state_bad, read_bad: token flags (module docstring)."""
     inputs = _inputs(q, k, v, g, beta, cu_seqlens, scale, num_householder, use_qk_l2norm_in_kernel,
-                     save_for_backward=save_for_backward)
+                     save_for_backward=save_for_backward, state_bad=state_bad, read_bad=read_bad)
     output, saved, incoming_bad = cp_forward(_backend(backend), _group(group_name), inputs, rank_range, trailing_bad)
     return _unaliased((_fresh(output), *_saved_extras(saved), _fresh(incoming_bad)),
-                      (q, k, v, g, beta, cu_seqlens, rank_range, trailing_bad))
+                      (q, k, v, g, beta, cu_seqlens, rank_range, trailing_bad, state_bad, read_bad))
 
 
 def cp_forward(impl, group: dist.ProcessGroup, inputs: GDPInputs, rank_range: torch.Tensor,
@@ -365,7 +378,7 @@ def cp_forward(impl, group: dist.ProcessGroup, inputs: GDPInputs, rank_range: to
 
 @gdp_cp_forward.register_fake
 def _(q, k, v, g, beta, cu_seqlens, rank_range, trailing_bad, scale, num_householder, use_qk_l2norm_in_kernel,
-      backend, group_name, save_for_backward=True):
+      backend, group_name, save_for_backward=True, state_bad=None, read_bad=None):
     incoming, transition = _state_shapes(q, v, cu_seqlens is not None)
     f32 = dict(dtype=torch.float32, device=q.device)
     inputs = _inputs(q, k, v, g, beta, cu_seqlens, scale, num_householder, use_qk_l2norm_in_kernel,
@@ -379,14 +392,17 @@ def _(q, k, v, g, beta, cu_seqlens, rank_range, trailing_bad, scale, num_househo
 def gdp_cp_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                     beta: torch.Tensor, cu_seqlens: torch.Tensor | None, rank_range: torch.Tensor,
                     incoming: torch.Tensor, transition: torch.Tensor, segment_states: torch.Tensor, scale: float,
-                    num_householder: int, use_qk_l2norm_in_kernel: bool, backend: str, group_name: str
+                    num_householder: int, use_qk_l2norm_in_kernel: bool, backend: str, group_name: str,
+                    state_bad: torch.Tensor | None = None, read_bad: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    inputs = _inputs(q, k, v, g, beta, cu_seqlens, scale, num_householder, use_qk_l2norm_in_kernel)
+    inputs = _inputs(q, k, v, g, beta, cu_seqlens, scale, num_householder, use_qk_l2norm_in_kernel,
+                     state_bad=state_bad, read_bad=read_bad)
     saved = _saved_context(inputs, incoming, transition, segment_states)
     with _autograd_inside():
         grads = cp_backward(_backend(backend), _group(group_name), do, saved, rank_range)
     return _unaliased(_grads(grads, q, k, v, g, beta),
-                      (do, q, k, v, g, beta, cu_seqlens, rank_range, incoming, transition, segment_states))
+                      (do, q, k, v, g, beta, cu_seqlens, rank_range, incoming, transition, segment_states, state_bad,
+                       read_bad))
 
 
 def cp_backward(impl, group: dist.ProcessGroup, do: torch.Tensor, saved: CPSavedContext, rank_range: torch.Tensor):
@@ -403,14 +419,15 @@ def cp_backward(impl, group: dist.ProcessGroup, do: torch.Tensor, saved: CPSaved
 
 @gdp_cp_backward.register_fake
 def _(do, q, k, v, g, beta, cu_seqlens, rank_range, incoming, transition, segment_states, scale, num_householder,
-      use_qk_l2norm_in_kernel, backend, group_name):
+      use_qk_l2norm_in_kernel, backend, group_name, state_bad=None, read_bad=None):
     return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v, g, beta))
 
 
 def _setup_cp(ctx, inputs, output):
-    q, k, v, g, beta, cu_seqlens, rank_range, _, scale, num_householder, l2norm, backend, group_name, _ = inputs
+    q, k, v, g, beta, cu_seqlens, rank_range, _, scale, num_householder, l2norm, backend, group_name, _, *flags = (
+        inputs)
     _, incoming, transition, segment_states, _ = output
-    ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, rank_range, incoming, transition, segment_states)
+    ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, rank_range, incoming, transition, segment_states, *flags)
     ctx.options = (scale, num_householder, l2norm, backend, group_name)
 
 
@@ -423,10 +440,10 @@ def output_grad_or_zeros(do: torch.Tensor | None, q: torch.Tensor, v: torch.Tens
 
 
 def _cp_autograd(ctx, do, _d_incoming, _d_transition, _d_segment_states, _d_incoming_bad):
-    q, k, v, g, beta, cu_seqlens, rank_range, incoming, transition, segment_states = ctx.saved_tensors
+    q, k, v, g, beta, cu_seqlens, rank_range, incoming, transition, segment_states, *flags = ctx.saved_tensors
     grads = gdp_cp_backward(output_grad_or_zeros(do, q, v), q, k, v, g, beta, cu_seqlens, rank_range, incoming,
-                            transition, segment_states, *ctx.options)
-    return (*grads, None, None, None, None, None, None, None, None, None)
+                            transition, segment_states, *ctx.options, *flags)
+    return (*grads, *(None,) * 11)
 
 
 gdp_cp_forward.register_autograd(_cp_autograd, setup_context=_setup_cp)

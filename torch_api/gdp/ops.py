@@ -60,6 +60,8 @@ def gate_or_zeros(g, q: torch.Tensor) -> torch.Tensor:
 class _GatedDeltaProduct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, backend, options, q, k, v, g, beta, initial_state):
+        """options: ``GDPInputs``'s other fields, ``token_flags`` among them for a backend that zeroes flagged
+        rows (integer tensors: no gradient; the backend's saved context keeps them for the backward)."""
         inputs = GDPInputs(q, k, v, g, beta, **options, initial_state=initial_state, output_final_state=True)
         if not inputs.save_for_backward and hasattr(backend, "one_device_forward"):
             # no backward follows: the backend's one-device plan (the kernels' leaner inference plan)
@@ -146,11 +148,15 @@ def run_gated_delta_product(q, k, v, g, beta, *, backend, scale: float, num_hous
     """The op after validation (the layers call it with inputs they built): the ``cp_linear::gdp_forward``
     custom op for backends whose saved context it carries (traceable by ``torch.compile``), the eager
     ``autograd.Function`` for any other backend. g must be a tensor. contain: non-finite inputs are
-    contained as with ``check_inputs=False`` (``torch_api.gdp.isolation``). -> (o, final_state)."""
+    contained as with ``check_inputs=False`` (``torch_api.gdp.isolation``): sanitised inputs and a select of
+    NaN over the poisoned outputs, or, for a backend that zeroes flagged rows (``zeroes_flagged_rows``) where
+    the token-checks kernel runs, the raw inputs with token flags that mark every poisoned token read_bad:
+    the backend then stores those outputs as NaN and takes their gradient as zero itself (no select over o
+    and dO here; ``GDPInputs.token_flags``). -> (o, final_state)."""
     if not contain:
         return _run(backend, q, k, v, g, beta, initial_state, scale=scale, num_householder=num_householder,
                     cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    state_bad, read_bad, clean = contained_inputs(q, k, v, g, beta, num_householder)
+    state_bad, read_bad, clean, token_flags = contained_inputs(q, k, v, g, beta, num_householder, backend=backend)
     start = None if cu_seqlens is None else sequence_start_index(q.shape[1], cu_seqlens, q.device)  # None: rows
     mask = token_poison(state_bad, read_bad, start)
     final_bad = sequence_bad(state_bad, cu_seqlens)
@@ -163,29 +169,39 @@ def run_gated_delta_product(q, k, v, g, beta, *, backend, scale: float, num_hous
             sequence = bounds_after_first(cu_seqlens.to(torch.int64), torch.arange(q.shape[1], device=q.device))
             mask = mask | initial_bad[sequence][None]
         (initial_state,) = sanitized(initial_state)
+    if token_flags is not None:  # every poisoned token read_bad: the backend stores NaN there (no select below)
+        token_flags = (token_flags[0], _as_uint8(mask))
     output, final_state = _run(backend, *clean, initial_state, scale=scale,
                                num_householder=num_householder, cu_seqlens=cu_seqlens,
-                               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+                               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, token_flags=token_flags)
+    if token_flags is None:
+        output = poison(output, mask[..., None])
     # [N, H, 1, 1] by one view (indexing with two Nones dispatches two unsqueezes)
-    return poison(output, mask[..., None]), poison(final_state, final_bad.view(*final_bad.shape, 1, 1))
+    return output, poison(final_state, final_bad.view(*final_bad.shape, 1, 1))
 
 
-def _run(backend, q, k, v, g, beta, initial_state, *, scale, num_householder, cu_seqlens, use_qk_l2norm_in_kernel):
+def _as_uint8(mask: torch.Tensor) -> torch.Tensor:
+    """bool -> uint8 (the token flags' type): a view in eager mode (no copy), a cast under ``torch.compile``."""
+    return mask.to(torch.uint8) if torch.compiler.is_compiling() else mask.view(torch.uint8)
+
+
+def _run(backend, q, k, v, g, beta, initial_state, *, scale, num_householder, cu_seqlens, use_qk_l2norm_in_kernel,
+         token_flags=None):
     """The ``cp_linear::gdp_forward`` custom op while ``torch.compile`` traces (and for a backend whose
     saved context it carries); in eager mode the ``autograd.Function``, which gives the same numbers
     (tests/torch_api/test_custom_ops.py) for ~0.2 ms less host time per step: the custom op's Python
     dispatch layers (autograd wrapper, redispatch, the dynamo-disabled implementation, output
-    unaliasing) run twice a step."""
+    unaliasing) run twice a step. token_flags: ``GDPInputs.token_flags`` (None without)."""
     from torch_api.gdp.library import backend_name, has_op_layout
 
     save_for_backward = needs_backward(q, k, v, g, beta, initial_state)
     if has_op_layout(backend) and torch.compiler.is_compiling():
         output, final_state, *_ = torch.ops.cp_linear.gdp_forward(
             q, k, v, g, beta, cu_seqlens, initial_state, scale, num_householder, use_qk_l2norm_in_kernel,
-            backend_name(backend), save_for_backward)
+            backend_name(backend), save_for_backward, *(token_flags or (None, None)))
         return output, final_state
     options = dict(scale=scale, num_householder=num_householder, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                   cu_seqlens=cu_seqlens, save_for_backward=save_for_backward)
+                   cu_seqlens=cu_seqlens, save_for_backward=save_for_backward, token_flags=token_flags)
     return _GatedDeltaProduct.apply(backend, options, q, k, v, g, beta, initial_state)
 
 
