@@ -20,6 +20,7 @@ Glossary
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 from typing import Any, Sequence
@@ -264,6 +265,17 @@ def zero_flagged_inputs(q, k, v, g, beta, state_bad: Array, read_bad: Array, num
             zero_flagged_rows(v, state_bad, num_householder), sanitize(g), sanitize(beta))
 
 
+def without_token_flags(inputs):
+    """``GDPInputs`` for a path that takes no token flags (a backend's fallback, a jnp / torch backward): the
+    flagged rows zero (``zero_flagged_inputs``), as the contained chunk kernels see them; unflagged inputs as
+    they are."""
+    if inputs.token_flags is None:
+        return inputs
+    q, k, v, g, beta = zero_flagged_inputs(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, *inputs.token_flags,
+                                           inputs.num_householder)
+    return dataclasses.replace(inputs, q=q, k=k, v=v, g=g, beta=beta, token_flags=None)
+
+
 def sequence_start_index(cu_seqlens: Array, tokens: int) -> Array:
     """int [T]: index of the first token of each token's sequence, from boundaries int [N + 1]."""
     xp = array_api_compat.array_namespace(cu_seqlens)
@@ -311,5 +323,5 @@ __all__ = [
     "attention_dims_error", "describe_failed", "digest", "gdp_bad_tokens", "gdp_dims_error", "gdp_sequence_bad",
     "gdp_token_poison", "gdp_trailing_bad", "gdp_value_flag_array", "gdp_value_flags", "nonfinite_flag",
     "nonfinite_from_bounds", "nonfinite_message", "nonfinite_rows", "poison", "sanitize", "sequence_start_index",
-    "stacked_bounds", "value_bounds", "zero_flagged_inputs", "zero_flagged_rows",
+    "stacked_bounds", "value_bounds", "without_token_flags", "zero_flagged_inputs", "zero_flagged_rows",
 ]

@@ -63,7 +63,7 @@ from cp_linear.summary import (
     compose_backward,
     compose_forward,
 )
-from cp_linear.validation import poison, zero_flagged_inputs, zero_flagged_rows
+from cp_linear.validation import poison, without_token_flags, zero_flagged_rows
 from jax_api.gdp import kernel_calls
 from jax_api.gdp.chunk import JaxGDPBackend, check_gdp_inputs
 
@@ -396,7 +396,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         map, kept for apply) -> the trailing sequence's packed ``[E | M]`` (M = 0 and E + M S0 for its
         ``inputs.initial_state`` row S0 when the trailing sequence starts inside the shard)."""
         if not self._use_kernels(inputs):
-            summary, context = self._fallback.cp_forward_prepare(_without_flags(inputs))
+            summary, context = self._fallback.cp_forward_prepare(without_token_flags(inputs))
             return summary, context if inputs.token_flags is None else _FlaggedFallback(context, inputs.token_flags[1])
         initial = _initial_states(inputs)
         # a kernel backward keeps this layout: build it with the backward's flags (the leading sequence's
@@ -472,7 +472,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
                           "output_final_state": inputs.output_final_state, _KERNEL_BACKWARD: True,
                           _SEGMENT_CHUNKS: shard.layout.segment_chunks})
         else:  # JaxGDPBackend's backward recomputes from the inputs and the incoming state
-            saved = self._fallback.saved_context(_without_flags(inputs), preceding)
+            saved = self._fallback.saved_context(without_token_flags(inputs), preceding)
             if inputs.token_flags is not None:
                 saved = _with_read_bad(saved, inputs.token_flags[1])
         return CPForwardResult(output, saved)
@@ -642,16 +642,6 @@ class CuTeDSLGatedDeltaProductCPBackend:
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _without_flags(inputs: GDPInputs) -> GDPInputs:
-    """``inputs`` for a path that takes no token flags (the fallback, JaxGDPBackend's backward): the flagged
-    rows zero (``zero_flagged_inputs``), as the contained kernels see them."""
-    if inputs.token_flags is None:
-        return inputs
-    q, k, v, g, beta = zero_flagged_inputs(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, *inputs.token_flags,
-                                           inputs.num_householder)
-    return replace(inputs, q=q, k=k, v=v, g=g, beta=beta, token_flags=None)
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,7 @@ from cp_linear.summary import (
     CPForwardPackedSummary,
     as_packed_array,
 )
-from cp_linear.validation import poison, zero_flagged_inputs, zero_flagged_rows
+from cp_linear.validation import poison, without_token_flags, zero_flagged_inputs, zero_flagged_rows
 from torch_api.gdp.chunk import TorchGDPBackend, make_cp_saved_context, read_cp_saved_context
 from torch_api.gdp.types import GDPInputGradients, GDPInputs
 from torch_api.gdp.validation import check_gdp_inputs
@@ -278,7 +278,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
     their flags; the chunk kernels run contained (they zero the flagged rows as they load them, the output
     scan stores NaN at read_bad tokens, the backward kernels take those tokens' output gradient as zero), and
     the saved context keeps the flags for the backward kernels. ``TorchGDPBackend`` (the fallback, and the
-    backward of ``backward="torch"``) keeps the same contract in torch ops: ``_without_flags`` in the forward,
+    backward of ``backward="torch"``) keeps the same contract in torch ops: ``without_token_flags`` in the forward,
     ``_flagged_fallback_backward`` in the backward.
     """
 
@@ -624,7 +624,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         that starts inside the shard has M = 0 and carries its ``inputs.initial_state`` row S0 in E
         (E + M S0)."""
         if not self._use_kernels(inputs):
-            summary, context = self._fallback.cp_forward_prepare(_without_flags(inputs))
+            summary, context = self._fallback.cp_forward_prepare(without_token_flags(inputs))
             return summary, context if inputs.token_flags is None else _FlaggedFallback(context, inputs)
         initial = _initial_states(inputs)
         shard = self._shard(inputs, cp_summary=True)
@@ -1100,16 +1100,6 @@ def _token_flags(shard: _Shard) -> dict[str, torch.Tensor]:
     (``GDPInputs.token_flags``), or placeholders."""
     return shard.token_flag_arguments(_placeholder(shard.q.device, torch.uint8, (1, 1)),
                                       _placeholder(shard.q.device, torch.int32, (1,)))
-
-
-def _without_flags(inputs: GDPInputs) -> GDPInputs:
-    """``inputs`` for the fallback, which takes no token flags: the flagged rows zero (``zero_flagged_inputs``),
-    as the contained kernels see them."""
-    if inputs.token_flags is None:
-        return inputs
-    q, k, v, g, beta = zero_flagged_inputs(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, *inputs.token_flags,
-                                           inputs.num_householder)
-    return replace(inputs, q=q, k=k, v=v, g=g, beta=beta, token_flags=None)
 
 
 @dataclass(frozen=True)
