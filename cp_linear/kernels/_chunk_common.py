@@ -25,14 +25,13 @@ SOLVE_BLOCK = 16
 @cute.jit
 def load_chunk_inputs(g2s, tidx, q: cute.Tensor, k: cute.Tensor, g: cute.Tensor, beta: cute.Tensor, head,
                       first, steps, num_householder, s_k: cute.Tensor, s_q: cute.Tensor, s_gate: cute.Tensor,
-                      s_beta: cute.Tensor, key_dim: cutlass.Constexpr, state_bad=None, read_bad=None,
-                      any_flagged=None):
+                      s_beta: cute.Tensor, key_dim: cutlass.Constexpr, token_flags=None):
     """k rows [first, first + steps) and the chunk's q rows into shared memory (waits for them); step
     gates (a token's gate on its first step) and betas, zero past the chunk.
 
-    Contained inputs (``state_bad`` / ``read_bad`` given: uint8 [T_all, H] token flags, ``any_flagged``
-    int32 [1]): the k rows of a state_bad token and the q row of a read_bad token are zeroed
-    (``zero_flagged_chunk_rows``), and a non-finite gate or beta reads 0 (``cp_linear.kernels.token_checks``)."""
+    Contained inputs (``token_flags`` from ``contained_flags``): the k rows of a state_bad token and the q row
+    of a read_bad token are zeroed (``zero_flagged_chunk_rows``), and a non-finite gate or beta reads 0
+    (``cp_linear.kernels.token_checks``)."""
     first_token = first // num_householder
     tokens = steps // num_householder
     g_k = cute.local_tile(cute.domain_offset((first, 0), k[None, head, None]), (C, key_dim), (0, 0))
@@ -40,7 +39,7 @@ def load_chunk_inputs(g2s, tidx, q: cute.Tensor, k: cute.Tensor, g: cute.Tensor,
     _mma.copy_rows_g2s(g2s, tidx, g_k, s_k, steps)
     _mma.copy_rows_g2s(g2s, tidx, g_q, s_q, tokens)
     cute.arch.cp_async_commit_group()
-    contained = cutlass.const_expr(state_bad is not None)
+    contained = cutlass.const_expr(token_flags is not None)
     if tidx < C:
         step = first + cutlass.min(tidx, steps - 1)
         beta_value = beta[step, head]
@@ -52,15 +51,16 @@ def load_chunk_inputs(g2s, tidx, q: cute.Tensor, k: cute.Tensor, g: cute.Tensor,
         s_gate[tidx] = zero_unless((tidx < steps) & (tidx % num_householder == 0), gate_value)
     cute.arch.cp_async_wait_group(0)
     if cutlass.const_expr(contained):
-        zero_flagged_chunk_rows(g2s, tidx, (state_bad, read_bad, any_flagged[0] != 0), head, first_token, steps,
-                                num_householder, key_dim, C, s_k, s_q=s_q)
+        zero_flagged_chunk_rows(g2s, tidx, token_flags, head, first_token, steps, num_householder, key_dim, C, s_k,
+                                s_q=s_q)
     cute.arch.sync_threads()
 
 
-def contained_flags(kernel, state_bad: cute.Tensor, read_bad: cute.Tensor, any_flagged: cute.Tensor) -> tuple:
-    """(state_bad, read_bad, any_flagged) for a kernel whose config is contained, else () (placeholders it
-    never reads)."""
-    return (state_bad, read_bad, any_flagged) if kernel.contained else ()
+def contained_flags(kernel, state_bad: cute.Tensor, read_bad: cute.Tensor, any_flagged: cute.Tensor):
+    """The ``token_flags`` of ``zero_flagged_chunk_rows`` for a kernel whose config is contained: (state_bad,
+    read_bad, whether any token of the launch is flagged: ``any_flagged[0] != 0``, read where this is called);
+    else None (the launch's flag arguments are placeholders it never reads)."""
+    return (state_bad, read_bad, any_flagged[0] != 0) if kernel.contained else None
 
 
 @cute.jit

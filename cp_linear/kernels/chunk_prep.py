@@ -96,8 +96,8 @@ class ChunkPrepKernel:
             steps = chunk_steps[chunk]
             tokens = steps // NH
             chunk_common.load_chunk_inputs(g2s, tidx, q, k, g, beta, head, first, steps, NH, s_k, s_q, s_gate,
-                                           s_beta, K, *chunk_common.contained_flags(self, state_bad, read_bad,
-                                                                                    any_flagged))
+                                           s_beta, K, chunk_common.contained_flags(self, state_bad, read_bad,
+                                                                                   any_flagged))
             chunk_common.gate_cumsum(tidx, s_gate)
             chunk_common.row_norms(tidx, s_k, s_q, s_f, s_fq, steps, tokens, use_l2, K)
             cute.arch.fence_view_async_shared()  # cp.async data -> the warpgroup MMAs' reads

@@ -126,8 +126,8 @@ class ChunkPrepBackwardKernel:
             tokens = steps // NH
             last_step = cutlass.max(steps - 1, 0)
             chunk_common.load_chunk_inputs(g2s, tidx, q, k, g, beta, head, first, steps, NH, s_k, s_q, s_gate,
-                                           s_beta, K, *chunk_common.contained_flags(self, state_bad, read_bad,
-                                                                                    any_flagged))
+                                           s_beta, K, chunk_common.contained_flags(self, state_bad, read_bad,
+                                                                                   any_flagged))
             # the gradients of Ta and Tb into the squares that step 2 consumes first (read in step 2)
             _mma.copy_rows_g2s(g2s_f32, tidx, d_ta[chunk, head, None, None], s_m1, C)
             _mma.copy_rows_g2s(g2s_f32, tidx, d_tb[chunk, head, None, None], s_work, C)

@@ -73,12 +73,6 @@ class _GradientRowsKernel:
         self.wgmma = config.mma == "wgmma"
         self.contained = config.contained
 
-    def row_flags(self, state_bad, read_bad, any_flagged):
-        """Contained: (state_bad, read_bad, whether any token of the launch is flagged), else None."""
-        if not self.contained:
-            return None
-        return (state_bad, read_bad, any_flagged[0] != 0)
-
     @cute.jit
     def load_chunk(self, g2s, tidx, chunk, head, value_col, is_value_rows, k, q, do, ta, p, chunk_first_step,
                    chunk_steps, s_k, s_q, s_do, s_ta, s_p, num_householder):
@@ -284,7 +278,7 @@ class ChunkGammaKernel(_GradientRowsKernel):
                                 chunk_first_step, chunk_steps, head, seg_first_chunk[segment], seg_chunks[segment],
                                 row0, value_col, is_value_rows, num_householder, smem["s_k_all"], smem["s_q_all"],
                                 smem["s_qc"], smem["s_do_all"], smem["s_ta_all"], smem["s_p_all"], smem["s_scalars"],
-                                None, None, False, self.row_flags(state_bad, read_bad, any_flagged))
+                                None, None, False, chunk_common.contained_flags(self, state_bad, read_bad, any_flagged))
             for e in cutlass.range_constexpr(cute.size(grad)):
                 r, c = grad_coords[e]
                 summaries[segment, head, row0 + r, c] = grad[e]
@@ -341,7 +335,7 @@ class ChunkReverseScanKernel(_GradientRowsKernel):
                                 chunk_first_step, chunk_steps, head, seg_first_chunk[segment], seg_chunks[segment],
                                 row0, value_col, True, num_householder, smem["s_k_all"], smem["s_q_all"],
                                 smem["s_qc"], smem["s_do_all"], smem["s_ta_all"], smem["s_p_all"], smem["s_scalars"],
-                                smem["s_out"], chunk_grads, True, self.row_flags(state_bad, read_bad, any_flagged))
+                                smem["s_out"], chunk_grads, True, chunk_common.contained_flags(self, state_bad, read_bad, any_flagged))
             for e in cutlass.range_constexpr(cute.size(grad)):
                 r, c = grad_coords[e]
                 grad_in[segment, head, row0 + r, c] = grad[e]
@@ -511,7 +505,7 @@ class ChunkReverseKernel:
             first, steps = chunk_first_step[chunk], chunk_steps[chunk]
             self.load(g2s, tidx, chunk, head, k, v, q, do, ta, tb, p, scalars, chunk_states, chunk_grads, first, steps,
                       s_k, s_v, s_q, s_do, s_ta, s_tb, s_p, s_x, s_dx, s_sc, NH,
-                      *chunk_common.contained_flags(self, state_bad, read_bad, any_flagged))
+                      chunk_common.contained_flags(self, state_bad, read_bad, any_flagged))
             self.values_phase(rows_mma, tidx, step_coords, s_sc, s_k, s_v, s_do, s_ta, s_tb, s_p, s_x, s_dx, s_dd,
                               s_d, s_z, s_red, s_stage, s2g_values, dv, d_scalars, chunk, head, first, steps)
             cute.arch.sync_threads()
@@ -521,8 +515,7 @@ class ChunkReverseKernel:
 
     @cute.jit
     def load(self, g2s, tidx, chunk, head, k, v, q, do, ta, tb, p, scalars, chunk_states, chunk_grads, first, steps,
-             s_k, s_v, s_q, s_do, s_ta, s_tb, s_p, s_x, s_dx, s_sc, num_householder, state_bad=None, read_bad=None,
-             any_flagged=None):
+             s_k, s_v, s_q, s_do, s_ta, s_tb, s_p, s_x, s_dx, s_sc, num_householder, token_flags=None):
         """Load the chunk's tiles, its start state and end gradient, and wait for them; contained (token flags
         given), zero the k and v rows of state_bad tokens and the q and dO rows of read_bad ones (a poisoned
         output passes no gradient)."""
@@ -547,9 +540,9 @@ class ChunkReverseKernel:
             index = tidx + i * self.threads
             s_sc[index // C, index % C] = scalars[chunk, head, index // C, index % C]
         cute.arch.cp_async_wait_group(0)
-        if cutlass.const_expr(state_bad is not None):
-            chunk_common.zero_flagged_chunk_rows(g2s, tidx, (state_bad, read_bad, any_flagged[0] != 0), head,
-                                                 first_token, steps, num_householder, K, NQ, s_k, s_v, s_q, s_do)
+        if cutlass.const_expr(token_flags is not None):
+            chunk_common.zero_flagged_chunk_rows(g2s, tidx, token_flags, head, first_token, steps, num_householder, K,
+                                                 NQ, s_k, s_v, s_q, s_do)
         cute.arch.sync_threads()
 
     @cute.jit

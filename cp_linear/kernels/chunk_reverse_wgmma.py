@@ -115,7 +115,7 @@ class ChunkReverseWgmmaKernel:
         if chunk < num_chunks[0]:
             first, steps = chunk_first_step[chunk], chunk_steps[chunk]
             self.load(g2s, tidx, chunk, head, k, v, q, do, ta, tb, p, scalars, chunk_states, chunk_grads, first,
-                      steps, s, s_sc, NH, *chunk_common.contained_flags(self, state_bad, read_bad, any_flagged))
+                      steps, s, s_sc, NH, chunk_common.contained_flags(self, state_bad, read_bad, any_flagged))
             self.values_phase(tidx, s, s_sc, s_red, s_stage0, s2g_values, s2r_keys, dv, d_scalars, chunk, head, first,
                               steps)
             warpgroup = tidx // WARPGROUP
@@ -128,7 +128,7 @@ class ChunkReverseWgmmaKernel:
 
     @cute.jit
     def load(self, g2s, tidx, chunk, head, k, v, q, do, ta, tb, p, scalars, chunk_states, chunk_grads, first, steps,
-             s, s_sc, num_householder, state_bad=None, read_bad=None, any_flagged=None):
+             s, s_sc, num_householder, token_flags=None):
         """Load the chunk's tiles, its start state and end gradient (cp.async, rows past the chunk zero);
         contained (token flags given), zero the k and v rows of state_bad tokens and the q and dO rows of read_bad
         ones (a poisoned output passes no gradient)."""
@@ -155,10 +155,9 @@ class ChunkReverseWgmmaKernel:
             index = tidx + i * self.threads
             s_sc[index // C, index % C] = scalars[chunk, head, index // C, index % C]
         cute.arch.cp_async_wait_group(0)
-        if cutlass.const_expr(state_bad is not None):
-            chunk_common.zero_flagged_chunk_rows(g2s, tidx, (state_bad, read_bad, any_flagged[0] != 0), head,
-                                                 first_token, steps, num_householder, K, NQ, s["k"], s["v"], s["q"],
-                                                 s["do"])
+        if cutlass.const_expr(token_flags is not None):
+            chunk_common.zero_flagged_chunk_rows(g2s, tidx, token_flags, head, first_token, steps, num_householder, K,
+                                                 NQ, s["k"], s["v"], s["q"], s["do"])
         cute.arch.fence_view_async_shared()  # cp.async data -> the tensor cores' (async proxy) reads
         cute.arch.sync_threads()
 

@@ -237,11 +237,10 @@ class ChunkScanKernel:
                 flat = cute.make_tensor(s_v_all.iterator, cute.make_layout(elements))
                 for i in cutlass.range(elements // self.threads, unroll=8):
                     flat[tidx + i * self.threads] = self.dtype(0.0)
-            token_flags = None  # contained: (state_bad, read_bad, whether any token of the launch is flagged)
-            flagged = False
-            if cutlass.const_expr(self.contained):
-                flagged = any_flagged[0] != 0
-                token_flags = (state_bad, read_bad, flagged)
+            token_flags = chunk_common.contained_flags(self, state_bad, read_bad, any_flagged)
+            flagged = False  # contained: the launch has a flagged token (the NaN stores read their rows' flags)
+            if cutlass.const_expr(token_flags is not None):
+                flagged = token_flags[2]
             self.load_chunk(g2s, tidx, first_chunk, head, value_col, is_value_rows, k, v, q, ta, tb, p,
                             chunk_first_step, chunk_steps, s_k_all[None, None, 0], s_v_all[None, None, 0],
                             s_ta_all[None, None, 0], s_tb_all[None, None, 0], s_q_all[None, None, 0],
