@@ -1,6 +1,7 @@
 """JAX vs torch on the same CuTeDSL GDP kernels: wall time per call at bench_gdp_fwd.py's shapes.
 
     python benchmarks/bench_jax_kernels.py [--cases 1x8192:2 ...] [--repeat 20] [--out DIR] [--kernels] [--cp]
+                                          [--cuda-graph]
 
 Each case (H = 16, K = V = 128, bf16, qk l2norm; DOCSxDOC_TOKENS:NH, documents packed in one row)
 runs the public one-device op of both frontends on the same inputs with the kernel backends:
@@ -14,7 +15,9 @@ read). Times: wall clock around the call and a device synchronisation (torch:
 ``torch.cuda.synchronize``; JAX: ``block_until_ready``), median of ``--repeat`` after warm-up, so
 host dispatch is included on both sides. ``--cp``: the JAX CP op on 2 GPUs (jit + shard_map +
 all-gathers) at cp_gdp_nccl.py's packing, forward and forward + backward; torch's CP forward on
-the same packing is timed by ``benchmarks/cp_gdp_nccl.py`` (NCCL, one process per GPU).
+the same packing is timed by ``benchmarks/cp_gdp_nccl.py`` (NCCL, one process per GPU). ``--cuda-graph``: the
+JAX backends register their kernels as command-buffer compatible (``cuda_graph=True``), so XLA may replay
+them from CUDA graphs instead of launching each from the host (JAX's host dispatch is part of its wall time).
 Writes ``DIR/bench_jax_kernels.csv``.
 """
 
@@ -96,7 +99,8 @@ def _print_kernels(label: str, fn, repeat: int, top: int = 10) -> None:
           + "  ".join(f"{name[:60]} {ms:.3f}" for name, ms in times[:top]), flush=True)
 
 
-def one_device_case(case: str, heads: int, dim: int, repeat: int, kernels: bool = False) -> dict:
+def one_device_case(case: str, heads: int, dim: int, repeat: int, kernels: bool = False,
+                    cuda_graph: bool = False) -> dict:
     import jax_api
     import jax_api.gdp.cutedsl as jcd
     import torch_api
@@ -105,10 +109,10 @@ def one_device_case(case: str, heads: int, dim: int, repeat: int, kernels: bool 
     docs, doc_tokens, nh = parse_case(case)
     q, k, v, g, beta, cu, do = make_inputs(docs, doc_tokens, heads, dim, nh)
     options = dict(num_householder=nh, use_qk_l2norm_in_kernel=True)
-    row = {"case": case, "tokens": docs * doc_tokens, "nh": nh}
+    row = {"case": case, "tokens": docs * doc_tokens, "nh": nh, "jax_cuda_graph": cuda_graph}
 
     torch_fwd = tcd.CuTeDSLGatedDeltaProductCPBackend()
-    jax_fwd = jcd.CuTeDSLGatedDeltaProductCPBackend()
+    jax_fwd = jcd.CuTeDSLGatedDeltaProductCPBackend(cuda_graph=cuda_graph)
     jq, jk, jv, jg, jbeta, jcu, jdo = (to_jax(x) for x in (q, k, v, g, beta, cu, do))
 
     def torch_forward():
@@ -135,7 +139,7 @@ def one_device_case(case: str, heads: int, dim: int, repeat: int, kernels: bool 
                        repeat)
 
     torch_bwd = tcd.CuTeDSLGatedDeltaProductCPBackend(backward="kernels")
-    jax_bwd = jcd.CuTeDSLGatedDeltaProductCPBackend(backward="kernels")
+    jax_bwd = jcd.CuTeDSLGatedDeltaProductCPBackend(backward="kernels", cuda_graph=cuda_graph)
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta)]
 
     def torch_train(check_inputs=True):
@@ -209,12 +213,15 @@ def main() -> None:
     parser.add_argument("--kernels", action="store_true", help="also print each variant's kernels (torch.profiler)")
     parser.add_argument("--cp", action="store_true", help="also the JAX CP op on 2 GPUs")
     parser.add_argument("--cp-tokens", type=int, default=65536)
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="JAX kernels command-buffer compatible (XLA may capture them in CUDA graphs)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; torch {torch.__version__}", flush=True)
     rows = []
     for case in args.cases:
-        row = one_device_case(case, args.heads, args.dim, args.repeat, kernels=args.kernels)
+        row = one_device_case(case, args.heads, args.dim, args.repeat, kernels=args.kernels,
+                              cuda_graph=args.cuda_graph)
         rows.append(row)
         print(" | ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
         torch.cuda.empty_cache()
