@@ -161,34 +161,30 @@ def _kernel_reads(q, k, v, g, beta) -> bool:
 
 def _kernel_contained_inputs(config, q, k, v, g, beta) -> tuple[torch.Tensor, ...]:
     """One ``TokenChecksLaunch`` on fresh outputs -> (state_bad, read_bad, q, k, v, g, beta sanitised); the
-    inputs contiguous. DLPack exports no tensor that requires grad: the inputs are detached (a view made
-    under no_grad still requires grad); the fresh outputs need no detach (one op less each)."""
-    from cp_linear.kernels import launch as kl
-
-    heads = q.shape[2]
-    state_bad, read_bad = (torch.empty(q.shape[:3], dtype=torch.uint8, device=q.device) for _ in range(2))
+    inputs contiguous."""
     clean = [torch.empty_like(x) for x in (q, k, v, g, beta)]
-
-    def rows(x):  # [rows, D/8, 8]
-        return x.view(-1, x.shape[-1] // config.vector, config.vector)
-
-    def by_head(x):  # [rows, H]
-        return x.view(-1, heads)
-
-    q, k, v, g, beta = (x.detach() for x in (q, k, v, g, beta))
-    kl.TokenChecksLaunch(config, rows(q), rows(k), rows(v), by_head(g), by_head(beta), by_head(state_bad),
-                         by_head(read_bad), *(rows(x) for x in clean[:3]), by_head(clean[3]),
-                         by_head(clean[4])).run()
+    state_bad, read_bad = _launch_token_checks(config, (q, k, v, g, beta), clean)
     return (state_bad.view(torch.bool), read_bad.view(torch.bool), *clean)
 
 
 def _kernel_token_flags(config, q, k, v, g, beta) -> tuple[torch.Tensor, torch.Tensor]:
     """One flags-only ``TokenChecksLaunch`` (``config.copies`` False) -> (state_bad, read_bad) uint8 [B, T, H];
-    the copies' arguments are one-row placeholders the kernel never writes. The inputs contiguous, and
-    detached for DLPack (the flags have no gradient)."""
-    from cp_linear.kernels import launch as kl
+    the copies' arguments are one-row placeholders the kernel never writes. The inputs contiguous."""
     from torch_api.gdp.cutedsl import _placeholder
 
+    heads = q.shape[2]
+    unwritten = [_placeholder(x.device, x.dtype, (1, x.shape[-1])) for x in (q, k, v)]
+    unwritten += [_placeholder(x.device, x.dtype, (1, heads)) for x in (g, beta)]
+    return _launch_token_checks(config, (q, k, v, g, beta), unwritten)
+
+
+def _launch_token_checks(config, inputs, outputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``TokenChecksLaunch`` of ``inputs`` (q, k, v, g, beta) into ``outputs`` (their copies, or
+    placeholders) -> fresh (state_bad, read_bad) uint8 [B, T, H]. DLPack exports no tensor that requires grad:
+    the inputs are detached (a view made under no_grad still requires grad); fresh outputs need no detach."""
+    from cp_linear.kernels import launch as kl
+
+    q = inputs[0]
     heads = q.shape[2]
     state_bad, read_bad = (torch.empty(q.shape[:3], dtype=torch.uint8, device=q.device) for _ in range(2))
 
@@ -198,13 +194,10 @@ def _kernel_token_flags(config, q, k, v, g, beta) -> tuple[torch.Tensor, torch.T
     def by_head(x):  # [rows, H]
         return x.view(-1, heads)
 
-    def unwritten(x, shape):
-        return _placeholder(x.device, x.dtype, shape)
-
-    q, k, v, g, beta = (x.detach() for x in (q, k, v, g, beta))
+    q, k, v, g, beta = (x.detach() for x in inputs)
     kl.TokenChecksLaunch(config, rows(q), rows(k), rows(v), by_head(g), by_head(beta), by_head(state_bad),
-                         by_head(read_bad), *(unwritten(x, (1, *rows(x).shape[1:])) for x in (q, k, v)),
-                         unwritten(g, (1, heads)), unwritten(beta, (1, heads))).run()
+                         by_head(read_bad), *(rows(x) for x in outputs[:3]), by_head(outputs[3]),
+                         by_head(outputs[4])).run()
     return state_bad, read_bad
 
 
