@@ -290,6 +290,23 @@ def zero_flagged_inputs(q, k, v, g, beta, state_bad: Array, read_bad: Array, num
             zero_flagged_rows(v, state_bad, num_householder), sanitize(g), sanitize(beta))
 
 
+def poison_read_bad(output, read_bad: Array):
+    """``output`` (o [B, T, H, V], or (o, final states)) with the outputs of read_bad tokens (flags bool or
+    uint8 [B, T, H]) NaN: the contained output scan's store, for a path that takes no token flags."""
+    o, final = output if isinstance(output, tuple) else (output, None)
+    o = poison(o, (read_bad != 0)[..., None])
+    return o if final is None else (o, final)
+
+
+def zero_read_bad_grad(output_grad, read_bad: Array):
+    """``output_grad`` (dO [B, T, H, V] or None, or (dO, final-state gradient)) with the dO rows of read_bad
+    tokens zero: a poisoned output passes no gradient (the backward kernels zero those rows as they load)."""
+    do, final_grad = output_grad if isinstance(output_grad, tuple) else (output_grad, None)
+    if do is not None:
+        do = zero_flagged_rows(do, read_bad, 1)
+    return (do, final_grad) if isinstance(output_grad, tuple) else do
+
+
 def without_token_flags(inputs):
     """``GDPInputs`` for a path that takes no token flags (a backend's fallback, a jnp / torch backward): the
     flagged rows zero (``zero_flagged_inputs``), as the contained chunk kernels see them; unflagged inputs as
@@ -347,6 +364,7 @@ __all__ = [
     "BETA_MAX", "GDP_VALUE_CHECKS", "MAX_KEY_DIM", "MAX_VALUE_DIM", "NONFINITE", "any_in_ranges",
     "attention_dims_error", "describe_failed", "digest", "gdp_bad_tokens", "gdp_dims_error", "gdp_sequence_bad",
     "gdp_token_poison", "gdp_trailing_bad", "gdp_value_flag_array", "gdp_value_flags", "nonfinite_flag",
-    "nonfinite_from_bounds", "nonfinite_message", "nonfinite_rows", "poison", "sanitize", "sequence_start_index",
-    "stacked_bounds", "value_bounds", "without_token_flags", "zero_flagged_inputs", "zero_flagged_rows",
+    "nonfinite_from_bounds", "nonfinite_message", "nonfinite_rows", "poison", "poison_read_bad", "sanitize",
+    "sequence_start_index", "stacked_bounds", "value_bounds", "without_token_flags", "zero_flagged_inputs",
+    "zero_flagged_rows", "zero_read_bad_grad",
 ]

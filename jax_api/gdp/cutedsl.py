@@ -63,7 +63,7 @@ from cp_linear.summary import (
     compose_backward,
     compose_forward,
 )
-from cp_linear.validation import poison, without_token_flags, zero_flagged_rows
+from cp_linear.validation import poison_read_bad, without_token_flags, zero_read_bad_grad
 from jax_api.gdp import kernel_calls
 from jax_api.gdp.chunk import JaxGDPBackend, check_gdp_inputs
 
@@ -430,7 +430,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         ``(o, final_state)`` when the inputs ask for final states."""
         if isinstance(local_context, _FlaggedFallback):  # the fallback's, on inputs with token flags
             output, saved = self._fallback.cp_forward_apply(local_context.context, preceding)
-            return CPForwardResult(_poisoned_reads(output, local_context.read_bad),
+            return CPForwardResult(poison_read_bad(output, local_context.read_bad),
                                    _with_read_bad(saved, local_context.read_bad))
         if not isinstance(local_context, CuTeDSLForwardContext):  # prepared by the fallback
             return self._fallback.cp_forward_apply(local_context, preceding)
@@ -653,13 +653,6 @@ class _FlaggedFallback:
     read_bad: jax.Array
 
 
-def _poisoned_reads(output, read_bad: jax.Array):
-    """``output`` (o [B, T, H, V], or (o, final states)) with the outputs of read_bad tokens NaN."""
-    o, final = output if isinstance(output, tuple) else (output, None)
-    o = poison(o, (read_bad != 0)[..., None])
-    return o if final is None else (o, final)
-
-
 def _with_read_bad(saved: CPSavedContext, read_bad: jax.Array) -> CPSavedContext:
     """A ``JaxGDPBackend`` saved context that also carries the read_bad flags, for ``_without_read_bad``."""
     return CPSavedContext(tensors=(*saved.tensors, read_bad), metadata={**saved.metadata, _READ_BAD: True})
@@ -672,10 +665,7 @@ def _without_read_bad(output_grad, saved: CPSavedContext):
         return output_grad, saved
     read_bad = saved.tensors[-1]
     metadata = {name: value for name, value in saved.metadata.items() if name != _READ_BAD}
-    do, final_grad = output_grad if isinstance(output_grad, tuple) else (output_grad, None)
-    if do is not None:
-        do = zero_flagged_rows(do, read_bad, 1)
-    output_grad = do if not isinstance(output_grad, tuple) else (do, final_grad)
+    output_grad = zero_read_bad_grad(output_grad, read_bad)
     return output_grad, CPSavedContext(tensors=saved.tensors[:-1], metadata=metadata)
 
 

@@ -64,7 +64,7 @@ from cp_linear.summary import (
     CPForwardPackedSummary,
     as_packed_array,
 )
-from cp_linear.validation import poison, without_token_flags, zero_flagged_inputs, zero_flagged_rows
+from cp_linear.validation import poison_read_bad, without_token_flags, zero_flagged_inputs, zero_read_bad_grad
 from torch_api.gdp.chunk import TorchGDPBackend, make_cp_saved_context, read_cp_saved_context
 from torch_api.gdp.types import GDPInputGradients, GDPInputs
 from torch_api.gdp.validation import check_gdp_inputs
@@ -657,7 +657,7 @@ class CuTeDSLGatedDeltaProductCPBackend:
         if isinstance(local_context, _FlaggedFallback):  # the fallback's, on inputs with token flags
             output, saved = self._fallback.cp_forward_apply(local_context.context, preceding)
             inputs = local_context.inputs
-            return CPForwardResult(_poisoned_reads(output, inputs.token_flags[1]), _raw_saved(saved, inputs))
+            return CPForwardResult(poison_read_bad(output, inputs.token_flags[1]), _raw_saved(saved, inputs))
         if not isinstance(local_context, CuTeDSLForwardContext):  # prepared by the fallback
             return self._fallback.cp_forward_apply(local_context, preceding)
         shard, summary, initial = local_context.shard, local_context.summary, local_context.initial
@@ -1112,13 +1112,6 @@ class _FlaggedFallback:
     inputs: GDPInputs
 
 
-def _poisoned_reads(output, read_bad: torch.Tensor):
-    """``output`` (o [B, T, H, V], or (o, final states)) with the outputs of read_bad tokens NaN."""
-    o, final = output if isinstance(output, tuple) else (output, None)
-    o = poison(o, (read_bad != 0)[..., None])
-    return o if final is None else (o, final)
-
-
 def _raw_saved(saved: CPSavedContext, inputs: GDPInputs) -> CPSavedContext:
     """The fallback's saved context (``make_cp_saved_context`` of the zeroed inputs) with the raw inputs in
     their place and the flags appended (``with_token_flags``): the form of the kernels' own, which the
@@ -1134,10 +1127,7 @@ def _flagged_fallback_backward(output_grad, saved: CPSavedContext, token_flags) 
     state_bad, read_bad = token_flags
     metadata = {name: value for name, value in saved.metadata.items() if name != _TOKEN_FLAGS}
     zeroed = zero_flagged_inputs(*saved.tensors[:5], state_bad, read_bad, metadata["num_householder"])
-    do, final_grad = output_grad if isinstance(output_grad, tuple) else (output_grad, None)
-    if do is not None:
-        do = zero_flagged_rows(do, read_bad, 1)
-    output_grad = (do, final_grad) if isinstance(output_grad, tuple) else do
+    output_grad = zero_read_bad_grad(output_grad, read_bad)
     return output_grad, CPSavedContext((*zeroed, *saved.tensors[5:9]), metadata)
 
 
