@@ -34,7 +34,8 @@ Four modes (compile-time):
   tile of its own would take the shared memory that lets two 64-row CTAs share an SM.
 
 The next chunk's tiles are fetched with cp.async into the other of two shared-memory stages
-while the current chunk is computed.
+while the current chunk is computed. A chunk's outputs are staged token-major in its q tile (read
+by then) and leave as 16-byte runs of each token's rows (``store_outputs``).
 """
 
 from __future__ import annotations
@@ -377,15 +378,8 @@ class ChunkScanKernel:
             for e in cutlass.range_constexpr(cute.size(out)):
                 out[e] = out[e] * s_sc[1, token_coords[e][1]]
             products.out_add_delta(out, products.as_a(delta), s_p_all, stage)
-            for e in cutlass.range_constexpr(cute.size(out)):
-                r, t = token_coords[e]
-                if t < tokens:
-                    value = out[e]
-                    if cutlass.const_expr(s_read_bad is not None):
-                        if flagged:
-                            if s_read_bad[t] != cutlass.Uint8(0):
-                                value = Float32(float("nan"))
-                    o[first_token + t, head, row0 + r] = value.to(self.dtype)
+            self.store_outputs(out, token_coords, s_q_all, stage, o, head, row0, first_token, tokens, s_read_bad,
+                               flagged)
 
         # X <- exp(G_last) X + (D diag(b)) k
         step_coords = products.coordinates(delta, (R, C))
@@ -394,6 +388,41 @@ class ChunkScanKernel:
         for e in cutlass.range_constexpr(cute.size(state)):
             state[e] = state[e] * decay
         products.update_state(state, scaled_delta, s_k_all, stage)
+
+
+    @cute.jit
+    def store_outputs(self, out: cute.Tensor, token_coords: cute.Tensor, s_q_all: cute.Tensor, stage,
+                      o: cute.Tensor, head, row0, first_token, tokens, s_read_bad, flagged):
+        """O's [R, NQ] accumulator to ``o`` through shared memory: staged token-major in this stage's q tile
+        (dead once every warp's O product has read it; R <= K, so [NQ, R] fits), then stored as 16-byte runs of
+        each token's R values. Per-element stores from the C fragment wrote 2 bytes each, 8 lanes per sector,
+        and (contained) tested each element's flag; here a token's flag is tested once per 16-byte run: a
+        flagged token (``s_read_bad``, when the launch has one) gets NaN."""
+        R, NQ = self.rows, self.query_tile
+        tidx, _, _ = cute.arch.thread_idx()
+        plain = cute.recast_ptr(s_q_all[None, None, stage].iterator, dtype=self.dtype)  # 1024-aligned
+        staging = cute.make_tensor(plain, _mma.smem_tile_layout(NQ, R))  # [token, row]
+        cute.arch.sync_threads()  # every warp's O products have read the q tile
+        _mma.stage_accumulator(out, token_coords, _mma.transposed_view(staging, NQ, R))
+        cute.arch.sync_threads()
+        rows_copy = _mma.make_s2g_copy(self.dtype, self.threads, R)
+        thr = rows_copy.get_slice(tidx)
+        src = thr.partition_S(staging)
+        first_row = cute.assume(row0, divby=R)  # row blocks start at multiples of R: 16-byte runs stay aligned
+        dst = thr.partition_D(cute.local_tile(cute.domain_offset((first_token, first_row), o[None, head, None]),
+                                              (NQ, R), (0, 0)))
+        coords = thr.partition_S(cute.make_identity_tensor((NQ, R)))
+        for m in cutlass.range_constexpr(cute.size(src.shape[1])):
+            token = coords[0, m, 0][0]
+            if token < tokens:
+                poisoned = False
+                if cutlass.const_expr(s_read_bad is not None):
+                    if flagged:
+                        poisoned = s_read_bad[token] != cutlass.Uint8(0)
+                if poisoned:
+                    dst[None, m, None].fill(float("nan"))
+                else:
+                    cute.copy(rows_copy, src[None, m, None], dst[None, m, None])
 
 
 class _SyncProducts:

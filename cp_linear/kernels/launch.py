@@ -167,7 +167,7 @@ class ChunkScanLaunch(_Launch):
     read_bad: Any = _spec(None, None, dtype="uint8")
     any_flagged: Any = _spec(1, dtype="int32")  # nonzero when any token is flagged: else the flags are not read
     state_out: Any = _spec(None, None, "state_rows", "state_cols", dtype="float32")
-    o: Any = _spec(None, None, "value_dim")
+    o: Any = _spec(None, None, "value_dim", align=16)  # written by 16-byte rows
     chunk_states: Any = _spec(None, None, "chunk_state_size", align=16)  # written by 16-byte rows
     num_householder: Any = _scalar("int32")
     clear_unsummarised: Any = _scalar("int32")  # mode "summary": zero rows for the segments not summarised
