@@ -200,10 +200,26 @@ def nonfinite_rows(x: Array, feature_axes: int) -> Array:
     return xp.any(bad, axis=tuple(range(-feature_axes, 0)))
 
 
-_SCAN_BLOCK = 256  # tokens per block of ``_prefix_counts``'s first-level scan
+_SCAN_BLOCK = 256  # tokens per block of ``blocked_prefix_counts``'s first-level scan
+# torch tensors take ``torch_api._prefix_counts``'s custom op (registered on import of the torch frontend): it runs
+# these scans eagerly inside compiled graphs, where Inductor's Triton scan codegen failed on them (torch 2.11)
+_torch_prefix_counts = None
+
+
+def register_torch_prefix_counts(op) -> None:
+    """Route ``_prefix_counts`` of torch tensors through ``op`` (same contract as ``blocked_prefix_counts``)."""
+    global _torch_prefix_counts
+    _torch_prefix_counts = op
 
 
 def _prefix_counts(flags: Array) -> Array:
+    """``blocked_prefix_counts``, through the registered custom op for torch tensors."""
+    if _torch_prefix_counts is not None and array_api_compat.is_torch_array(flags):
+        return _torch_prefix_counts(flags)
+    return blocked_prefix_counts(flags)
+
+
+def blocked_prefix_counts(flags: Array) -> Array:
     """int32 [..., T + 1]: ``counts[..., t]`` = the number of set ``flags[..., :t]`` (bool, or int 0/1,
     [..., T]), so ``counts[..., 0] = 0``: the inclusive-initial prefix sum along the last axis, in two levels.
 

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from cp_linear.validation import any_in_ranges, digest, nonfinite_rows, sanitize
+from torch_api import _prefix_counts  # noqa: F401  (the flag counts as a custom op: compiled steps)
 from torch_api._poison import poison
 
 KERNELS = ("sdpa", "flex", "varlen")

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from cp_linear.validation import any_in_ranges, nonfinite_rows, sanitize
+from torch_api import _prefix_counts  # noqa: F401  (the flag counts as a custom op: compiled steps)
 from torch_api._poison import poison
 from torch_api.gdp.library import _autograd_inside, _functorch_inside
 

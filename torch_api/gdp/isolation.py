@@ -44,6 +44,7 @@ from cp_linear.validation import (
     sanitize,
 )
 from cp_linear.validation import sequence_start_index as core_sequence_start_index
+from torch_api import _prefix_counts  # noqa: F401  (the flag counts as a custom op: compiled steps)
 from torch_api._poison import poison
 
 
