@@ -420,8 +420,9 @@ def main(argv=None, run=run_world) -> list[dict]:
     parser.add_argument("--dry-run", action="store_true", help="a tiny model on the CPU (gloo for CP)")
     parser.add_argument("--compile", action="store_true",
                         help="torch rows: torch.compile(model) (Inductor) over the graph-ready layout; the warmup "
-                             "steps compile, untimed. torch 2.11's Inductor failed on this model on an H200 (NOTES, "
-                             "2026-12-03 fourth); torch 2.13's compiles it on the CPU (--dry-run)")
+                             "steps compile, untimed. torch 2.11's Inductor failed on this model's flag-count cumsums "
+                             "(NOTES, 2026-12-03 fourth, 2026-12-08), now a custom op it does not lower; torch 2.13's "
+                             "compiles it on the CPU (--dry-run)")
     parser.add_argument("--check-inputs", action="store_true",
                         help="the layers' value checks on (NaN/Inf, g, beta; one more header per op)")
     parser.add_argument("--no-fla", action="store_true",
