@@ -2,7 +2,7 @@
 a torch custom op, so that a compiled step runs them as the eager cumsums. Inductor lowers a cumsum to its own
 Triton scan, whose codegen failed on these (torch 2.11 on an H100, ``bench_train.py --compile``: "list indices
 must be integers or slices, not NoneType" in a SplitScan); inside an op they are opaque to it. Importing this
-module registers the op and routes ``validation._prefix_counts`` of torch tensors through it."""
+module registers the op and routes ``validation._prefix_counts`` of torch tensors through it under torch.compile."""
 
 from __future__ import annotations
 
@@ -22,4 +22,11 @@ def _(flags: torch.Tensor) -> torch.Tensor:
     return flags.new_empty((*flags.shape[:-1], flags.shape[-1] + 1), dtype=torch.int32)
 
 
-validation.register_torch_prefix_counts(prefix_counts)
+def _counts(flags: torch.Tensor) -> torch.Tensor:
+    """The op while torch.compile traces; the plain scans in eager mode (no op dispatch per call)."""
+    if torch.compiler.is_compiling():
+        return prefix_counts(flags)
+    return validation.blocked_prefix_counts(flags)
+
+
+validation.register_torch_prefix_counts(_counts)

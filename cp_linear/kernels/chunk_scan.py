@@ -389,7 +389,6 @@ class ChunkScanKernel:
             state[e] = state[e] * decay
         products.update_state(state, scaled_delta, s_k_all, stage)
 
-
     @cute.jit
     def store_outputs(self, out: cute.Tensor, token_coords: cute.Tensor, s_q_all: cute.Tensor, stage,
                       o: cute.Tensor, head, row0, first_token, tokens, s_read_bad, flagged):

@@ -15,9 +15,10 @@ from torch_api._prefix_counts import prefix_counts
 def test_prefix_counts_op_equals_numpy_cumsum_and_passes_opcheck(tokens, dtype):
     flags = (torch.rand(2, 3, tokens, generator=torch.Generator().manual_seed(tokens)) < 0.3).to(dtype)
     expected = np.concatenate([np.zeros((2, 3, 1), np.int64), np.cumsum(flags.numpy().astype(np.int64), -1)], -1)
-    counts = validation._prefix_counts(flags)  # routed through the op once torch_api registered it
+    counts = prefix_counts(flags)
     assert counts.dtype == torch.int32 and counts.is_contiguous()
     np.testing.assert_array_equal(counts.numpy(), expected)
+    np.testing.assert_array_equal(validation._prefix_counts(flags).numpy(), expected)  # eager: the plain scans
     torch.library.opcheck(prefix_counts, (flags,))
 
 
