@@ -13,7 +13,8 @@ values (one token-checks launch); torch does the same with ``check_inputs=False`
 columns, the like-for-like comparison) and by default checks them (one value-checks launch and a host
 read). Times: wall clock around the call and a device synchronisation (torch:
 ``torch.cuda.synchronize``; JAX: ``block_until_ready``), median of ``--repeat`` after warm-up, so
-host dispatch is included on both sides. ``--cp``: the JAX CP op on 2 GPUs (jit + shard_map +
+host dispatch is included on both sides; the variants of a case take turns, five rounds in alternating order
+(``interleaved_wall_ms``). ``--cp``: the JAX CP op on 2 GPUs (jit + shard_map +
 all-gathers) at cp_gdp_nccl.py's packing, forward and forward + backward; torch's CP forward on
 the same packing is timed by ``benchmarks/cp_gdp_nccl.py`` (NCCL, one process per GPU). ``--cuda-graph``: the
 JAX backends register their kernels as command-buffer compatible (``cuda_graph=True``), so XLA may replay
@@ -46,15 +47,28 @@ from _bench_common import make_inputs as gdp_inputs, parse_case  # noqa: E402
 DEFAULT_CASES = ["1x8192:2", "1x32768:2", "1x131072:2", "1x32768:1", "32x1024:2"]
 
 
+def interleaved_wall_ms(variants: dict, repeat: int, rounds: int = 5, warmup: int = 3) -> dict:
+    """Median wall ms per call of each variant (name -> (fn, sync)) over about ``repeat`` calls, timed in
+    ``rounds`` rounds with the variants' order reversed every other round: a drift of clocks or memory state
+    during the run lands on every variant alike, not on whichever ran last (timed one after another, the same
+    torch call moved by up to 0.38 ms between runs; benchmarks/NOTES.md, session 2026-12-08)."""
+    for fn, sync in variants.values():
+        for _ in range(warmup):
+            sync(fn())
+    samples = {name: [] for name in variants}
+    names = list(variants)
+    for round_ in range(rounds):
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            fn, sync = variants[name]
+            for _ in range(max(1, repeat // rounds)):
+                start = time.perf_counter()
+                sync(fn())
+                samples[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
 def wall_ms(fn, sync, repeat: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        sync(fn())
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        sync(fn())
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return interleaved_wall_ms({"": (fn, sync)}, repeat, rounds=1, warmup=warmup)[""]
 
 
 def torch_sync(_):
@@ -129,9 +143,10 @@ def one_device_case(case: str, heads: int, dim: int, repeat: int, kernels: bool 
     o_t, _ = torch_forward()
     o_j, _ = jax_forward(jq, jk, jv, jg, jbeta, jcu)
     row["forward_same_bits"] = same_bits(o_t, o_j)
-    row["torch_fwd_ms"] = wall_ms(torch_forward, torch_sync, repeat)
-    row["torch_contained_fwd_ms"] = wall_ms(torch_contained_forward, torch_sync, repeat)
-    row["jax_fwd_ms"] = wall_ms(lambda: jax_forward(jq, jk, jv, jg, jbeta, jcu), jax_sync, repeat)
+    row.update(interleaved_wall_ms({"torch_fwd_ms": (torch_forward, torch_sync),
+                                    "torch_contained_fwd_ms": (torch_contained_forward, torch_sync),
+                                    "jax_fwd_ms": (lambda: jax_forward(jq, jk, jv, jg, jbeta, jcu), jax_sync)},
+                                   repeat))
     if kernels:
         _print_kernels(f"{case} torch fwd", torch_forward, repeat)
         _print_kernels(f"{case} torch contained fwd", torch_contained_forward, repeat)
@@ -159,9 +174,10 @@ def one_device_case(case: str, heads: int, dim: int, repeat: int, kernels: bool 
     grads_t = torch_train()
     grads_j = jax_train(jq, jk, jv, jg, jbeta, jcu, jdo)
     row["grads_same_bits"] = all(same_bits(a, b) for a, b in zip(grads_t, grads_j))
-    row["torch_fwdbwd_ms"] = wall_ms(torch_train, torch_sync, repeat)
-    row["torch_contained_fwdbwd_ms"] = wall_ms(lambda: torch_train(check_inputs=False), torch_sync, repeat)
-    row["jax_fwdbwd_ms"] = wall_ms(lambda: jax_train(jq, jk, jv, jg, jbeta, jcu, jdo), jax_sync, repeat)
+    row.update(interleaved_wall_ms({"torch_fwdbwd_ms": (torch_train, torch_sync),
+                                    "torch_contained_fwdbwd_ms": (lambda: torch_train(check_inputs=False), torch_sync),
+                                    "jax_fwdbwd_ms": (lambda: jax_train(jq, jk, jv, jg, jbeta, jcu, jdo), jax_sync)},
+                                   repeat))
     if kernels:
         _print_kernels(f"{case} torch fwd+bwd", torch_train, repeat)
         _print_kernels(f"{case} jax fwd+bwd", lambda: jax.block_until_ready(jax_train(jq, jk, jv, jg, jbeta, jcu, jdo)),
