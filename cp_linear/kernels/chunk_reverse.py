@@ -335,7 +335,8 @@ class ChunkReverseScanKernel(_GradientRowsKernel):
                                 chunk_first_step, chunk_steps, head, seg_first_chunk[segment], seg_chunks[segment],
                                 row0, value_col, True, num_householder, smem["s_k_all"], smem["s_q_all"],
                                 smem["s_qc"], smem["s_do_all"], smem["s_ta_all"], smem["s_p_all"], smem["s_scalars"],
-                                smem["s_out"], chunk_grads, True, chunk_common.contained_flags(self, state_bad, read_bad, any_flagged))
+                                smem["s_out"], chunk_grads, True,
+                                chunk_common.contained_flags(self, state_bad, read_bad, any_flagged))
             for e in cutlass.range_constexpr(cute.size(grad)):
                 r, c = grad_coords[e]
                 grad_in[segment, head, row0 + r, c] = grad[e]
